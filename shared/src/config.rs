@@ -1,0 +1,420 @@
+//! Operator overrides of tier depths and backoffs, from a file or the environment.
+//!
+//! Why: the right retry depth depends on what the retried operation costs,
+//! and that changes faster than code is deployed. Overrides let an operator
+//! retune a job without a rebuild. They are applied and validated when the
+//! worker starts: a typo in a job name or a bad value is a startup error that
+//! names the job and the field, not a silent default.
+//!
+//! File (TOML):
+//!
+//! ```toml
+//! [jobs.build-report]
+//! attempts = 5                      # tier two: deliveries
+//! timeout = "30s"
+//! backoff = { initial = "2s", multiplier = 2.0, max = "10s" }
+//! tier_one = { attempts = 3, initial = "100ms", multiplier = 2.0, max = "1s", max_wait = "5s" }
+//! ```
+//!
+//! Environment: `QUEUE_JOB__<JOB>__<FIELD>=value`, where `<JOB>` is the job
+//! name upper-cased with `-` and `.` as `_`, and `<FIELD>` is one of
+//! `ATTEMPTS`, `TIMEOUT`, `BACKOFF_INITIAL`, `BACKOFF_MULTIPLIER`,
+//! `BACKOFF_MAX`, `TIER_ONE_ATTEMPTS`, `TIER_ONE_INITIAL`,
+//! `TIER_ONE_MULTIPLIER`, `TIER_ONE_MAX`, `TIER_ONE_MAX_WAIT`. The environment
+//! wins over the file. Durations read like `250ms`, `2s`, `1m 30s`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::policy::{Backoff, PolicyError};
+use crate::registry::Registry;
+
+/// The environment variable prefix for overrides.
+pub const ENV_PREFIX: &str = "QUEUE_JOB__";
+
+/// Overrides for one job. Every field is optional.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobOverride {
+    /// Tier two: total deliveries.
+    pub attempts: Option<u32>,
+    /// Per-execution timeout (`"0s"`: none).
+    pub timeout: Option<String>,
+    /// Tier-two backoff.
+    pub backoff: Option<BackoffOverride>,
+    /// Tier one.
+    pub tier_one: Option<TierOneOverride>,
+}
+
+/// An exponential backoff, field by field.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackoffOverride {
+    /// First delay.
+    pub initial: Option<String>,
+    /// Growth factor.
+    pub multiplier: Option<f64>,
+    /// Cap (`"0s"`: none).
+    pub max: Option<String>,
+}
+
+/// Tier one, field by field.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierOneOverride {
+    /// Executions per delivery.
+    pub attempts: Option<u32>,
+    /// First in-process delay.
+    pub initial: Option<String>,
+    /// Growth factor.
+    pub multiplier: Option<f64>,
+    /// Cap on in-process delays.
+    pub max: Option<String>,
+    /// Longest retry-after tier one waits for.
+    pub max_wait: Option<String>,
+}
+
+/// A set of overrides, by job.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overrides {
+    /// Keyed by exact job name (file) or by the normalised name (environment).
+    jobs: BTreeMap<JobKey, JobOverride>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum JobKey {
+    Exact(String),
+    Env(String),
+}
+
+impl JobKey {
+    fn matches(&self, name: &str) -> bool {
+        match self {
+            JobKey::Exact(exact) => exact == name,
+            JobKey::Env(env) => *env == env_name(name),
+        }
+    }
+    fn describe(&self) -> String {
+        match self {
+            JobKey::Exact(name) => name.clone(),
+            JobKey::Env(name) => format!("{ENV_PREFIX}{name}__*"),
+        }
+    }
+}
+
+fn env_name(job: &str) -> String {
+    job.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    jobs: BTreeMap<String, JobOverride>,
+}
+
+impl Overrides {
+    /// Parses a TOML configuration file's text.
+    pub fn from_toml(text: &str) -> Result<Self, PolicyError> {
+        let file: File = toml::from_str(text)
+            .map_err(|e| PolicyError::invalid("*", "config file", e.to_string()))?;
+        Ok(Overrides {
+            jobs: file
+                .jobs
+                .into_iter()
+                .map(|(k, v)| (JobKey::Exact(k), v))
+                .collect(),
+        })
+    }
+
+    /// Reads `QUEUE_JOB__<JOB>__<FIELD>` variables; others are ignored.
+    pub fn from_env(vars: impl IntoIterator<Item = (String, String)>) -> Result<Self, PolicyError> {
+        let mut jobs: BTreeMap<JobKey, JobOverride> = BTreeMap::new();
+        for (key, value) in vars {
+            let Some(rest) = key.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let Some((job, field)) = rest.split_once("__") else {
+                return Err(PolicyError::invalid(
+                    "*",
+                    "environment",
+                    format!("`{key}` is not {ENV_PREFIX}<JOB>__<FIELD>"),
+                ));
+            };
+            let o = jobs.entry(JobKey::Env(job.to_string())).or_default();
+            let num = |f: &'static str| {
+                value
+                    .trim()
+                    .parse::<u32>()
+                    .map_err(|e| PolicyError::invalid(job, f, format!("`{value}`: {e}")))
+            };
+            let float = |f: &'static str| {
+                value
+                    .trim()
+                    .parse::<f64>()
+                    .map_err(|e| PolicyError::invalid(job, f, format!("`{value}`: {e}")))
+            };
+            let text = Some(value.clone());
+            match field {
+                "ATTEMPTS" => o.attempts = Some(num("attempts")?),
+                "TIMEOUT" => o.timeout = text,
+                "BACKOFF_INITIAL" => o.backoff.get_or_insert_with(Default::default).initial = text,
+                "BACKOFF_MULTIPLIER" => {
+                    o.backoff.get_or_insert_with(Default::default).multiplier =
+                        Some(float("backoff.multiplier")?)
+                }
+                "BACKOFF_MAX" => o.backoff.get_or_insert_with(Default::default).max = text,
+                "TIER_ONE_ATTEMPTS" => {
+                    o.tier_one.get_or_insert_with(Default::default).attempts =
+                        Some(num("tier_one.attempts")?)
+                }
+                "TIER_ONE_INITIAL" => {
+                    o.tier_one.get_or_insert_with(Default::default).initial = text
+                }
+                "TIER_ONE_MULTIPLIER" => {
+                    o.tier_one.get_or_insert_with(Default::default).multiplier =
+                        Some(float("tier_one.multiplier")?)
+                }
+                "TIER_ONE_MAX" => o.tier_one.get_or_insert_with(Default::default).max = text,
+                "TIER_ONE_MAX_WAIT" => {
+                    o.tier_one.get_or_insert_with(Default::default).max_wait = text
+                }
+                other => {
+                    return Err(PolicyError::invalid(
+                        job,
+                        "environment",
+                        format!("unknown field `{other}` in `{key}`"),
+                    ))
+                }
+            }
+        }
+        Ok(Overrides { jobs })
+    }
+
+    /// Adds `other`'s overrides on top of these (other wins per job key).
+    pub fn merge(mut self, other: Overrides) -> Self {
+        self.jobs.extend(other.jobs);
+        self
+    }
+
+    /// Whether there is nothing to apply.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+}
+
+fn duration(job: &str, field: &'static str, text: &str) -> Result<Duration, PolicyError> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| PolicyError::invalid(job, field, format!("`{text}` is not a duration: {e}")))
+}
+
+fn multiplier(job: &str, field: &'static str, m: f64) -> Result<f64, PolicyError> {
+    if m.is_finite() && m >= 0.0 {
+        Ok(m)
+    } else {
+        Err(PolicyError::invalid(
+            job,
+            field,
+            format!("{m} must be a finite, non-negative number"),
+        ))
+    }
+}
+
+fn exponential(
+    job: &str,
+    current: &Option<Backoff>,
+    prefix: [&'static str; 3],
+    initial: &Option<String>,
+    mult: Option<f64>,
+    max: &Option<String>,
+) -> Result<Backoff, PolicyError> {
+    let (mut i, mut m, mut x) = match current {
+        Some(Backoff::Exponential {
+            initial,
+            multiplier,
+            max,
+        }) => (*initial, *multiplier, *max),
+        _ => (Duration::from_secs(1), 2.0, Duration::ZERO),
+    };
+    if let Some(text) = initial {
+        i = duration(job, prefix[0], text)?;
+    }
+    if let Some(v) = mult {
+        m = multiplier(job, prefix[1], v)?;
+    }
+    if let Some(text) = max {
+        x = duration(job, prefix[2], text)?;
+    }
+    Ok(Backoff::exponential(i, m, x))
+}
+
+impl Registry {
+    /// Applies `overrides` to the registered jobs and re-validates them.
+    /// A key naming no registered job is an error (it is usually a typo).
+    pub fn apply_overrides(&mut self, overrides: &Overrides) -> Result<(), PolicyError> {
+        for (key, o) in &overrides.jobs {
+            let name = self
+                .specs()
+                .map(|s| s.name.clone())
+                .find(|name| key.matches(name))
+                .ok_or_else(|| {
+                    PolicyError::invalid(
+                        &key.describe(),
+                        "job",
+                        "configuration names a job that is not registered",
+                    )
+                })?;
+            let spec = self.spec_mut(&name).expect("found above");
+            let job = name.as_str();
+            if let Some(attempts) = o.attempts {
+                spec.retry.attempts = attempts;
+            }
+            if let Some(text) = &o.timeout {
+                let t = duration(job, "timeout", text)?;
+                spec.timeout = (!t.is_zero()).then_some(t);
+            }
+            if let Some(b) = &o.backoff {
+                spec.retry.backoff = Some(exponential(
+                    job,
+                    &spec.retry.backoff,
+                    ["backoff.initial", "backoff.multiplier", "backoff.max"],
+                    &b.initial,
+                    b.multiplier,
+                    &b.max,
+                )?);
+            }
+            if let Some(t) = &o.tier_one {
+                if let Some(attempts) = t.attempts {
+                    spec.tier_one.attempts = attempts;
+                }
+                spec.tier_one.backoff = exponential(
+                    job,
+                    &Some(spec.tier_one.backoff.clone()),
+                    ["tier_one.initial", "tier_one.multiplier", "tier_one.max"],
+                    &t.initial,
+                    t.multiplier,
+                    &t.max,
+                )?;
+                if let Some(text) = &t.max_wait {
+                    spec.tier_one.max_wait = duration(job, "tier_one.max_wait", text)?;
+                }
+            }
+            spec.validate()?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Job, JobContext};
+
+    fn registry() -> Registry {
+        let job = Job::<()>::builder("build-report").retry(3).build().unwrap();
+        let mut r = Registry::new();
+        r.register(&job, |_: JobContext, _: ()| async { Ok(()) })
+            .unwrap();
+        r
+    }
+
+    #[test]
+    fn file_overrides_apply() {
+        let mut r = registry();
+        let o = Overrides::from_toml(
+            r#"
+            [jobs.build-report]
+            attempts = 5
+            timeout = "30s"
+            backoff = { initial = "2s", multiplier = 2.0, max = "10s" }
+            tier_one = { attempts = 3, initial = "100ms", max_wait = "1s" }
+            "#,
+        )
+        .unwrap();
+        r.apply_overrides(&o).unwrap();
+        let spec = r.spec("build-report").unwrap();
+        assert_eq!(spec.retry.attempts, 5);
+        assert_eq!(spec.timeout, Some(Duration::from_secs(30)));
+        assert_eq!(
+            spec.retry.backoff.as_ref().unwrap().delay(5),
+            Duration::from_secs(10)
+        );
+        assert_eq!(spec.tier_one.attempts, 3);
+        assert_eq!(spec.tier_one.backoff.delay(2), Duration::from_millis(100));
+        assert_eq!(spec.tier_one.max_wait, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn env_overrides_win_over_the_file() {
+        let mut r = registry();
+        let file = Overrides::from_toml("[jobs.build-report]\nattempts = 5\n").unwrap();
+        let env = Overrides::from_env([
+            (
+                "QUEUE_JOB__BUILD_REPORT__ATTEMPTS".to_string(),
+                "7".to_string(),
+            ),
+            (
+                "QUEUE_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS".to_string(),
+                "2".to_string(),
+            ),
+            ("PATH".to_string(), "/bin".to_string()),
+        ])
+        .unwrap();
+        r.apply_overrides(&file.merge(env)).unwrap();
+        let spec = r.spec("build-report").unwrap();
+        assert_eq!((spec.retry.attempts, spec.tier_one.attempts), (7, 2));
+    }
+
+    #[test]
+    fn errors_name_the_job_and_field() {
+        let mut r = registry();
+        let o = Overrides::from_toml("[jobs.build-report]\ntier_one = { attempts = 0 }\n").unwrap();
+        let err = r.apply_overrides(&o).unwrap_err().to_string();
+        assert!(
+            err.contains("build-report") && err.contains("tier_one.attempts"),
+            "{err}"
+        );
+
+        let o = Overrides::from_toml("[jobs.build-report]\ntimeout = \"soon\"\n").unwrap();
+        let err = r.apply_overrides(&o).unwrap_err().to_string();
+        assert!(
+            err.contains("build-report") && err.contains("timeout"),
+            "{err}"
+        );
+
+        let o = Overrides::from_toml("[jobs.build-reprot]\nattempts = 1\n").unwrap();
+        let err = r.apply_overrides(&o).unwrap_err().to_string();
+        assert!(
+            err.contains("build-reprot") && err.contains("not registered"),
+            "{err}"
+        );
+
+        let err = Overrides::from_toml("[jobs.x]\nattempts = \"three\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("config file"), "{err}");
+        let err = Overrides::from_toml("[jobs.x]\nretries = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("retries"), "{err}");
+
+        let err = Overrides::from_env([("QUEUE_JOB__X__ATTEMPTS".to_string(), "-1".to_string())])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`X`") && err.contains("attempts"), "{err}");
+        let err = Overrides::from_env([("QUEUE_JOB__X__RETRIES".to_string(), "1".to_string())])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("RETRIES"), "{err}");
+    }
+}

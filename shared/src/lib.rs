@@ -1,0 +1,93 @@
+//! The rules of the queue facade.
+//!
+//! An application declares a typed [`Job`] once and registers its handler in
+//! a [`Registry`]. Every backend (the native drivers and the Cloudflare edge)
+//! hands each delivery to [`Registry::process`], which decides how to settle
+//! it, and reports the backend's answer with [`Registry::settled`]. This
+//! crate decides; drivers act. It does no I/O, owns no async runtime and
+//! builds for `wasm32-unknown-unknown` as well as native targets.
+//!
+//! # Layout
+//!
+//! - [`job`]: declarations and their validated policy.
+//! - [`policy`]: the attempt cap and backoff schedule (tier two), tier one.
+//! - [`error`]: handler outcomes as error markers found through the source chain.
+//! - [`envelope`]: the versioned wire format.
+//! - [`settle`]: the decision function, unknown-name and poison rules.
+//! - [`registry`]: handlers by name and the per-delivery pipeline.
+//! - `executor`: tier one, in-process retries inside a delivery.
+//! - [`breaker`]: the circuit breaker per named dependency.
+//! - [`record`], [`event`], [`stats`], [`budget`]: what an operator sees.
+//! - [`config`]: operator overrides of tier depths and backoffs.
+//! - [`runtime`], [`cancel`], [`context`]: injected time, cancellation, and
+//!   what a handler knows about its execution.
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use queue::{CancelToken, Delivery, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct BuildReport { report_id: u64 }
+//!
+//! let job = Job::<BuildReport>::builder("build-report")
+//!     .retry(5)
+//!     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
+//!     .build()
+//!     .unwrap();
+//! let mut registry = Registry::new();
+//! registry
+//!     .register(&job, |_ctx: JobContext, _report: BuildReport| async {
+//!         Err::<(), _>(JobError::new("upstream unavailable"))
+//!     })
+//!     .unwrap();
+//!
+//! let body = Envelope::new("build-report", serde_json::json!({"report_id": 1})).encode();
+//! let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+//! let delivery = Delivery { queue: "default", body: &body, attempt: 1, deadline: None };
+//! let processed = futures_executor::block_on(
+//!     registry.process(delivery, &runtime, &CancelToken::new()),
+//! );
+//! assert_eq!(processed.settlement, Settlement::Retry { delay: Some(Duration::from_secs(2)) });
+//! ```
+
+pub mod breaker;
+pub mod budget;
+pub mod cancel;
+pub mod config;
+pub mod context;
+pub mod envelope;
+pub mod error;
+pub mod event;
+mod executor;
+pub mod job;
+mod maybe_send;
+mod panic;
+pub mod policy;
+pub mod record;
+pub mod registry;
+pub mod runtime;
+pub mod settle;
+pub mod stats;
+
+pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
+pub use budget::{failure_budget, FailureBudget};
+pub use cancel::CancelToken;
+pub use config::Overrides;
+pub use context::{DeadlineExceeded, JobContext};
+pub use envelope::{Envelope, EnvelopeError};
+pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
+pub use event::{Event, EventKind, EventSink};
+pub use job::{Job, JobBuilder, JobSpec};
+pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
+pub use record::{FailureRecord, RawBody};
+pub use registry::{Delivery, Processed, Registry, RegistryError};
+pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
+pub use settle::{
+    settle, settle_unknown_name, Failure, FailureKind, Settlement, UnknownNameAttempts,
+    SETTLEMENT_BUDGET,
+};
+pub use stats::{JobStats, Resolution, Stats};

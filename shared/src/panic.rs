@@ -1,0 +1,109 @@
+//! Turning a handler panic into an ordinary error.
+//!
+//! Why: one bad message must not take the worker (or, on the edge, the whole
+//! wasm instance) down with it. A panic is caught around each poll of the
+//! handler's future and becomes a [`Panicked`] error carrying the panic
+//! message and a backtrace of where it happened. The backtrace is captured by
+//! a panic hook (installed once, chaining to the previous hook for panics
+//! outside handlers), because by the time `catch_unwind` returns the stack
+//! of the panic is gone.
+//!
+//! On targets built with `panic = "abort"` (wasm32-unknown-unknown) nothing
+//! can be caught; the edge binding settles messages so that an abort costs a
+//! retry, not a loss.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use crate::error::{JobError, Panicked};
+use crate::maybe_send::BoxFuture;
+
+/// Runs `fut`, converting a panic into `Err(Panicked)`.
+pub(crate) fn catch_panics(
+    fut: BoxFuture<'static, Result<(), JobError>>,
+) -> impl Future<Output = Result<(), JobError>> {
+    CatchPanic { fut }
+}
+
+struct CatchPanic {
+    fut: BoxFuture<'static, Result<(), JobError>>,
+}
+
+impl Future for CatchPanic {
+    type Output = Result<(), JobError>;
+
+    #[cfg(panic = "unwind")]
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        use std::panic::{catch_unwind, AssertUnwindSafe};
+        hook::install();
+        hook::enter();
+        let polled = catch_unwind(AssertUnwindSafe(|| self.fut.as_mut().poll(cx)));
+        hook::leave();
+        match polled {
+            Ok(poll) => poll,
+            Err(payload) => {
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-string panic payload".to_string());
+                let (location, backtrace) = hook::take();
+                let message = match location {
+                    Some(location) => format!("{message} (at {location})"),
+                    None => message,
+                };
+                Poll::Ready(Err(Panicked::new(message, backtrace).into()))
+            }
+        }
+    }
+
+    #[cfg(not(panic = "unwind"))]
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let _ = Panicked::new;
+        self.fut.as_mut().poll(cx)
+    }
+}
+
+#[cfg(panic = "unwind")]
+mod hook {
+    use std::cell::{Cell, RefCell};
+    use std::sync::Once;
+
+    thread_local! {
+        static DEPTH: Cell<u32> = const { Cell::new(0) };
+        static LAST: RefCell<Option<(String, String)>> = const { RefCell::new(None) };
+    }
+
+    static INSTALL: Once = Once::new();
+
+    pub(super) fn install() {
+        INSTALL.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                if DEPTH.with(Cell::get) > 0 {
+                    let location = info.location().map(|l| l.to_string()).unwrap_or_default();
+                    let backtrace = std::backtrace::Backtrace::force_capture().to_string();
+                    LAST.with(|last| *last.borrow_mut() = Some((location, backtrace)));
+                } else {
+                    previous(info);
+                }
+            }));
+        });
+    }
+
+    pub(super) fn enter() {
+        DEPTH.with(|d| d.set(d.get() + 1));
+    }
+
+    pub(super) fn leave() {
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+
+    pub(super) fn take() -> (Option<String>, String) {
+        match LAST.with(|last| last.borrow_mut().take()) {
+            Some((location, backtrace)) => (Some(location), backtrace),
+            None => (None, String::new()),
+        }
+    }
+}

@@ -1,0 +1,458 @@
+//! The registry of handlers and the processing of one delivery.
+//!
+//! [`Registry::process`] is the whole consumer pipeline for one delivery,
+//! written once for every backend: decode the envelope, find the handler,
+//! decode and validate the payload, run the two retry tiers, and decide the
+//! settlement. The driver carries the settlement out and reports back with
+//! [`Registry::settled`], which emits the event and counts the outcome only
+//! if the backend accepted it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+
+use crate::cancel::CancelToken;
+use crate::context::{ContextParts, JobContext};
+use crate::envelope::Envelope;
+use crate::error::{BoxError, JobError};
+use crate::event::{Event, EventKind, EventSink};
+use crate::executor::run_tiers;
+use crate::job::{Job, JobSpec};
+use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::policy::PolicyError;
+use crate::record::FailureRecord;
+use crate::runtime::{Instant, Runtime};
+use crate::settle::{
+    settle, settle_unknown_name, Failure, FailureKind, Settlement, UnknownNameAttempts,
+};
+use crate::stats::{Resolution, Stats};
+
+/// A job whose payload type has been erased, so handlers of different types
+/// can live in one registry.
+trait ErasedJob: MaybeSend + MaybeSync {
+    fn spec(&self) -> &JobSpec;
+    fn spec_mut(&mut self) -> &mut JobSpec;
+    /// Decodes and validates the payload without running anything.
+    fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure>;
+    fn run(
+        &self,
+        ctx: JobContext,
+        payload: &serde_json::Value,
+    ) -> BoxFuture<'static, Result<(), JobError>>;
+}
+
+struct TypedJob<P, H> {
+    spec: JobSpec,
+    job: Job<P>,
+    handler: H,
+}
+
+impl<P, H, Fut> ErasedJob for TypedJob<P, H>
+where
+    P: DeserializeOwned + MaybeSend + 'static,
+    H: Fn(JobContext, P) -> Fut + MaybeSend + MaybeSync + 'static,
+    Fut: Future<Output = Result<(), JobError>> + MaybeSend + 'static,
+{
+    fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    fn spec_mut(&mut self) -> &mut JobSpec {
+        &mut self.spec
+    }
+
+    fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure> {
+        let typed = P::deserialize(payload).map_err(|e| Failure {
+            kind: FailureKind::UndecodablePayload,
+            message: format!("payload does not decode as job `{}`: {e}", self.spec.name),
+        })?;
+        self.job.validate_payload(&typed).map_err(|e| Failure {
+            kind: FailureKind::InvalidPayload,
+            message: format!("payload failed validation: {e}"),
+        })
+    }
+
+    fn run(
+        &self,
+        ctx: JobContext,
+        payload: &serde_json::Value,
+    ) -> BoxFuture<'static, Result<(), JobError>> {
+        match P::deserialize(payload) {
+            Ok(typed) => Box::pin((self.handler)(ctx, typed)),
+            Err(e) => Box::pin(std::future::ready(Err(JobError::permanent(e)))),
+        }
+    }
+}
+
+/// A registration error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// Two handlers for one job name.
+    #[error("job `{0}` is already registered")]
+    Duplicate(String),
+    /// A policy is invalid.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}
+
+/// Handlers by job name, plus consumer-wide settings and counters.
+pub struct Registry {
+    jobs: BTreeMap<String, Box<dyn ErasedJob>>,
+    unknown_name_attempts: UnknownNameAttempts,
+    sink: Option<Arc<dyn EventSink>>,
+    include_payload: bool,
+    stats: Arc<Stats>,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registry")
+            .field("jobs", &self.jobs.keys().collect::<Vec<_>>())
+            .field("unknown_name_attempts", &self.unknown_name_attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One delivery, as the driver reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery<'a> {
+    /// The queue it came from.
+    pub queue: &'a str,
+    /// The raw body.
+    pub body: &'a [u8],
+    /// The delivery attempt (first = 1; 0 = the driver cannot count).
+    pub attempt: u32,
+    /// When the driver's hold on the delivery ends, if it must end (the edge's
+    /// invocation budget). Tier one does not sleep past it and each
+    /// execution's deadline is no later than it.
+    pub deadline: Option<Instant>,
+}
+
+/// The result of processing one delivery: what to ask the backend, and what
+/// to report once it answers.
+#[derive(Debug, Clone)]
+pub struct Processed {
+    /// The settlement to request.
+    pub settlement: Settlement,
+    /// The failure record to transfer first, for [`Settlement::Fail`].
+    pub record: Option<FailureRecord>,
+    /// The event to emit if the backend accepts the settlement.
+    pub event: Event,
+}
+
+impl Processed {
+    /// Handler executions in this delivery.
+    pub fn executions(&self) -> u32 {
+        self.event.executions
+    }
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Registry {
+            jobs: BTreeMap::new(),
+            unknown_name_attempts: UnknownNameAttempts::default(),
+            sink: None,
+            include_payload: false,
+            stats: Arc::default(),
+        }
+    }
+
+    /// Registers `handler` for `job`.
+    ///
+    /// ```
+    /// use queue::{Job, JobContext, JobError, Registry};
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Ping { n: u32 }
+    ///
+    /// let job = Job::<Ping>::builder("ping").build().unwrap();
+    /// let mut registry = Registry::new();
+    /// registry
+    ///     .register(&job, |_ctx: JobContext, ping: Ping| async move {
+    ///         if ping.n == 0 { return Err(JobError::permanent("n must be positive")); }
+    ///         Ok(())
+    ///     })
+    ///     .unwrap();
+    /// ```
+    pub fn register<P, H, Fut>(
+        &mut self,
+        job: &Job<P>,
+        handler: H,
+    ) -> Result<&mut Self, RegistryError>
+    where
+        P: DeserializeOwned + MaybeSend + 'static,
+        H: Fn(JobContext, P) -> Fut + MaybeSend + MaybeSync + 'static,
+        Fut: Future<Output = Result<(), JobError>> + MaybeSend + 'static,
+    {
+        if self.jobs.contains_key(job.name()) {
+            return Err(RegistryError::Duplicate(job.name().to_string()));
+        }
+        let entry = TypedJob {
+            spec: job.spec().clone(),
+            job: job.clone(),
+            handler,
+        };
+        self.jobs.insert(job.name().to_string(), Box::new(entry));
+        Ok(self)
+    }
+
+    /// Caps deliveries of messages whose job name has no handler.
+    pub fn unknown_name_attempts(&mut self, cap: UnknownNameAttempts) -> &mut Self {
+        self.unknown_name_attempts = cap;
+        self
+    }
+
+    /// Where events go.
+    pub fn event_sink(&mut self, sink: Arc<dyn EventSink>) -> &mut Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Include payloads in events (off by default: they may hold secrets).
+    pub fn events_include_payload(&mut self, include: bool) -> &mut Self {
+        self.include_payload = include;
+        self
+    }
+
+    /// The registered jobs' policies, by name.
+    pub fn specs(&self) -> impl Iterator<Item = &JobSpec> {
+        self.jobs.values().map(|j| j.spec())
+    }
+
+    /// One registered job's policy.
+    pub fn spec(&self, name: &str) -> Option<&JobSpec> {
+        self.jobs.get(name).map(|j| j.spec())
+    }
+
+    /// Mutable access to a job's policy (used by configuration overrides;
+    /// re-validate afterwards).
+    pub(crate) fn spec_mut(&mut self, name: &str) -> Option<&mut JobSpec> {
+        self.jobs.get_mut(name).map(|j| j.spec_mut())
+    }
+
+    /// The distinct queues of the registered jobs.
+    pub fn queues(&self) -> Vec<String> {
+        let mut queues: Vec<String> = self.specs().map(|s| s.queue.clone()).collect();
+        queues.sort();
+        queues.dedup();
+        queues
+    }
+
+    /// The resolution and outcome counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Processes one delivery: everything but the backend call.
+    pub async fn process(
+        &self,
+        delivery: Delivery<'_>,
+        runtime: &Arc<dyn Runtime>,
+        cancel: &CancelToken,
+    ) -> Processed {
+        let envelope = match Envelope::decode(delivery.body) {
+            Ok(envelope) => envelope,
+            Err(e) => {
+                let failure = Failure {
+                    kind: FailureKind::MalformedEnvelope,
+                    message: e.to_string(),
+                };
+                return self.fail_early(delivery, None, failure);
+            }
+        };
+        let Some(job) = self.jobs.get(&envelope.job) else {
+            let settlement =
+                settle_unknown_name(&envelope.job, delivery.attempt, self.unknown_name_attempts);
+            return self.finish(delivery, &envelope, settlement, 0, None, None);
+        };
+        if let Err(failure) = job.prepare(&envelope.payload) {
+            return self.fail_early(delivery, Some(&envelope), failure);
+        }
+
+        let spec = job.spec();
+        let parts = ContextParts {
+            job: envelope.job.clone(),
+            queue: delivery.queue.to_string(),
+            message_id: envelope.id.clone(),
+            attempt: delivery.attempt,
+            in_process_limit: spec.tier_one.attempts,
+            cancel: cancel.clone(),
+            runtime: runtime.clone(),
+            metadata: envelope.metadata.clone(),
+        };
+        let run = run_tiers(
+            spec,
+            |ctx| job.run(ctx, &envelope.payload),
+            &parts,
+            delivery.deadline,
+        )
+        .await;
+        self.stats
+            .update(&envelope.job, |s| s.executions += u64::from(run.executions));
+        let settlement = settle(
+            &spec.retry,
+            delivery.attempt,
+            &run.result,
+            cancel.is_cancelled(),
+        );
+        let resolution = Resolution::classify(
+            delivery.attempt,
+            spec.retry.attempts,
+            run.in_process,
+            spec.tier_one.attempts,
+        );
+        let error = run.result.as_ref().err().map(JobError::chain_text);
+        self.finish(
+            delivery,
+            &envelope,
+            settlement,
+            run.executions,
+            Some(resolution),
+            error,
+        )
+    }
+
+    fn fail_early(
+        &self,
+        delivery: Delivery<'_>,
+        envelope: Option<&Envelope>,
+        failure: Failure,
+    ) -> Processed {
+        let record = FailureRecord::build(
+            delivery.queue,
+            &failure,
+            delivery.attempt,
+            0,
+            envelope,
+            delivery.body,
+        );
+        Processed {
+            event: self.event(
+                delivery,
+                envelope,
+                0,
+                EventKind::Failed {
+                    failure: failure.clone(),
+                },
+            ),
+            settlement: Settlement::Fail { failure },
+            record: Some(record),
+        }
+    }
+
+    fn finish(
+        &self,
+        delivery: Delivery<'_>,
+        envelope: &Envelope,
+        settlement: Settlement,
+        executions: u32,
+        resolution: Option<Resolution>,
+        error: Option<String>,
+    ) -> Processed {
+        let error = error.unwrap_or_else(|| format!("unknown job name `{}`", envelope.job));
+        let (kind, record) = match &settlement {
+            Settlement::Ack => (
+                EventKind::Succeeded {
+                    resolution: resolution.unwrap_or(Resolution::FirstAttempt),
+                },
+                None,
+            ),
+            Settlement::Retry { delay } => {
+                let shutdown = *delay == Some(std::time::Duration::ZERO);
+                (
+                    EventKind::Retried {
+                        delay: *delay,
+                        error,
+                        shutdown,
+                    },
+                    None,
+                )
+            }
+            Settlement::Reject => (EventKind::Rejected { error }, None),
+            Settlement::Fail { failure } => (
+                EventKind::Failed {
+                    failure: failure.clone(),
+                },
+                Some(FailureRecord::build(
+                    delivery.queue,
+                    failure,
+                    delivery.attempt,
+                    executions,
+                    Some(envelope),
+                    delivery.body,
+                )),
+            ),
+        };
+        Processed {
+            event: self.event(delivery, Some(envelope), executions, kind),
+            settlement,
+            record,
+        }
+    }
+
+    fn event(
+        &self,
+        delivery: Delivery<'_>,
+        envelope: Option<&Envelope>,
+        executions: u32,
+        kind: EventKind,
+    ) -> Event {
+        Event {
+            job: envelope.map(|e| e.job.clone()).unwrap_or_default(),
+            message_id: envelope.map(|e| e.id.clone()).unwrap_or_default(),
+            queue: delivery.queue.to_string(),
+            attempt: delivery.attempt,
+            executions,
+            kind,
+            payload: envelope
+                .filter(|_| self.include_payload)
+                .map(|e| e.payload.clone()),
+        }
+    }
+
+    /// Reports the backend's answer to a settlement: counts it and emits the
+    /// event if accepted; reports a settlement failure otherwise.
+    pub fn settled(&self, processed: &Processed, outcome: Result<(), &dyn fmt::Display>) {
+        let event = &processed.event;
+        match outcome {
+            Ok(()) => {
+                self.stats.update(&event.job, |s| match &event.kind {
+                    EventKind::Succeeded { resolution } => match resolution {
+                        Resolution::FirstAttempt => s.first_attempt += 1,
+                        Resolution::TierOne { .. } => s.tier_one += 1,
+                        Resolution::TierTwo { .. } => s.tier_two += 1,
+                    },
+                    EventKind::Retried { .. } => s.retried += 1,
+                    EventKind::Rejected { .. } => s.rejected += 1,
+                    EventKind::Failed { .. } => s.failed += 1,
+                });
+                if let Some(sink) = &self.sink {
+                    sink.emit(event);
+                }
+            }
+            Err(error) => {
+                self.stats.update(&event.job, |s| s.settlement_errors += 1);
+                if let Some(sink) = &self.sink {
+                    sink.settlement_failed(event, &error.to_string());
+                }
+            }
+        }
+    }
+}
+
+/// Wraps a validation message as a boxed error (for [`JobBuilder::validate`](crate::JobBuilder::validate)).
+pub fn invalid(message: impl Into<String>) -> BoxError {
+    message.into().into()
+}

@@ -1,0 +1,353 @@
+//! The one decision: from what happened to what the backend should do.
+//!
+//! Every driver, and the edge, asks this module what to request and only
+//! carries the answer out. A rule change is one edit here, and the table-driven
+//! tests below pin every row of the outcome table.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{JobError, Outcome};
+use crate::policy::RetryPolicy;
+
+/// How long an unknown job name waits before its next delivery.
+pub const UNKNOWN_NAME_RETRY_DELAY: Duration = Duration::from_secs(30);
+/// The default cap on deliveries of a message whose job name is unknown.
+pub const DEFAULT_UNKNOWN_NAME_ATTEMPTS: u32 = 10;
+/// The fresh budget every settlement gets, detached from shutdown.
+pub const SETTLEMENT_BUDGET: Duration = Duration::from_secs(30);
+
+/// What the consumer asks the backend to do with a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settlement {
+    /// The work is done: remove the message.
+    Ack,
+    /// Deliver again. `None`: the driver's own timing; `Some(d)`: no sooner
+    /// than `d` (a driver may round up or refuse, never shorten).
+    Retry {
+        /// The requested delay.
+        delay: Option<Duration>,
+    },
+    /// No facade retry: the backend's own rejection policy decides.
+    Reject,
+    /// Terminal failure: transfer a failure record (where configured), then remove.
+    Fail {
+        /// Why.
+        failure: Failure,
+    },
+}
+
+/// Why a message failed terminally.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// The category.
+    pub kind: FailureKind,
+    /// Human-readable reason (the error chain).
+    pub message: String,
+}
+
+/// Categories of terminal failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// The handler returned a permanent error.
+    Permanent,
+    /// The attempt cap was reached.
+    AttemptsExhausted,
+    /// The payload did not decode into the job's type.
+    UndecodablePayload,
+    /// The body was not an envelope this worker can read.
+    MalformedEnvelope,
+    /// No handler is registered for the job name (after the unknown-name cap).
+    UnknownName,
+    /// The validation hook refused the payload.
+    InvalidPayload,
+}
+
+/// The cap on deliveries of a message with an unknown job name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownNameAttempts {
+    /// Fail once the reported delivery count reaches this.
+    Limited(u32),
+    /// No facade cap (broker limits still apply).
+    Unlimited,
+}
+
+impl Default for UnknownNameAttempts {
+    fn default() -> Self {
+        UnknownNameAttempts::Limited(DEFAULT_UNKNOWN_NAME_ATTEMPTS)
+    }
+}
+
+impl UnknownNameAttempts {
+    /// `0` restores the default of 10.
+    pub fn limited(n: u32) -> Self {
+        UnknownNameAttempts::Limited(if n == 0 {
+            DEFAULT_UNKNOWN_NAME_ATTEMPTS
+        } else {
+            n
+        })
+    }
+}
+
+/// Decides the settlement for a handler result.
+///
+/// `attempt` is the delivery attempt the driver reported (first = 1; 0 means
+/// the driver cannot count, and then no cap can be enforced). `cancelled` is
+/// whether the consumer is shutting down.
+pub fn settle(
+    policy: &RetryPolicy,
+    attempt: u32,
+    result: &Result<(), JobError>,
+    cancelled: bool,
+) -> Settlement {
+    let err = match result {
+        Ok(()) => return Settlement::Ack,
+        Err(err) => err,
+    };
+    let exhausted = || Settlement::Fail {
+        failure: Failure {
+            kind: FailureKind::AttemptsExhausted,
+            message: err.chain_text(),
+        },
+    };
+    match err.outcome() {
+        Outcome::Cancelled if cancelled => Settlement::Retry {
+            delay: Some(Duration::ZERO),
+        },
+        Outcome::Permanent => Settlement::Fail {
+            failure: Failure {
+                kind: FailureKind::Permanent,
+                message: err.chain_text(),
+            },
+        },
+        Outcome::Reject => Settlement::Reject,
+        _ if policy.is_last(attempt) => exhausted(),
+        Outcome::RetryAfter(delay) => Settlement::Retry {
+            delay: (!delay.is_zero()).then_some(delay),
+        },
+        Outcome::Ordinary | Outcome::BreakerOpen | Outcome::Cancelled => Settlement::Retry {
+            delay: policy
+                .backoff
+                .as_ref()
+                .map(|b| b.delay(attempt.saturating_add(1))),
+        },
+    }
+}
+
+/// Decides the settlement for a message whose job name has no handler.
+pub fn settle_unknown_name(name: &str, attempt: u32, cap: UnknownNameAttempts) -> Settlement {
+    match cap {
+        UnknownNameAttempts::Limited(n) if attempt >= n => Settlement::Fail {
+            failure: Failure {
+                kind: FailureKind::UnknownName,
+                message: format!("unknown job name `{name}` after {attempt} deliveries"),
+            },
+        },
+        _ => Settlement::Retry {
+            delay: Some(UNKNOWN_NAME_RETRY_DELAY),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{Permanent, Reject, RetryAfter};
+    use crate::policy::Backoff;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    fn policy(attempts: u32) -> RetryPolicy {
+        RetryPolicy {
+            attempts,
+            backoff: Some(Backoff::exponential(S(2), 2.0, S(10))),
+        }
+    }
+
+    fn retry(d: Option<Duration>) -> Settlement {
+        Settlement::Retry { delay: d }
+    }
+
+    fn kind(s: &Settlement) -> Option<FailureKind> {
+        match s {
+            Settlement::Fail { failure } => Some(failure.kind),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn outcome_table() {
+        type Case = (
+            &'static str,
+            fn() -> Result<(), JobError>,
+            u32,
+            bool,
+            Settlement,
+        );
+        let cases: Vec<Case> = vec![
+            ("ok acks", || Ok(()), 1, false, Settlement::Ack),
+            (
+                "ok acks even at the cap",
+                || Ok(()),
+                5,
+                false,
+                Settlement::Ack,
+            ),
+            (
+                "ordinary retries with backoff",
+                || Err("x".into()),
+                1,
+                false,
+                retry(Some(S(2))),
+            ),
+            (
+                "ordinary at attempt 3 waits 8s",
+                || Err("x".into()),
+                3,
+                false,
+                retry(Some(S(8))),
+            ),
+            (
+                "retry-after overrides backoff",
+                || Err(JobError::retry_after("r", S(7))),
+                1,
+                false,
+                retry(Some(S(7))),
+            ),
+            (
+                "zero retry-after selects driver timing",
+                || Err(RetryAfter::without_cause(Duration::ZERO).into()),
+                1,
+                false,
+                retry(None),
+            ),
+            (
+                "reject",
+                || Err(JobError::reject("r")),
+                1,
+                false,
+                Settlement::Reject,
+            ),
+            (
+                "reject without cause",
+                || Err(Reject::without_cause().into()),
+                5,
+                false,
+                Settlement::Reject,
+            ),
+            (
+                "cancelled during shutdown retries at once",
+                || Err(crate::Cancelled::new().into()),
+                5,
+                true,
+                retry(Some(Duration::ZERO)),
+            ),
+            (
+                "cancelled error without shutdown is ordinary",
+                || Err(crate::Cancelled::new().into()),
+                1,
+                false,
+                retry(Some(S(2))),
+            ),
+        ];
+        for (name, result, attempt, cancelled, want) in cases {
+            assert_eq!(
+                settle(&policy(5), attempt, &result(), cancelled),
+                want,
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn terminal_rows() {
+        let p = policy(5);
+        let s = settle(&p, 1, &Err(JobError::permanent("gone")), false);
+        assert_eq!(kind(&s), Some(FailureKind::Permanent));
+        let s = settle(&p, 1, &Err(Permanent::without_cause().into()), false);
+        assert_eq!(
+            kind(&s),
+            Some(FailureKind::Permanent),
+            "permanent with no cause is a failure"
+        );
+        let s = settle(&p, 5, &Err("x".into()), false);
+        assert_eq!(kind(&s), Some(FailureKind::AttemptsExhausted));
+        let s = settle(&p, 5, &Err(JobError::retry_after("r", S(1))), false);
+        assert_eq!(
+            kind(&s),
+            Some(FailureKind::AttemptsExhausted),
+            "retry-after obeys the cap"
+        );
+        let s = settle(&p, 5, &Err(JobError::permanent("p")), true);
+        assert_eq!(
+            kind(&s),
+            Some(FailureKind::Permanent),
+            "shutdown does not turn permanent into retry"
+        );
+    }
+
+    #[test]
+    fn documented_schedules() {
+        let p = policy(5);
+        let mut delays = vec![];
+        for attempt in 1..=5 {
+            match settle(&p, attempt, &Err("x".into()), false) {
+                Settlement::Retry { delay } => delays.push(delay.unwrap()),
+                other => {
+                    assert_eq!(attempt, 5);
+                    assert_eq!(kind(&other), Some(FailureKind::AttemptsExhausted));
+                }
+            }
+        }
+        assert_eq!(delays, vec![S(2), S(4), S(8), S(10)]);
+
+        let p = RetryPolicy {
+            attempts: 4,
+            backoff: Some(Backoff::custom(|a| S(5) * (a - 1))),
+        };
+        let mut delays = vec![];
+        for attempt in 1..=4 {
+            match settle(&p, attempt, &Err("x".into()), false) {
+                Settlement::Retry { delay } => delays.push(delay.unwrap()),
+                other => assert_eq!(kind(&other), Some(FailureKind::AttemptsExhausted)),
+            }
+        }
+        assert_eq!(delays, vec![S(5), S(10), S(15)]);
+    }
+
+    #[test]
+    fn no_cap_and_no_backoff() {
+        let p = RetryPolicy::default();
+        assert_eq!(settle(&p, 1_000_000, &Err("x".into()), false), retry(None));
+        assert_eq!(
+            settle(&policy(3), 0, &Err("x".into()), false),
+            retry(Some(S(2))),
+            "attempt 0: unknown, no cap"
+        );
+    }
+
+    #[test]
+    fn unknown_names() {
+        let cap = UnknownNameAttempts::default();
+        for attempt in 1..10 {
+            assert_eq!(
+                settle_unknown_name("new-job", attempt, cap),
+                retry(Some(S(30)))
+            );
+        }
+        assert_eq!(
+            kind(&settle_unknown_name("new-job", 10, cap)),
+            Some(FailureKind::UnknownName)
+        );
+        assert_eq!(UnknownNameAttempts::limited(0), cap);
+        let cap = UnknownNameAttempts::limited(20);
+        assert_eq!(settle_unknown_name("j", 10, cap), retry(Some(S(30))));
+        assert_eq!(
+            settle_unknown_name("j", 10_000, UnknownNameAttempts::Unlimited),
+            retry(Some(S(30)))
+        );
+    }
+}

@@ -1,1 +1,56 @@
-//! placeholder
+//! Native worker runtime and drivers for the queue facade.
+//!
+//! The rules live in the `queue` crate; this crate runs them on tokio
+//! against a backend. Declare jobs with [`queue::Job`], register handlers in
+//! a [`queue::Registry`], dispatch with a [`Producer`], and consume with a
+//! [`Consumer`].
+//!
+//! # Layout
+//!
+//! - [`driver`]: the interface every backend implements.
+//! - [`producer`]: typed dispatch.
+//! - [`consumer`]: the worker loop, concurrency and graceful shutdown.
+//! - [`memory`]: the in-memory backend (feature `memory`, on by default).
+//! - `rabbitmq`: RabbitMQ through lapin (feature `rabbitmq`).
+//! - [`runtime`]: tokio's clock and sleep for the rules.
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use queue::{Job, JobContext, Registry};
+//! use queue_native::{Consumer, MemoryDriver, Producer};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct Greet { name: String }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let job = Job::<Greet>::builder("greet").build().unwrap();
+//! let driver = Arc::new(MemoryDriver::default());
+//! Producer::new(driver.clone()).dispatch(&job, &Greet { name: "Ada".into() }).await.unwrap();
+//!
+//! let mut registry = Registry::new();
+//! registry.register(&job, |_ctx: JobContext, greet: Greet| async move {
+//!     println!("hello, {}", greet.name);
+//!     Ok(())
+//! }).unwrap();
+//! let consumer = Consumer::builder(driver.clone(), registry).build().spawn();
+//! while driver.depth("default") > 0 { tokio::task::yield_now().await; }
+//! consumer.shutdown().await.unwrap();
+//! # }
+//! ```
+
+pub mod consumer;
+pub mod driver;
+#[cfg(feature = "memory")]
+pub mod memory;
+pub mod producer;
+pub mod runtime;
+
+pub use consumer::{Consumer, ConsumerBuilder, ConsumerHandle};
+pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
+#[cfg(feature = "memory")]
+pub use memory::{MemoryConfig, MemoryDriver};
+pub use producer::{DispatchOptions, Producer};
+pub use runtime::TokioRuntime;

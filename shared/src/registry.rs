@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
@@ -27,6 +28,7 @@ use crate::record::FailureRecord;
 use crate::runtime::{Instant, Runtime};
 use crate::settle::{
     settle, settle_unknown_name, Failure, FailureKind, Settlement, UnknownNameAttempts,
+    UNKNOWN_NAME_RETRY_DELAY,
 };
 use crate::stats::{Resolution, Stats};
 
@@ -103,6 +105,7 @@ pub enum RegistryError {
 pub struct Registry {
     jobs: BTreeMap<String, Box<dyn ErasedJob>>,
     unknown_name_attempts: UnknownNameAttempts,
+    unknown_name_delay: Duration,
     sink: Option<Arc<dyn EventSink>>,
     include_payload: bool,
     stats: Arc<Stats>,
@@ -163,6 +166,7 @@ impl Registry {
         Registry {
             jobs: BTreeMap::new(),
             unknown_name_attempts: UnknownNameAttempts::default(),
+            unknown_name_delay: UNKNOWN_NAME_RETRY_DELAY,
             sink: None,
             include_payload: false,
             stats: Arc::default(),
@@ -211,6 +215,13 @@ impl Registry {
     /// Caps deliveries of messages whose job name has no handler.
     pub fn unknown_name_attempts(&mut self, cap: UnknownNameAttempts) -> &mut Self {
         self.unknown_name_attempts = cap;
+        self
+    }
+
+    /// How long an unknown job name waits before its next delivery (default
+    /// 30 s: time for the deployment that knows the name to roll out).
+    pub fn unknown_name_retry_delay(&mut self, delay: Duration) -> &mut Self {
+        self.unknown_name_delay = delay;
         self
     }
 
@@ -274,7 +285,12 @@ impl Registry {
         };
         let Some(job) = self.jobs.get(&envelope.job) else {
             let settlement =
-                settle_unknown_name(&envelope.job, delivery.attempt, self.unknown_name_attempts);
+                settle_unknown_name(
+                &envelope.job,
+                delivery.attempt,
+                self.unknown_name_attempts,
+                self.unknown_name_delay,
+            );
             return self.finish(delivery, &envelope, settlement, 0, None, None);
         };
         if let Err(failure) = job.prepare(&envelope.payload) {

@@ -138,7 +138,15 @@ pub fn settle(
 }
 
 /// Decides the settlement for a message whose job name has no handler.
-pub fn settle_unknown_name(name: &str, attempt: u32, cap: UnknownNameAttempts) -> Settlement {
+///
+/// The retry waits `delay` ([`UNKNOWN_NAME_RETRY_DELAY`] unless the consumer
+/// was configured otherwise).
+pub fn settle_unknown_name(
+    name: &str,
+    attempt: u32,
+    cap: UnknownNameAttempts,
+    delay: Duration,
+) -> Settlement {
     match cap {
         UnknownNameAttempts::Limited(n) if attempt >= n => Settlement::Fail {
             failure: Failure {
@@ -334,19 +342,19 @@ mod tests {
         let cap = UnknownNameAttempts::default();
         for attempt in 1..10 {
             assert_eq!(
-                settle_unknown_name("new-job", attempt, cap),
+                settle_unknown_name("new-job", attempt, cap, UNKNOWN_NAME_RETRY_DELAY),
                 retry(Some(S(30)))
             );
         }
         assert_eq!(
-            kind(&settle_unknown_name("new-job", 10, cap)),
+            kind(&settle_unknown_name("new-job", 10, cap, UNKNOWN_NAME_RETRY_DELAY)),
             Some(FailureKind::UnknownName)
         );
         assert_eq!(UnknownNameAttempts::limited(0), cap);
         let cap = UnknownNameAttempts::limited(20);
-        assert_eq!(settle_unknown_name("j", 10, cap), retry(Some(S(30))));
+        assert_eq!(settle_unknown_name("j", 10, cap, UNKNOWN_NAME_RETRY_DELAY), retry(Some(S(30))));
         assert_eq!(
-            settle_unknown_name("j", 10_000, UnknownNameAttempts::Unlimited),
+            settle_unknown_name("j", 10_000, UnknownNameAttempts::Unlimited, S(30)),
             retry(Some(S(30)))
         );
     }

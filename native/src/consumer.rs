@@ -1,0 +1,249 @@
+//! The native worker: pulls deliveries, runs handlers, settles.
+//!
+//! One pump task per queue takes deliveries while a concurrency permit is
+//! free, and spawns one task per delivery. Shutdown follows the rules' order:
+//! cancel the token (handlers see it in their context), stop taking new
+//! deliveries (what was not taken stays with the backend), join every active
+//! delivery, each of which settles with a fresh 30-second budget that shutdown
+//! does not cut short. Only then may the application stop the driver.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use queue::{failure_budget, CancelToken, Delivery as RuleDelivery, Registry, Runtime, SETTLEMENT_BUDGET};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tracing::{error, info, warn, Instrument};
+
+use crate::driver::{Delivery, Driver, DriverError, ErrorKind};
+use crate::runtime::TokioRuntime;
+
+/// Builder for a [`Consumer`].
+pub struct ConsumerBuilder {
+    driver: Arc<dyn Driver>,
+    registry: Registry,
+    concurrency: usize,
+    runtime: Arc<dyn Runtime>,
+}
+
+impl ConsumerBuilder {
+    /// At most `n` deliveries handled at once (default 8; at least 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// Replaces the clock and sleep (tests).
+    pub fn runtime(mut self, runtime: Arc<dyn Runtime>) -> Self {
+        self.runtime = runtime;
+        self
+    }
+
+    /// Finishes; logs each job's failure budget.
+    pub fn build(self) -> Consumer {
+        let hint = self.driver.capabilities().redelivery_hint;
+        for spec in self.registry.specs() {
+            info!(driver = self.driver.name(), "failure budget: {}", failure_budget(spec, hint));
+        }
+        Consumer {
+            driver: self.driver,
+            registry: Arc::new(self.registry),
+            concurrency: self.concurrency,
+            runtime: self.runtime,
+        }
+    }
+}
+
+/// Runs registered handlers against a driver's queues.
+pub struct Consumer {
+    driver: Arc<dyn Driver>,
+    registry: Arc<Registry>,
+    concurrency: usize,
+    runtime: Arc<dyn Runtime>,
+}
+
+/// A running consumer.
+pub struct ConsumerHandle {
+    cancel: CancelToken,
+    task: tokio::task::JoinHandle<Result<(), DriverError>>,
+    registry: Arc<Registry>,
+}
+
+impl ConsumerHandle {
+    /// The registry (for its counters).
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// Cancels handlers, stops taking deliveries, and waits until every
+    /// active delivery has been settled.
+    pub async fn shutdown(self) -> Result<(), DriverError> {
+        self.cancel.cancel();
+        self.task
+            .await
+            .map_err(|e| DriverError::new("consumer", ErrorKind::Stopped, e))?
+    }
+}
+
+impl Consumer {
+    /// Starts building a consumer of `registry`'s queues on `driver`.
+    pub fn builder(driver: Arc<dyn Driver>, registry: Registry) -> ConsumerBuilder {
+        ConsumerBuilder { driver, registry, concurrency: 8, runtime: Arc::new(TokioRuntime) }
+    }
+
+    /// The registry (for its counters).
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// Runs in a background task until [`ConsumerHandle::shutdown`].
+    pub fn spawn(self) -> ConsumerHandle {
+        let cancel = CancelToken::new();
+        let registry = self.registry.clone();
+        let token = cancel.clone();
+        let task = tokio::spawn(async move { self.run(token).await });
+        ConsumerHandle { cancel, task, registry }
+    }
+
+    /// Runs until `cancel` is cancelled, then joins every active delivery.
+    /// Fails at once if a queue cannot be subscribed.
+    pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
+        let permits = Arc::new(Semaphore::new(self.concurrency));
+        let mut pumps = JoinSet::new();
+        for queue in self.registry.queues() {
+            let subscription = self.driver.subscribe(&queue, self.concurrency).await?;
+            let pump = Pump {
+                driver: self.driver.clone(),
+                registry: self.registry.clone(),
+                runtime: self.runtime.clone(),
+                cancel: cancel.clone(),
+                permits: permits.clone(),
+                prefetch: self.concurrency,
+                queue,
+            };
+            pumps.spawn(pump.run(subscription));
+        }
+        while let Some(joined) = pumps.join_next().await {
+            if let Err(e) = joined {
+                error!("consumer pump task failed: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Pump {
+    driver: Arc<dyn Driver>,
+    registry: Arc<Registry>,
+    runtime: Arc<dyn Runtime>,
+    cancel: CancelToken,
+    permits: Arc<Semaphore>,
+    prefetch: usize,
+    queue: String,
+}
+
+impl Pump {
+    async fn run(self, mut subscription: Box<dyn crate::driver::Subscription>) {
+        let mut active = JoinSet::new();
+        let mut reconnect_wait = Duration::from_millis(100);
+        loop {
+            let permit = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break,
+                permit = self.permits.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            };
+            let next = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break,
+                next = subscription.next() => next,
+            };
+            match next {
+                None => break,
+                Some(Ok(delivery)) => {
+                    reconnect_wait = Duration::from_millis(100);
+                    let registry = self.registry.clone();
+                    let runtime = self.runtime.clone();
+                    let cancel = self.cancel.clone();
+                    let queue = self.queue.clone();
+                    active.spawn(async move {
+                        handle(&registry, &runtime, &cancel, &queue, delivery).await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(e)) => {
+                    drop(permit);
+                    warn!(queue = %self.queue, "subscription failed, resubscribing in {reconnect_wait:?}: {e}");
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => break,
+                        _ = tokio::time::sleep(reconnect_wait) => {}
+                    }
+                    reconnect_wait = (reconnect_wait * 2).min(Duration::from_secs(30));
+                    match self.driver.subscribe(&self.queue, self.prefetch).await {
+                        Ok(fresh) => subscription = fresh,
+                        Err(e) => warn!(queue = %self.queue, "resubscribe failed: {e}"),
+                    }
+                }
+            }
+            while active.try_join_next().is_some() {}
+        }
+        drop(subscription);
+        while active.join_next().await.is_some() {}
+    }
+}
+
+async fn handle(
+    registry: &Registry,
+    runtime: &Arc<dyn Runtime>,
+    cancel: &CancelToken,
+    queue: &str,
+    delivery: Box<dyn Delivery>,
+) {
+    let attempt = delivery.attempt();
+    let span = tracing::info_span!("delivery", queue, attempt, job = tracing::field::Empty, message_id = tracing::field::Empty);
+    async move {
+        let rule_delivery =
+            RuleDelivery { queue, body: delivery.body(), attempt, deadline: delivery.deadline() };
+        let processed = registry.process(rule_delivery, runtime, cancel).await;
+        let span = tracing::Span::current();
+        span.record("job", processed.event.job.as_str());
+        span.record("message_id", processed.event.message_id.as_str());
+        let settled = tokio::time::timeout(
+            SETTLEMENT_BUDGET,
+            delivery.settle(&processed.settlement, processed.record.as_ref()),
+        )
+        .await;
+        let outcome = match settled {
+            Ok(result) => result,
+            Err(_) => Err(DriverError::new(
+                "consumer",
+                ErrorKind::Uncertain,
+                format!("settlement did not finish within {SETTLEMENT_BUDGET:?}"),
+            )),
+        };
+        match &outcome {
+            Ok(()) => log_outcome(&processed),
+            Err(e) => error!(settlement = ?processed.settlement, "settlement failed: {e}"),
+        }
+        registry.settled(&processed, outcome.as_ref().map_err(|e| e as &dyn std::fmt::Display).map(|_| ()));
+    }
+    .instrument(span)
+    .await
+}
+
+fn log_outcome(processed: &queue::Processed) {
+    use queue::EventKind;
+    let executions = processed.executions();
+    match &processed.event.kind {
+        EventKind::Succeeded { resolution } => info!(?resolution, executions, "succeeded"),
+        EventKind::Retried { delay, error, shutdown } => {
+            warn!(?delay, shutdown, executions, "retrying: {error}")
+        }
+        EventKind::Rejected { error } => warn!(executions, "rejected: {error}"),
+        EventKind::Failed { failure } => {
+            error!(kind = ?failure.kind, executions, "failed: {}", failure.message)
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The driver interface: what a backend must do for the worker.
+//!
+//! A driver stores messages ([`Driver::send`]), hands out deliveries
+//! ([`Driver::subscribe`]) and carries out settlements
+//! ([`Delivery::settle`]). It decides nothing: what to request for each
+//! delivery comes from [`queue::Registry::process`]. To support a new
+//! backend, implement these three traits and run the conformance suite
+//! (`queue-conformance`) against it.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use queue::{BoxError, FailureRecord, Instant, Settlement};
+
+/// What a backend can and cannot do. The conformance suite reads this to
+/// choose expectations, and checks that unsupported operations fail with
+/// [`ErrorKind::Unsupported`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Longest retry delay a settlement can request; longer ones fail with
+    /// [`ErrorKind::Unsupported`]. `None`: no limit.
+    pub max_retry_delay: Option<Duration>,
+    /// Whether a message can be dispatched with a delay.
+    pub delayed_dispatch: bool,
+    /// Whether a rejected message is dropped (`true`) or left for the
+    /// backend to redeliver later (`false`).
+    pub reject_drops: bool,
+    /// How long the backend waits before redelivering when the facade leaves
+    /// timing to it (used for failure budgets).
+    pub redelivery_hint: Duration,
+    /// Whether a delivery abandoned without settlement (crash, lost
+    /// connection) comes back with a higher attempt count.
+    pub counts_abandoned_deliveries: bool,
+}
+
+impl Capabilities {
+    /// A backend that supports everything with no delay limit.
+    pub fn full() -> Self {
+        Capabilities {
+            max_retry_delay: None,
+            delayed_dispatch: true,
+            reject_drops: true,
+            redelivery_hint: Duration::ZERO,
+            counts_abandoned_deliveries: true,
+        }
+    }
+}
+
+/// A message to store.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// The message id (also in the envelope).
+    pub id: String,
+    /// The encoded envelope.
+    pub body: Vec<u8>,
+    /// Not deliverable before this delay has passed.
+    pub delay: Option<Duration>,
+}
+
+/// A backend.
+#[async_trait]
+pub trait Driver: Send + Sync + 'static {
+    /// A short name for logs and errors (`memory`, `rabbitmq`...).
+    fn name(&self) -> &'static str;
+    /// What this backend supports.
+    fn capabilities(&self) -> Capabilities;
+    /// Stores a message on `queue`. An error says whether the backend
+    /// certainly did not take it ([`ErrorKind::NotAccepted`]) or might have
+    /// ([`ErrorKind::Uncertain`]).
+    async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError>;
+    /// Starts consuming `queue` with at most `prefetch` unsettled deliveries.
+    async fn subscribe(&self, queue: &str, prefetch: usize) -> Result<Box<dyn Subscription>, DriverError>;
+    /// Releases the backend. Call after every consumer has been joined.
+    async fn stop(&self) -> Result<(), DriverError>;
+}
+
+/// A stream of deliveries from one queue.
+#[async_trait]
+pub trait Subscription: Send {
+    /// The next delivery, or `None` once the subscription has ended for good
+    /// (the driver stopped). Must be cancel-safe: dropping the future before
+    /// it completes must not lose a message.
+    async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>>;
+}
+
+/// One message reserved for this consumer.
+///
+/// Dropping a delivery without settling it must leave the message with the
+/// backend (redelivered later), never lose it.
+#[async_trait]
+pub trait Delivery: Send {
+    /// The raw body.
+    fn body(&self) -> &[u8];
+    /// The delivery attempt (first = 1), counting redeliveries after crashes
+    /// where the backend can. 0 means the backend cannot count.
+    fn attempt(&self) -> u32;
+    /// When the backend's hold on this delivery must end, if it cannot be
+    /// renewed.
+    fn deadline(&self) -> Option<Instant> {
+        None
+    }
+    /// Carries out `settlement`. For [`Settlement::Fail`], `record` is the
+    /// failure record to transfer before removing the message.
+    async fn settle(self: Box<Self>, settlement: &Settlement, record: Option<&FailureRecord>) -> Result<(), DriverError>;
+}
+
+/// What kind of failure a [`DriverError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The backend certainly did not take the message or settlement.
+    NotAccepted,
+    /// The request was sent but its result is unknown: the backend may have
+    /// acted on it. Repeating a dispatch may enqueue a second copy.
+    Uncertain,
+    /// The backend cannot do this (a delay too long, delayed dispatch...).
+    Unsupported,
+    /// The driver or the backend's existing topology is misconfigured.
+    Config,
+    /// The connection to the backend failed or was lost.
+    Connection,
+    /// The driver has been stopped.
+    Stopped,
+    /// The payload could not be encoded.
+    Encode,
+}
+
+/// An error from a driver: which driver, what kind, and the cause.
+#[derive(Debug)]
+pub struct DriverError {
+    driver: &'static str,
+    kind: ErrorKind,
+    source: BoxError,
+}
+
+impl DriverError {
+    /// A new error.
+    pub fn new(driver: &'static str, kind: ErrorKind, source: impl Into<BoxError>) -> Self {
+        DriverError { driver, kind, source: source.into() }
+    }
+    /// The kind.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+    /// The driver's name.
+    pub fn driver(&self) -> &'static str {
+        self.driver
+    }
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            ErrorKind::NotAccepted => "not accepted",
+            ErrorKind::Uncertain => "outcome uncertain",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Config => "configuration error",
+            ErrorKind::Connection => "connection error",
+            ErrorKind::Stopped => "driver stopped",
+            ErrorKind::Encode => "encoding error",
+        };
+        write!(f, "{} driver: {kind}: {}", self.driver, self.source)
+    }
+}
+
+impl std::error::Error for DriverError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.source.as_ref())
+    }
+}

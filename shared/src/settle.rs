@@ -154,9 +154,7 @@ pub fn settle_unknown_name(
                 message: format!("unknown job name `{name}` after {attempt} deliveries"),
             },
         },
-        _ => Settlement::Retry {
-            delay: Some(UNKNOWN_NAME_RETRY_DELAY),
-        },
+        _ => Settlement::Retry { delay: Some(delay) },
     }
 }
 

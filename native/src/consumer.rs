@@ -10,7 +10,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{failure_budget, CancelToken, Delivery as RuleDelivery, Registry, Runtime, SETTLEMENT_BUDGET};
+use queue::{
+    failure_budget, CancelToken, Delivery as RuleDelivery, Registry, Runtime, SETTLEMENT_BUDGET,
+};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
@@ -43,7 +45,11 @@ impl ConsumerBuilder {
     pub fn build(self) -> Consumer {
         let hint = self.driver.capabilities().redelivery_hint;
         for spec in self.registry.specs() {
-            info!(driver = self.driver.name(), "failure budget: {}", failure_budget(spec, hint));
+            info!(
+                driver = self.driver.name(),
+                "failure budget: {}",
+                failure_budget(spec, hint)
+            );
         }
         Consumer {
             driver: self.driver,
@@ -88,7 +94,12 @@ impl ConsumerHandle {
 impl Consumer {
     /// Starts building a consumer of `registry`'s queues on `driver`.
     pub fn builder(driver: Arc<dyn Driver>, registry: Registry) -> ConsumerBuilder {
-        ConsumerBuilder { driver, registry, concurrency: 8, runtime: Arc::new(TokioRuntime) }
+        ConsumerBuilder {
+            driver,
+            registry,
+            concurrency: 8,
+            runtime: Arc::new(TokioRuntime),
+        }
     }
 
     /// The registry (for its counters).
@@ -102,7 +113,11 @@ impl Consumer {
         let registry = self.registry.clone();
         let token = cancel.clone();
         let task = tokio::spawn(async move { self.run(token).await });
-        ConsumerHandle { cancel, task, registry }
+        ConsumerHandle {
+            cancel,
+            task,
+            registry,
+        }
     }
 
     /// Runs until `cancel` is cancelled, then joins every active delivery.
@@ -202,10 +217,20 @@ async fn handle(
     delivery: Box<dyn Delivery>,
 ) {
     let attempt = delivery.attempt();
-    let span = tracing::info_span!("delivery", queue, attempt, job = tracing::field::Empty, message_id = tracing::field::Empty);
+    let span = tracing::info_span!(
+        "delivery",
+        queue,
+        attempt,
+        job = tracing::field::Empty,
+        message_id = tracing::field::Empty
+    );
     async move {
-        let rule_delivery =
-            RuleDelivery { queue, body: delivery.body(), attempt, deadline: delivery.deadline() };
+        let rule_delivery = RuleDelivery {
+            queue,
+            body: delivery.body(),
+            attempt,
+            deadline: delivery.deadline(),
+        };
         let processed = registry.process(rule_delivery, runtime, cancel).await;
         let span = tracing::Span::current();
         span.record("job", processed.event.job.as_str());
@@ -227,7 +252,13 @@ async fn handle(
             Ok(()) => log_outcome(&processed),
             Err(e) => error!(settlement = ?processed.settlement, "settlement failed: {e}"),
         }
-        registry.settled(&processed, outcome.as_ref().map_err(|e| e as &dyn std::fmt::Display).map(|_| ()));
+        registry.settled(
+            &processed,
+            outcome
+                .as_ref()
+                .map_err(|e| e as &dyn std::fmt::Display)
+                .map(|_| ()),
+        );
     }
     .instrument(span)
     .await
@@ -238,7 +269,11 @@ fn log_outcome(processed: &queue::Processed) {
     let executions = processed.executions();
     match &processed.event.kind {
         EventKind::Succeeded { resolution } => info!(?resolution, executions, "succeeded"),
-        EventKind::Retried { delay, error, shutdown } => {
+        EventKind::Retried {
+            delay,
+            error,
+            shutdown,
+        } => {
             warn!(?delay, shutdown, executions, "retrying: {error}")
         }
         EventKind::Rejected { error } => warn!(executions, "rejected: {error}"),

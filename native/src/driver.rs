@@ -71,7 +71,11 @@ pub trait Driver: Send + Sync + 'static {
     /// ([`ErrorKind::Uncertain`]).
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError>;
     /// Starts consuming `queue` with at most `prefetch` unsettled deliveries.
-    async fn subscribe(&self, queue: &str, prefetch: usize) -> Result<Box<dyn Subscription>, DriverError>;
+    async fn subscribe(
+        &self,
+        queue: &str,
+        prefetch: usize,
+    ) -> Result<Box<dyn Subscription>, DriverError>;
     /// Releases the backend. Call after every consumer has been joined.
     async fn stop(&self) -> Result<(), DriverError>;
 }
@@ -103,7 +107,11 @@ pub trait Delivery: Send {
     }
     /// Carries out `settlement`. For [`Settlement::Fail`], `record` is the
     /// failure record to transfer before removing the message.
-    async fn settle(self: Box<Self>, settlement: &Settlement, record: Option<&FailureRecord>) -> Result<(), DriverError>;
+    async fn settle(
+        self: Box<Self>,
+        settlement: &Settlement,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError>;
 }
 
 /// What kind of failure a [`DriverError`] is.
@@ -138,7 +146,11 @@ pub struct DriverError {
 impl DriverError {
     /// A new error.
     pub fn new(driver: &'static str, kind: ErrorKind, source: impl Into<BoxError>) -> Self {
-        DriverError { driver, kind, source: source.into() }
+        DriverError {
+            driver,
+            kind,
+            source: source.into(),
+        }
     }
     /// The kind.
     pub fn kind(&self) -> ErrorKind {

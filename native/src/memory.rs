@@ -19,7 +19,9 @@ use queue::{FailureRecord, Settlement};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
-use crate::driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
+use crate::driver::{
+    Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
+};
 
 const NAME: &str = "memory";
 
@@ -74,7 +76,12 @@ impl Default for MemoryDriver {
 impl MemoryDriver {
     /// A driver with `config`.
     pub fn new(config: MemoryConfig) -> Self {
-        MemoryDriver { inner: Arc::new(Inner { config, state: Mutex::default() }) }
+        MemoryDriver {
+            inner: Arc::new(Inner {
+                config,
+                state: Mutex::default(),
+            }),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -88,7 +95,10 @@ impl MemoryDriver {
 
     /// Messages on `queue` that are ready, delayed or being handled.
     pub fn depth(&self, queue: &str) -> usize {
-        self.lock().queues.get(queue).map_or(0, |q| q.ready.len() + q.delayed + q.in_flight)
+        self.lock()
+            .queues
+            .get(queue)
+            .map_or(0, |q| q.ready.len() + q.delayed + q.in_flight)
     }
 
     /// Messages on `queue` ready for delivery now.
@@ -99,7 +109,11 @@ impl MemoryDriver {
     fn enqueue(&self, queue: &str, stored: Stored, front: bool) -> Result<(), DriverError> {
         let mut state = self.lock();
         if state.stopped {
-            return Err(DriverError::new(NAME, ErrorKind::Stopped, "the memory driver has been stopped"));
+            return Err(DriverError::new(
+                NAME,
+                ErrorKind::Stopped,
+                "the memory driver has been stopped",
+            ));
         }
         let q = state.queues.entry(queue.to_string()).or_default();
         if front {
@@ -111,10 +125,19 @@ impl MemoryDriver {
         Ok(())
     }
 
-    fn enqueue_later(&self, queue: &str, stored: Stored, delay: Duration) -> Result<(), DriverError> {
+    fn enqueue_later(
+        &self,
+        queue: &str,
+        stored: Stored,
+        delay: Duration,
+    ) -> Result<(), DriverError> {
         let mut state = self.lock();
         if state.stopped {
-            return Err(DriverError::new(NAME, ErrorKind::Stopped, "the memory driver has been stopped"));
+            return Err(DriverError::new(
+                NAME,
+                ErrorKind::Stopped,
+                "the memory driver has been stopped",
+            ));
         }
         state.queues.entry(queue.to_string()).or_default().delayed += 1;
         let driver = self.clone();
@@ -143,24 +166,47 @@ impl Driver for MemoryDriver {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { max_retry_delay: self.inner.config.max_retry_delay, ..Capabilities::full() }
+        Capabilities {
+            max_retry_delay: self.inner.config.max_retry_delay,
+            ..Capabilities::full()
+        }
     }
 
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
-        let stored = Stored { body: message.body, deliveries: 0 };
+        let stored = Stored {
+            body: message.body,
+            deliveries: 0,
+        };
         match message.delay {
             Some(delay) if !delay.is_zero() => self.enqueue_later(queue, stored, delay),
             _ => self.enqueue(queue, stored, false),
         }
     }
 
-    async fn subscribe(&self, queue: &str, _prefetch: usize) -> Result<Box<dyn Subscription>, DriverError> {
+    async fn subscribe(
+        &self,
+        queue: &str,
+        _prefetch: usize,
+    ) -> Result<Box<dyn Subscription>, DriverError> {
         let mut state = self.lock();
         if state.stopped {
-            return Err(DriverError::new(NAME, ErrorKind::Stopped, "the memory driver has been stopped"));
+            return Err(DriverError::new(
+                NAME,
+                ErrorKind::Stopped,
+                "the memory driver has been stopped",
+            ));
         }
-        let notify = state.queues.entry(queue.to_string()).or_default().notify.clone();
-        Ok(Box::new(MemorySubscription { driver: self.clone(), queue: queue.to_string(), notify }))
+        let notify = state
+            .queues
+            .entry(queue.to_string())
+            .or_default()
+            .notify
+            .clone();
+        Ok(Box::new(MemorySubscription {
+            driver: self.clone(),
+            queue: queue.to_string(),
+            notify,
+        }))
     }
 
     async fn stop(&self) -> Result<(), DriverError> {
@@ -251,12 +297,20 @@ impl Delivery for MemoryDelivery {
         self.attempt
     }
 
-    async fn settle(mut self: Box<Self>, settlement: &Settlement, record: Option<&FailureRecord>) -> Result<(), DriverError> {
+    async fn settle(
+        mut self: Box<Self>,
+        settlement: &Settlement,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
         if self.driver.lock().stopped {
             // Dropping would try to requeue; a stopped driver keeps nothing.
             self.stored = None;
             self.release();
-            return Err(DriverError::new(NAME, ErrorKind::Stopped, "the memory driver has been stopped"));
+            return Err(DriverError::new(
+                NAME,
+                ErrorKind::Stopped,
+                "the memory driver has been stopped",
+            ));
         }
         match settlement {
             Settlement::Ack | Settlement::Reject => {}
@@ -272,7 +326,10 @@ impl Delivery for MemoryDelivery {
                         ));
                     }
                 }
-                let stored = self.stored.take().expect("unsettled delivery has its message");
+                let stored = self
+                    .stored
+                    .take()
+                    .expect("unsettled delivery has its message");
                 self.release();
                 return if delay.is_zero() {
                     self.driver.enqueue(&self.queue, stored, false)
@@ -282,9 +339,18 @@ impl Delivery for MemoryDelivery {
             }
             Settlement::Fail { failure } => {
                 let record = record.cloned().ok_or_else(|| {
-                    DriverError::new(NAME, ErrorKind::NotAccepted, format!("terminal failure without a record: {}", failure.message))
+                    DriverError::new(
+                        NAME,
+                        ErrorKind::NotAccepted,
+                        format!("terminal failure without a record: {}", failure.message),
+                    )
                 })?;
-                self.driver.lock().failures.entry(self.queue.clone()).or_default().push(record);
+                self.driver
+                    .lock()
+                    .failures
+                    .entry(self.queue.clone())
+                    .or_default()
+                    .push(record);
             }
         }
         self.stored = None;

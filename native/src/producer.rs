@@ -37,8 +37,13 @@ impl Producer {
     }
 
     /// Dispatches `payload` as `job`; returns the message id.
-    pub async fn dispatch<P: Serialize>(&self, job: &Job<P>, payload: &P) -> Result<String, DriverError> {
-        self.dispatch_with(job, payload, DispatchOptions::default()).await
+    pub async fn dispatch<P: Serialize>(
+        &self,
+        job: &Job<P>,
+        payload: &P,
+    ) -> Result<String, DriverError> {
+        self.dispatch_with(job, payload, DispatchOptions::default())
+            .await
     }
 
     /// Dispatches with options (delay, metadata).
@@ -52,7 +57,8 @@ impl Producer {
             .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Encode, e))?;
         let mut envelope = Envelope::new(job.name(), payload);
         envelope.metadata = options.metadata;
-        self.send_envelope(job.queue(), &envelope, options.delay).await?;
+        self.send_envelope(job.queue(), &envelope, options.delay)
+            .await?;
         Ok(envelope.id)
     }
 
@@ -63,7 +69,8 @@ impl Producer {
         envelope: &Envelope,
         delay: Option<Duration>,
     ) -> Result<(), DriverError> {
-        self.send_raw(queue, envelope.id.clone(), envelope.encode(), delay).await
+        self.send_raw(queue, envelope.id.clone(), envelope.encode(), delay)
+            .await
     }
 
     /// Sends raw bytes to `queue` (for tests of malformed input and for

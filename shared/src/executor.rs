@@ -82,7 +82,7 @@ pub(crate) async fn run_tiers(
             }
         };
         let breaker_open = spec.breaker.as_ref().is_some_and(|b| b.is_open());
-        if attempt >= limit || parts.cancel.is_cancelled() || breaker_open {
+        if attempt >= limit || breaker_open {
             return TierRun {
                 result: Err(err),
                 executions,
@@ -102,6 +102,8 @@ pub(crate) async fn run_tiers(
                 };
             }
         }
+        // Shutdown before or during the wait interrupts tier one: the
+        // shutdown rule applies (zero-delay retry, cap skipped).
         if !wait_or_cancel(parts, wait).await {
             return TierRun {
                 result: Err(Cancelled::new().into()),

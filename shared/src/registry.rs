@@ -284,8 +284,7 @@ impl Registry {
             }
         };
         let Some(job) = self.jobs.get(&envelope.job) else {
-            let settlement =
-                settle_unknown_name(
+            let settlement = settle_unknown_name(
                 &envelope.job,
                 delivery.attempt,
                 self.unknown_name_attempts,

@@ -345,12 +345,20 @@ mod tests {
             );
         }
         assert_eq!(
-            kind(&settle_unknown_name("new-job", 10, cap, UNKNOWN_NAME_RETRY_DELAY)),
+            kind(&settle_unknown_name(
+                "new-job",
+                10,
+                cap,
+                UNKNOWN_NAME_RETRY_DELAY
+            )),
             Some(FailureKind::UnknownName)
         );
         assert_eq!(UnknownNameAttempts::limited(0), cap);
         let cap = UnknownNameAttempts::limited(20);
-        assert_eq!(settle_unknown_name("j", 10, cap, UNKNOWN_NAME_RETRY_DELAY), retry(Some(S(30))));
+        assert_eq!(
+            settle_unknown_name("j", 10, cap, UNKNOWN_NAME_RETRY_DELAY),
+            retry(Some(S(30)))
+        );
         assert_eq!(
             settle_unknown_name("j", 10_000, UnknownNameAttempts::Unlimited, S(30)),
             retry(Some(S(30)))

@@ -1,0 +1,192 @@
+//! What the scenarios need from a backend, and helpers they share.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use queue::{Event, EventSink, FailureRecord, Registry};
+use queue_native::{Consumer, ConsumerHandle, Driver, Producer};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// A backend under test.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    /// A driver connected to the backend. Each call may open a new
+    /// connection; all of them see the same queues.
+    async fn connect(&self) -> Arc<dyn Driver>;
+
+    /// Failure records transferred for messages consumed from `queue`.
+    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord>;
+
+    /// How long a scenario may wait for something that should happen
+    /// promptly (backends with coarse timers need more).
+    fn patience(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+}
+
+/// Events collected from a registry, with waiting.
+#[derive(Clone, Default)]
+pub struct Events {
+    inner: Arc<EventsInner>,
+}
+
+#[derive(Default)]
+struct EventsInner {
+    events: Mutex<Vec<(Instant, Event)>>,
+    settlement_failures: Mutex<Vec<(Event, String)>>,
+    changed: Notify,
+}
+
+impl EventSink for Events {
+    fn emit(&self, event: &Event) {
+        self.inner
+            .events
+            .lock()
+            .unwrap()
+            .push((Instant::now(), event.clone()));
+        self.inner.changed.notify_waiters();
+    }
+
+    fn settlement_failed(&self, event: &Event, error: &str) {
+        self.inner
+            .settlement_failures
+            .lock()
+            .unwrap()
+            .push((event.clone(), error.to_string()));
+        self.inner.changed.notify_waiters();
+    }
+}
+
+impl Events {
+    /// Every event so far.
+    pub fn all(&self) -> Vec<Event> {
+        self.inner
+            .events
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    /// Every event with the time it was emitted.
+    pub fn timed(&self) -> Vec<(Instant, Event)> {
+        self.inner.events.lock().unwrap().clone()
+    }
+
+    /// Event names (`succeeded`, `retried`...) in order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.all().iter().map(|e| e.kind.name()).collect()
+    }
+
+    /// Settlement failures reported so far.
+    pub fn settlement_failures(&self) -> Vec<(Event, String)> {
+        self.inner.settlement_failures.lock().unwrap().clone()
+    }
+
+    /// Waits until `done(events)` holds; panics after `patience`.
+    pub async fn wait_for(
+        &self,
+        patience: Duration,
+        what: &str,
+        done: impl Fn(&[Event]) -> bool,
+    ) -> Vec<Event> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let notified = self.inner.changed.notified();
+            let all = self.all();
+            if done(&all) {
+                return all;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                let all = self.all();
+                if done(&all) {
+                    return all;
+                }
+                panic!(
+                    "timed out after {patience:?} waiting for {what}; events so far: {:#?}",
+                    all
+                );
+            }
+        }
+    }
+
+    /// Waits until `n` events named `name` were emitted.
+    pub async fn wait_count(&self, patience: Duration, name: &str, n: usize) -> Vec<Event> {
+        self.wait_for(patience, &format!("{n} `{name}` events"), |all| {
+            all.iter().filter(|e| e.kind.name() == name).count() >= n
+        })
+        .await
+    }
+
+    /// Waits until a settlement failure has been reported.
+    pub async fn wait_settlement_failure(&self, patience: Duration) -> (Event, String) {
+        let deadline = Instant::now() + patience;
+        loop {
+            let notified = self.inner.changed.notified();
+            if let Some(first) = self.settlement_failures().into_iter().next() {
+                return first;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                panic!("timed out waiting for a settlement failure");
+            }
+        }
+    }
+}
+
+/// A scenario's working set: a unique queue, a driver, a producer, events.
+pub struct Harness {
+    /// The queue this scenario owns.
+    pub queue: String,
+    /// The driver.
+    pub driver: Arc<dyn Driver>,
+    /// A producer on the driver.
+    pub producer: Producer,
+    /// Events from consumers started by [`Harness::start`].
+    pub events: Events,
+    /// How long to wait for prompt things.
+    pub patience: Duration,
+}
+
+impl Harness {
+    /// Connects and picks a queue name unique to this run.
+    pub async fn new(backend: &dyn Backend, scenario: &str) -> Self {
+        let driver = backend.connect().await;
+        let queue = format!(
+            "cf-{}-{}",
+            scenario.replace('_', "-"),
+            &queue::envelope::new_message_id()[..8]
+        );
+        Harness {
+            queue,
+            producer: Producer::new(driver.clone()),
+            driver,
+            events: Events::default(),
+            patience: backend.patience(),
+        }
+    }
+
+    /// Starts a consumer of `registry` (its events go to [`Harness::events`]).
+    pub fn start(&self, mut registry: Registry, concurrency: usize) -> ConsumerHandle {
+        registry.event_sink(Arc::new(self.events.clone()));
+        Consumer::builder(self.driver.clone(), registry)
+            .concurrency(concurrency)
+            .build()
+            .spawn()
+    }
+
+    /// Starts a consumer on a fresh connection.
+    pub async fn start_on(
+        &self,
+        driver: Arc<dyn Driver>,
+        mut registry: Registry,
+    ) -> ConsumerHandle {
+        registry.event_sink(Arc::new(self.events.clone()));
+        Consumer::builder(driver, registry)
+            .concurrency(4)
+            .build()
+            .spawn()
+    }
+}

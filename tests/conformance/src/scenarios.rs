@@ -1,0 +1,986 @@
+//! The scenarios. Each takes a backend, owns a fresh queue, and checks what
+//! the backend actually did (events after acceptance, failure records, the
+//! attempts and times the handler saw), not what a log line claims.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use queue::{
+    BreakerConfig, CircuitBreaker, Envelope, Event, EventKind, FailureKind, Job, JobBuilder,
+    JobContext, JobError, Permanent, RawBody, Registry, Resolution, UnknownNameAttempts,
+};
+use queue_native::{DispatchOptions, ErrorKind};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::harness::{Backend, Harness};
+
+/// The payload every scenario dispatches.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Work {
+    /// An application-level id.
+    pub id: u32,
+}
+
+const MS: fn(u64) -> Duration = Duration::from_millis;
+
+fn job(h: &Harness, name: &str) -> JobBuilder<Work> {
+    Job::<Work>::builder(name).queue(h.queue.clone())
+}
+
+/// Records each execution: (delivery attempt, in-process attempt, when).
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<(u32, u32, Instant)>>>);
+
+impl Calls {
+    fn record(&self, ctx: &JobContext) -> usize {
+        let mut calls = self.0.lock().unwrap();
+        calls.push((ctx.attempt(), ctx.in_process_attempt(), Instant::now()));
+        calls.len()
+    }
+    fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|c| c.0).collect()
+    }
+    fn gaps(&self) -> Vec<Duration> {
+        let calls = self.0.lock().unwrap();
+        calls.windows(2).map(|w| w[1].2 - w[0].2).collect()
+    }
+}
+
+fn registry_with<F, Fut>(job: &Job<Work>, handler: F) -> Registry
+where
+    F: Fn(JobContext, Work) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), JobError>> + Send + 'static,
+{
+    let mut registry = Registry::new();
+    registry.register(job, handler).unwrap();
+    registry
+}
+
+fn failure_of(event: &Event) -> FailureKind {
+    match &event.kind {
+        EventKind::Failed { failure } => failure.kind,
+        other => panic!("expected a failed event, got {other:?}"),
+    }
+}
+
+fn last(events: &[Event]) -> &Event {
+    events.last().expect("at least one event")
+}
+
+/// `Ok(())` is acknowledged; the success is counted as a first-attempt resolution.
+pub async fn ack_on_success(backend: &dyn Backend) {
+    let h = Harness::new(backend, "ack").await;
+    let job = job(&h, "ack").retry(3).build().unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Ok(()) }
+        }),
+        2,
+    );
+    let id = h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].message_id, id);
+    assert_eq!(events[0].attempt, 1);
+    assert_eq!(
+        events[0].kind,
+        EventKind::Succeeded {
+            resolution: Resolution::FirstAttempt
+        }
+    );
+    assert_eq!(consumer.registry().stats().job("ack").first_attempt, 1);
+    consumer.shutdown().await.unwrap();
+    assert_eq!(
+        calls.count(),
+        1,
+        "an acknowledged message is not redelivered"
+    );
+    assert!(backend.failure_records(&h.queue).await.is_empty());
+}
+
+/// An ordinary error is retried; attempts rise by one per delivery.
+pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
+    let h = Harness::new(backend, "ordinary").await;
+    let job = job(&h, "ordinary").retry(5).build().unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async move {
+                if ctx.attempt() < 3 {
+                    Err(JobError::new("transient"))
+                } else {
+                    Ok(())
+                }
+            }
+        }),
+        2,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(h.events.names(), ["retried", "retried", "succeeded"]);
+    assert_eq!(calls.attempts(), [1, 2, 3]);
+    assert_eq!(
+        last(&events).kind,
+        EventKind::Succeeded {
+            resolution: Resolution::TierTwo {
+                delivery: 3,
+                of: 5,
+                in_process: 1
+            }
+        }
+    );
+    let stats = consumer.registry().stats().job("ordinary");
+    assert_eq!((stats.tier_two, stats.retried), (1, 2));
+    consumer.shutdown().await.unwrap();
+}
+
+/// At the attempt cap an ordinary error becomes a terminal failure with a record.
+pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
+    let h = Harness::new(backend, "cap").await;
+    let job = job(&h, "cap")
+        .retry(3)
+        .backoff(MS(20), 1.0, MS(20))
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Err(JobError::new("always broken")) }
+        }),
+        2,
+    );
+    let id = h.producer.dispatch(&job, &Work { id: 9 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(h.events.names(), ["retried", "retried", "failed"]);
+    assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
+    assert_eq!(calls.attempts(), [1, 2, 3]);
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    let record = &records[0];
+    assert_eq!(record.kind, FailureKind::AttemptsExhausted);
+    assert_eq!(record.message_id.as_deref(), Some(id.as_str()));
+    assert_eq!(record.attempt, 3);
+    assert!(record.reason.contains("always broken"), "{}", record.reason);
+    assert_eq!(record.envelope.as_ref().unwrap().payload["id"], 9);
+    consumer.shutdown().await.unwrap();
+    assert_eq!(calls.count(), 3);
+}
+
+async fn observe_schedule(
+    backend: &dyn Backend,
+    name: &str,
+    builder: JobBuilder<Work>,
+    want: &[Duration],
+) {
+    let h = Harness::new(backend, name).await;
+    let attempts = want.len() as u32 + 1;
+    let job = builder
+        .queue(h.queue.clone())
+        .retry(attempts)
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Err(JobError::new("fails")) }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "failed", 1).await;
+    let requested: Vec<_> = h
+        .events
+        .all()
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::Retried { delay, .. } => delay,
+            _ => None,
+        })
+        .collect();
+    assert_eq!(requested, want, "requested delays");
+    let gaps = calls.gaps();
+    assert_eq!(gaps.len(), want.len());
+    for (gap, want) in gaps.iter().zip(want) {
+        assert!(
+            gap >= want,
+            "observed gap {gap:?} is shorter than the requested {want:?}"
+        );
+    }
+    consumer.shutdown().await.unwrap();
+}
+
+/// `backoff(initial, multiplier, max)` delays are requested exactly and honoured as lower bounds.
+pub async fn exponential_backoff_delays_are_lower_bounds(backend: &dyn Backend) {
+    let builder = Job::<Work>::builder("exp").backoff(MS(100), 2.0, MS(300));
+    observe_schedule(backend, "exp", builder, &[MS(100), MS(200), MS(300)]).await;
+}
+
+/// `backoff_fn` delays are requested exactly and honoured as lower bounds.
+pub async fn custom_backoff_delays_are_lower_bounds(backend: &dyn Backend) {
+    let builder = Job::<Work>::builder("custom").backoff_fn(|a| MS(50) * (a - 1));
+    observe_schedule(backend, "custom", builder, &[MS(50), MS(100), MS(150)]).await;
+}
+
+/// A retry-after delay replaces the backoff.
+pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
+    let h = Harness::new(backend, "retry-after").await;
+    let job = job(&h, "retry-after")
+        .retry(3)
+        .backoff(MS(10), 1.0, MS(10))
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async move {
+                match ctx.attempt() {
+                    1 => Err(JobError::retry_after("rate limited", MS(400))),
+                    _ => Ok(()),
+                }
+            }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    match &events[0].kind {
+        EventKind::Retried {
+            delay,
+            error,
+            shutdown,
+        } => {
+            assert_eq!(*delay, Some(MS(400)));
+            assert!(error.contains("rate limited"), "{error}");
+            assert!(!shutdown);
+        }
+        other => panic!("expected retried, got {other:?}"),
+    }
+    assert!(calls.gaps()[0] >= MS(400), "gap {:?}", calls.gaps());
+    consumer.shutdown().await.unwrap();
+}
+
+/// A retry-after is still subject to the attempt cap.
+pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
+    let h = Harness::new(backend, "retry-after-cap").await;
+    let job = job(&h, "retry-after-cap").retry(2).build().unwrap();
+    let consumer = h.start(
+        registry_with(&job, |_, _| async {
+            Err(JobError::retry_after("busy", MS(20)))
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(h.events.names(), ["retried", "failed"]);
+    assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
+    assert_eq!(last(&events).attempt, 2);
+    consumer.shutdown().await.unwrap();
+}
+
+/// A permanent error fails at once, whatever attempts remain; the cause is kept.
+pub async fn permanent_fails_at_once(backend: &dyn Backend) {
+    let h = Harness::new(backend, "permanent").await;
+    let job = job(&h, "permanent").retry(5).build().unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Err(JobError::permanent("report source deleted")) }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(h.events.names(), ["failed"]);
+    assert_eq!(failure_of(&events[0]), FailureKind::Permanent);
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert!(
+        records[0].reason.contains("report source deleted"),
+        "{}",
+        records[0].reason
+    );
+    consumer.shutdown().await.unwrap();
+    assert_eq!(calls.count(), 1);
+}
+
+/// `Permanent` with no cause is a terminal failure, not a success.
+pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
+    let h = Harness::new(backend, "permanent-bare").await;
+    let job = job(&h, "permanent-bare").retry(5).build().unwrap();
+    let consumer = h.start(
+        registry_with(&job, |_, _| async {
+            Err(Permanent::without_cause().into())
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(failure_of(&events[0]), FailureKind::Permanent);
+    assert_eq!(
+        consumer
+            .registry()
+            .stats()
+            .job("permanent-bare")
+            .succeeded(),
+        0
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// Reject: no facade retry; the backend's own policy decides.
+pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
+    let h = Harness::new(backend, "reject").await;
+    let job = job(&h, "reject").retry(5).build().unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Err(JobError::reject("not for us")) }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "rejected", 1).await;
+    assert_eq!(
+        events[0].kind,
+        EventKind::Rejected {
+            error: "rejected: not for us".into()
+        }
+    );
+    if h.driver.capabilities().reject_drops {
+        tokio::time::sleep(MS(300)).await;
+        assert_eq!(
+            calls.count(),
+            1,
+            "a rejected message is dropped by this backend"
+        );
+        assert_eq!(h.events.names(), ["rejected"]);
+    }
+    assert!(
+        backend.failure_records(&h.queue).await.is_empty(),
+        "reject is not a facade failure"
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// A payload that does not decode fails at once, with the raw body kept and no execution.
+pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backend) {
+    let h = Harness::new(backend, "poison").await;
+    let job = job(&h, "poison").retry(5).build().unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Ok(()) }
+        }),
+        1,
+    );
+    let envelope = Envelope::new("poison", serde_json::json!({"id": "not a number"}));
+    h.producer
+        .send_envelope(&h.queue, &envelope, None)
+        .await
+        .unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(failure_of(&events[0]), FailureKind::UndecodablePayload);
+    assert_eq!(events[0].executions, 0);
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        records[0].raw_body.as_ref().unwrap().to_bytes(),
+        envelope.encode()
+    );
+    assert_eq!(records[0].message_id.as_deref(), Some(envelope.id.as_str()));
+    consumer.shutdown().await.unwrap();
+    assert_eq!(calls.count(), 0);
+}
+
+/// A body that is not an envelope fails with the exact bytes kept.
+pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
+    let h = Harness::new(backend, "malformed").await;
+    let job = job(&h, "malformed").retry(5).build().unwrap();
+    let consumer = h.start(registry_with(&job, |_, _| async { Ok(()) }), 1);
+    let body = vec![0xff, b'{', b'x', 0x00];
+    h.producer
+        .send_raw(&h.queue, "raw-1".into(), body.clone(), None)
+        .await
+        .unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(failure_of(&events[0]), FailureKind::MalformedEnvelope);
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert!(matches!(records[0].raw_body, Some(RawBody::Hex(_))));
+    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
+    consumer.shutdown().await.unwrap();
+}
+
+/// An unknown job name is retried until the delivery count reaches the cap, then fails.
+pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
+    let h = Harness::new(backend, "unknown").await;
+    let job = job(&h, "known").build().unwrap();
+    let mut registry = registry_with(&job, |_, _| async { Ok(()) });
+    registry
+        .unknown_name_attempts(UnknownNameAttempts::limited(3))
+        .unknown_name_retry_delay(MS(50));
+    let consumer = h.start(registry, 1);
+    let envelope = Envelope::new("from-the-future", serde_json::json!({"id": 1}));
+    h.producer
+        .send_envelope(&h.queue, &envelope, None)
+        .await
+        .unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(h.events.names(), ["retried", "retried", "failed"]);
+    assert!(matches!(events[0].kind, EventKind::Retried { delay: Some(d), .. } if d == MS(50)));
+    assert_eq!(failure_of(&events[2]), FailureKind::UnknownName);
+    assert_eq!(events[2].attempt, 3);
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].job.as_deref(), Some("from-the-future"));
+    consumer.shutdown().await.unwrap();
+}
+
+/// A panic is an ordinary error carrying the panic message; the worker survives.
+pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
+    let h = Harness::new(backend, "panic").await;
+    let job = job(&h, "panic").retry(3).build().unwrap();
+    let consumer = h.start(
+        registry_with(&job, |ctx, _| async move {
+            if ctx.attempt() == 1 {
+                panic!("kaboom in handler");
+            }
+            Ok(())
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    match &events[0].kind {
+        EventKind::Retried { error, .. } => {
+            assert!(error.contains("kaboom in handler"), "{error}");
+            assert!(error.contains("panicked"), "{error}");
+        }
+        other => panic!("expected retried, got {other:?}"),
+    }
+    consumer.shutdown().await.unwrap();
+}
+
+/// The timeout is visible as a deadline; returning `Ok` after it still acknowledges.
+pub async fn timeout_deadline_is_visible_and_late_success_acks(backend: &dyn Backend) {
+    let h = Harness::new(backend, "timeout").await;
+    let job = job(&h, "timeout")
+        .retry(2)
+        .timeout(MS(150))
+        .build()
+        .unwrap();
+    let seen = Arc::new(Mutex::new(None));
+    let s = seen.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            let s = s.clone();
+            async move {
+                let remaining = ctx.remaining();
+                tokio::time::sleep(MS(250)).await;
+                *s.lock().unwrap() = Some((remaining, ctx.check_deadline().is_err()));
+                Ok(())
+            }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    let (remaining, expired) = seen.lock().unwrap().expect("handler ran");
+    let remaining = remaining.expect("a deadline is set");
+    assert!(
+        remaining <= MS(150) && remaining > Duration::ZERO,
+        "{remaining:?}"
+    );
+    assert!(expired, "the deadline had passed when the handler returned");
+    assert_eq!(h.events.names(), ["succeeded"]);
+    consumer.shutdown().await.unwrap();
+}
+
+fn cancelled_handler(
+    started: Arc<tokio::sync::Notify>,
+) -> impl Fn(JobContext, Work) -> futures_like::Fut + Send + Sync + 'static {
+    move |ctx, _| {
+        let started = started.clone();
+        Box::pin(async move {
+            started.notify_one();
+            Err(ctx.cancelled().await.into())
+        })
+    }
+}
+
+mod futures_like {
+    pub(super) type Fut =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), queue::JobError>> + Send>>;
+}
+
+/// Shutdown cancels the handler; its cancellation error is a zero-delay retry
+/// and the message is handled by the next worker, attempt count not discounted.
+pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backend) {
+    let h = Harness::new(backend, "shutdown").await;
+    let job = job(&h, "shutdown")
+        .retry(5)
+        .backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
+        .build()
+        .unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    tokio::time::timeout(h.patience, started.notified())
+        .await
+        .expect("handler started");
+    consumer.shutdown().await.unwrap();
+    let events = h.events.all();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        events[0].kind,
+        EventKind::Retried {
+            delay: Some(Duration::ZERO),
+            error: "consumer cancelled".into(),
+            shutdown: true
+        }
+    );
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let next = h
+        .start_on(
+            backend.connect().await,
+            registry_with(&job, move |ctx, _| {
+                c.record(&ctx);
+                async { Ok(()) }
+            }),
+        )
+        .await;
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(
+        calls.attempts(),
+        [2],
+        "the interrupted delivery still counts"
+    );
+    next.shutdown().await.unwrap();
+}
+
+/// The shutdown retry skips the cap, but the count still rises: the next
+/// ordinary failure exhausts it.
+pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
+    let h = Harness::new(backend, "shutdown-cap").await;
+    let job = job(&h, "shutdown-cap").retry(1).build().unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    tokio::time::timeout(h.patience, started.notified())
+        .await
+        .expect("handler started");
+    consumer.shutdown().await.unwrap();
+    assert_eq!(
+        h.events.names(),
+        ["retried"],
+        "at the cap, shutdown still retries"
+    );
+
+    let next = h
+        .start_on(
+            backend.connect().await,
+            registry_with(&job, |_, _| async { Err(JobError::new("still broken")) }),
+        )
+        .await;
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
+    assert_eq!(last(&events).attempt, 2);
+    next.shutdown().await.unwrap();
+}
+
+/// A settlement the backend refuses emits no outcome event and loses nothing.
+pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: &dyn Backend) {
+    let h = Harness::new(backend, "settle-fail").await;
+    let Some(max) = h.driver.capabilities().max_retry_delay else {
+        eprintln!(
+            "skipped: {} accepts any retry delay, so a refused settlement cannot be provoked",
+            h.driver.name()
+        );
+        return;
+    };
+    let job = job(&h, "settle-fail").retry(5).build().unwrap();
+    let too_long = max + Duration::from_secs(1);
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            let n = c.record(&ctx);
+            async move {
+                if n == 1 {
+                    Err(JobError::retry_after("wait too long", too_long))
+                } else {
+                    Ok(())
+                }
+            }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let (event, error) = h.events.wait_settlement_failure(h.patience).await;
+    assert!(matches!(event.kind, EventKind::Retried { .. }), "{event:?}");
+    assert!(error.contains("unsupported"), "{error}");
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(
+        h.events.names(),
+        ["succeeded"],
+        "the refused retry emitted no outcome event"
+    );
+    assert_eq!(
+        consumer
+            .registry()
+            .stats()
+            .job("settle-fail")
+            .settlement_errors,
+        1
+    );
+    assert!(
+        calls.attempts()[1] >= 2,
+        "redelivered: {:?}",
+        calls.attempts()
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// `failed` is emitted only once the failure record has been transferred.
+pub async fn failed_event_follows_the_record(backend: &dyn Backend) {
+    let h = Harness::new(backend, "failed-order").await;
+    let job = job(&h, "failed-order").retry(2).build().unwrap();
+    let consumer = h.start(
+        registry_with(&job, |_, _| async { Err(JobError::new("nope")) }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "failed", 1).await;
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1, "the record exists when `failed` is seen");
+    assert_eq!(h.events.names(), ["retried", "failed"]);
+    consumer.shutdown().await.unwrap();
+}
+
+/// A delayed dispatch is not delivered before its delay, or is refused clearly.
+pub async fn delayed_dispatch(backend: &dyn Backend) {
+    let h = Harness::new(backend, "delayed").await;
+    let job = job(&h, "delayed").build().unwrap();
+    let options = DispatchOptions {
+        delay: Some(MS(300)),
+        ..Default::default()
+    };
+    if !h.driver.capabilities().delayed_dispatch {
+        let err = h
+            .producer
+            .dispatch_with(&job, &Work { id: 1 }, options)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Unsupported);
+        return;
+    }
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Ok(()) }
+        }),
+        1,
+    );
+    let sent = Instant::now();
+    h.producer
+        .dispatch_with(&job, &Work { id: 1 }, options)
+        .await
+        .unwrap();
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    let ran = calls.0.lock().unwrap()[0].2;
+    assert!(ran - sent >= MS(300), "delivered after {:?}", ran - sent);
+    consumer.shutdown().await.unwrap();
+}
+
+/// No more than `concurrency` handlers run at once, and that many do.
+pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
+    let h = Harness::new(backend, "concurrency").await;
+    let job = job(&h, "concurrency").build().unwrap();
+    let active = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (a, p) = (active.clone(), peak.clone());
+    let consumer = h.start(
+        registry_with(&job, move |_, _| {
+            let (a, p) = (a.clone(), p.clone());
+            async move {
+                let now = a.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(MS(100)).await;
+                a.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }),
+        2,
+    );
+    for id in 0..6 {
+        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+    }
+    h.events.wait_count(h.patience, "succeeded", 6).await;
+    assert_eq!(peak.load(Ordering::SeqCst), 2);
+    consumer.shutdown().await.unwrap();
+}
+
+/// Many messages with transient failures: every one ends acknowledged.
+pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
+    let h = Harness::new(backend, "many").await;
+    let job = job(&h, "many").retry(3).build().unwrap();
+    let consumer = h.start(
+        registry_with(&job, |ctx, work| async move {
+            if work.id % 3 == 0 && ctx.attempt() == 1 {
+                Err(JobError::new("first try fails"))
+            } else {
+                Ok(())
+            }
+        }),
+        4,
+    );
+    let mut ids = std::collections::BTreeSet::new();
+    for id in 0..50 {
+        ids.insert(h.producer.dispatch(&job, &Work { id }).await.unwrap());
+    }
+    let events = h.events.wait_count(h.patience * 2, "succeeded", 50).await;
+    let done: std::collections::BTreeSet<_> = events
+        .iter()
+        .filter(|e| e.kind.name() == "succeeded")
+        .map(|e| e.message_id.clone())
+        .collect();
+    assert_eq!(done, ids);
+    assert_eq!(
+        h.events.names().iter().filter(|n| **n == "retried").count(),
+        17
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// An always-failing handler runs exactly N x M times: 3 in-process x 3 deliveries = 9.
+pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
+    let h = Harness::new(backend, "tiers").await;
+    let job = job(&h, "tiers")
+        .retry(3)
+        .tier_one(3)
+        .tier_one_backoff(MS(1), 1.0, MS(1))
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Err(JobError::new("model unavailable")) }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(calls.count(), 9);
+    let seen: Vec<(u32, u32)> = calls.0.lock().unwrap().iter().map(|c| (c.0, c.1)).collect();
+    assert_eq!(
+        seen,
+        [
+            (1, 1),
+            (1, 2),
+            (1, 3),
+            (2, 1),
+            (2, 2),
+            (2, 3),
+            (3, 1),
+            (3, 2),
+            (3, 3)
+        ]
+    );
+    assert_eq!(last(&events).executions, 3);
+    assert_eq!(consumer.registry().stats().job("tiers").executions, 9);
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!((records[0].attempt, records[0].executions), (3, 3));
+    consumer.shutdown().await.unwrap();
+}
+
+/// A success on in-process attempt 2 is acknowledged on the first delivery and counted as tier one.
+pub async fn tier_one_success_is_acked_on_first_delivery(backend: &dyn Backend) {
+    let h = Harness::new(backend, "tier-one").await;
+    let job = job(&h, "tier-one")
+        .retry(3)
+        .tier_one(3)
+        .tier_one_backoff(MS(5), 1.0, MS(5))
+        .build()
+        .unwrap();
+    let consumer = h.start(
+        registry_with(&job, |ctx, _| async move {
+            if ctx.in_process_attempt() == 1 {
+                Err(JobError::new("blip"))
+            } else {
+                Ok(())
+            }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(h.events.names(), ["succeeded"]);
+    assert_eq!(events[0].attempt, 1);
+    assert_eq!(events[0].executions, 2);
+    assert_eq!(
+        events[0].kind,
+        EventKind::Succeeded {
+            resolution: Resolution::TierOne { attempt: 2, of: 3 }
+        }
+    );
+    let stats = consumer.registry().stats().job("tier-one");
+    assert_eq!(
+        (stats.tier_one, stats.first_attempt, stats.tier_two),
+        (1, 0, 0)
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// With the breaker open, tier one is skipped: 3 deliveries cost 3 executions,
+/// and the protected operation ran only until the breaker opened.
+pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
+    let h = Harness::new(backend, "breaker").await;
+    let breaker = CircuitBreaker::new(
+        "upstream",
+        BreakerConfig {
+            failure_threshold: 1,
+            cool_down: Duration::from_secs(3600),
+        },
+    )
+    .unwrap();
+    let job = job(&h, "breaker")
+        .retry(3)
+        .tier_one(3)
+        .tier_one_backoff(MS(1), 1.0, MS(1))
+        .breaker(breaker.clone())
+        .build()
+        .unwrap();
+    let executions = Arc::new(AtomicU32::new(0));
+    let upstream_calls = Arc::new(AtomicU32::new(0));
+    let (e, u, b) = (executions.clone(), upstream_calls.clone(), breaker.clone());
+    let consumer = h.start(
+        registry_with(&job, move |_, _| {
+            let (e, u, b) = (e.clone(), u.clone(), b.clone());
+            async move {
+                e.fetch_add(1, Ordering::SeqCst);
+                b.call(|| async {
+                    u.fetch_add(1, Ordering::SeqCst);
+                    Err::<(), _>(std::io::Error::other("upstream down"))
+                })
+                .await?;
+                Ok(())
+            }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(executions.load(Ordering::SeqCst), 3);
+    assert_eq!(upstream_calls.load(Ordering::SeqCst), 1);
+    assert!(breaker.is_open());
+    consumer.shutdown().await.unwrap();
+}
+
+/// A validation failure is permanent at once and costs no execution.
+pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
+    let h = Harness::new(backend, "validate").await;
+    let job = job(&h, "validate")
+        .retry(3)
+        .tier_one(3)
+        .validate(|w: &Work| {
+            if w.id == 0 {
+                Err("id must be positive".into())
+            } else {
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, _| {
+            c.record(&ctx);
+            async { Ok(()) }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(failure_of(&events[0]), FailureKind::InvalidPayload);
+    assert_eq!(events[0].executions, 0);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(calls.count(), 1, "only the valid message ran");
+    consumer.shutdown().await.unwrap();
+}
+
+/// Shutdown during a tier-one backoff settles as a zero-delay retry.
+pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Backend) {
+    let h = Harness::new(backend, "tier-one-shutdown").await;
+    let job = job(&h, "tier-one-shutdown")
+        .retry(2)
+        .tier_one(3)
+        .tier_one_backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
+        .build()
+        .unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let s = started.clone();
+    let consumer = h.start(
+        registry_with(&job, move |_, _| {
+            s.notify_one();
+            async { Err(JobError::new("blip")) }
+        }),
+        1,
+    );
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    tokio::time::timeout(h.patience, started.notified())
+        .await
+        .expect("handler ran");
+    let begun = Instant::now();
+    consumer.shutdown().await.unwrap();
+    assert!(
+        begun.elapsed() < Duration::from_secs(30),
+        "shutdown did not wait out the backoff"
+    );
+    let events = h.events.all();
+    assert_eq!(events.len(), 1);
+    assert!(
+        matches!(events[0].kind, EventKind::Retried { delay: Some(d), shutdown: true, .. } if d.is_zero()),
+        "{events:?}"
+    );
+    assert_eq!(events[0].executions, 1);
+
+    let next = h
+        .start_on(
+            backend.connect().await,
+            registry_with(&job, |_, _| async { Ok(()) }),
+        )
+        .await;
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(last(&events).attempt, 2);
+    next.shutdown().await.unwrap();
+}

@@ -13,6 +13,7 @@
 //! - [`memory`]: the in-memory backend (feature `memory`, on by default).
 //! - `rabbitmq`: RabbitMQ through lapin (feature `rabbitmq`).
 //! - [`runtime`]: tokio's clock and sleep for the rules.
+//! - [`config`]: operator overrides from `QUEUE_CONFIG` and the environment.
 //!
 //! # Example
 //!
@@ -41,6 +42,7 @@
 //! # }
 //! ```
 
+pub mod config;
 pub mod consumer;
 pub mod driver;
 #[cfg(feature = "memory")]

@@ -1,0 +1,290 @@
+//! The quick start: report jobs with injected failures, on the memory driver
+//! (or RabbitMQ with `--backend rabbitmq`, built with `--features rabbitmq`).
+//!
+//! ```text
+//! cargo run -p queue-native --example quickstart
+//! ```
+//!
+//! It dispatches one report per behaviour of the example report service,
+//! plus a report that fails validation, a poison message and a job name this
+//! worker does not know, prints every outcome as the worker settles it, then
+//! the failure records, then each job's failure budget and which retry tier
+//! resolved its successes.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use queue::budget::human;
+use queue::{
+    failure_budget, Envelope, Event, EventKind, EventSink, FailureRecord, Registry, Resolution,
+    UnknownNameAttempts,
+};
+use queue_native::{Consumer, Driver, Producer};
+use report_job::{Behaviour, BuildReport};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Prints each outcome as it is accepted, and counts terminal ones.
+struct Printer {
+    started: Instant,
+    names: BTreeMap<String, String>,
+    terminal: Mutex<usize>,
+    changed: Notify,
+}
+
+impl Printer {
+    fn label(&self, event: &Event) -> String {
+        self.names
+            .get(&event.message_id)
+            .cloned()
+            .unwrap_or_else(|| "(unreadable message)".into())
+    }
+}
+
+fn plural(n: u32) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+impl EventSink for Printer {
+    fn emit(&self, event: &Event) {
+        let at = self.started.elapsed().as_secs_f32();
+        let what = self.label(event);
+        let x = event.executions;
+        let line = match &event.kind {
+            EventKind::Succeeded { resolution } => {
+                let tier = match resolution {
+                    Resolution::FirstAttempt => "on the first attempt".to_string(),
+                    Resolution::TierOne { attempt, of } => {
+                        format!("in-process, attempt {attempt} of {of} (tier one)")
+                    }
+                    Resolution::TierTwo { delivery, of, .. } => {
+                        format!("on delivery {delivery} of {of} (tier two)")
+                    }
+                };
+                format!("succeeded {tier}; {x} execution{} this delivery", plural(x))
+            }
+            EventKind::Retried { delay, error, .. } => format!(
+                "delivery {} failed after {x} execution{} ({error}); broker retry in {}",
+                event.attempt,
+                plural(x),
+                delay.map_or("driver default".to_string(), |d| human(Some(d)))
+            ),
+            EventKind::Rejected { error } => format!("rejected: {error}"),
+            EventKind::Failed { failure } => format!(
+                "FAILED on delivery {} ({:?}): {}",
+                event.attempt, failure.kind, failure.message
+            ),
+        };
+        println!("  {at:5.2}s  {what:<34} {line}");
+        if matches!(
+            event.kind,
+            EventKind::Succeeded { .. } | EventKind::Failed { .. } | EventKind::Rejected { .. }
+        ) {
+            *self.terminal.lock().unwrap() += 1;
+            self.changed.notify_waiters();
+        }
+    }
+
+    fn settlement_failed(&self, event: &Event, error: &str) {
+        println!(
+            "  settlement of {} refused by the backend: {error}",
+            self.label(event)
+        );
+    }
+}
+
+async fn connect(
+    backend: &str,
+) -> Result<(Arc<dyn Driver>, Option<queue_native::MemoryDriver>), Box<dyn std::error::Error>> {
+    match backend {
+        "memory" => {
+            let memory = queue_native::MemoryDriver::default();
+            Ok((Arc::new(memory.clone()), Some(memory)))
+        }
+        #[cfg(feature = "rabbitmq")]
+        "rabbitmq" => {
+            let url = std::env::var("RABBITMQ_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+            let driver = queue_native::rabbitmq::RabbitDriver::connect(
+                queue_native::rabbitmq::RabbitConfig::new(url),
+            )
+            .await?;
+            Ok((Arc::new(driver), None))
+        }
+        other => Err(format!(
+            "unknown backend `{other}` (use `memory`{})",
+            if cfg!(feature = "rabbitmq") {
+                " or `rabbitmq`"
+            } else {
+                "; build with --features rabbitmq for `rabbitmq`"
+            }
+        )
+        .into()),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+                .unwrap_or_else(|_| "off".into()),
+        )
+        .init();
+    let args: Vec<String> = std::env::args().collect();
+    let backend = args
+        .iter()
+        .position(|a| a == "--backend")
+        .and_then(|i| args.get(i + 1).cloned())
+        .or_else(|| std::env::var("QUEUE_BACKEND").ok())
+        .unwrap_or_else(|| "memory".into());
+    let (driver, memory) = connect(&backend).await?;
+
+    let job = report_job::job()?;
+    let mut registry = Registry::new();
+    registry.register(&job, report_job::handle)?;
+    // Shortened for the demo: an unknown name normally waits 30 s between deliveries, 10 times.
+    registry
+        .unknown_name_attempts(UnknownNameAttempts::limited(2))
+        .unknown_name_retry_delay(Duration::from_millis(500));
+    queue_native::config::apply_env_overrides(&mut registry)?;
+
+    println!(
+        "queue quick start on the {} driver, queue `{}`\n",
+        driver.name(),
+        report_job::QUEUE
+    );
+    let producer = Producer::new(driver.clone());
+    let mut names = BTreeMap::new();
+    let behaviours = [
+        Behaviour::Healthy,
+        Behaviour::Blip,
+        Behaviour::BadHost,
+        Behaviour::RateLimited,
+        Behaviour::Missing,
+        Behaviour::Broken,
+    ];
+    for (i, behaviour) in behaviours.into_iter().enumerate() {
+        let report = BuildReport {
+            report_id: i as u64 + 1,
+            behaviour,
+        };
+        let id = producer.dispatch(&job, &report).await?;
+        names.insert(id, format!("report {} ({behaviour:?})", report.report_id));
+    }
+    let invalid = producer
+        .dispatch(
+            &job,
+            &BuildReport {
+                report_id: 0,
+                behaviour: Behaviour::Healthy,
+            },
+        )
+        .await?;
+    names.insert(invalid, "report 0 (fails validation)".into());
+    let poison = Envelope::new(report_job::NAME, serde_json::json!({"report_id": "seven"}));
+    producer
+        .send_envelope(report_job::QUEUE, &poison, None)
+        .await?;
+    names.insert(poison.id.clone(), "poison payload".into());
+    let unknown = Envelope::new("publish-report", serde_json::json!({"report_id": 1}));
+    producer
+        .send_envelope(report_job::QUEUE, &unknown, None)
+        .await?;
+    names.insert(unknown.id.clone(), "unknown job `publish-report`".into());
+    let total = names.len();
+    println!("dispatched {total} messages; outcomes as the worker settles them:\n");
+
+    let printer = Arc::new(Printer {
+        started: Instant::now(),
+        names,
+        terminal: Mutex::new(0),
+        changed: Notify::new(),
+    });
+    registry.event_sink(printer.clone());
+    let specs: Vec<_> = registry.specs().cloned().collect();
+    let consumer = Consumer::builder(driver.clone(), registry)
+        .concurrency(4)
+        .build()
+        .spawn();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let notified = printer.changed.notified();
+        if *printer.terminal.lock().unwrap() >= total {
+            break;
+        }
+        if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            println!("\ngave up waiting after 60 s");
+            break;
+        }
+    }
+    let registry = consumer.registry().clone();
+    consumer.shutdown().await?;
+
+    if let Some(memory) = &memory {
+        let records: Vec<FailureRecord> = memory.failure_records(report_job::QUEUE);
+        println!("\nfailure records ({}):", records.len());
+        for r in &records {
+            let what = r.job.clone().unwrap_or_else(|| "?".into());
+            println!(
+                "  {:<20} {:<15} delivery {} / {} execution{}: {}",
+                format!("{:?}", r.kind),
+                what,
+                r.attempt,
+                r.executions,
+                plural(r.executions),
+                r.reason
+            );
+        }
+    } else {
+        println!(
+            "\nfailure records were transferred to the `{}` failure queue",
+            report_job::QUEUE
+        );
+    }
+    driver.stop().await?;
+
+    let hint = driver.capabilities().redelivery_hint;
+    println!("\nfailure budget and resolutions per job:");
+    println!(
+        "  {:<14} {:>9} {:>10} {:>10} {:>12} {:>9}  {:>5} {:>8} {:>8} {:>6}",
+        "job",
+        "in-proc N",
+        "deliv. M",
+        "N x M",
+        "worst time",
+        "executed",
+        "first",
+        "tier one",
+        "tier two",
+        "failed"
+    );
+    let stats = registry.stats().snapshot();
+    for spec in &specs {
+        let b = failure_budget(spec, hint);
+        let s = stats.get(&spec.name).cloned().unwrap_or_default();
+        println!(
+            "  {:<14} {:>9} {:>10} {:>10} {:>12} {:>9}  {:>5} {:>8} {:>8} {:>6}",
+            spec.name,
+            b.in_process,
+            b.deliveries.map_or("unlimited".into(), |m| m.to_string()),
+            b.executions.map_or("unbounded".into(), |x| x.to_string()),
+            human(b.time_to_failure()),
+            s.executions,
+            s.first_attempt,
+            s.tier_one,
+            s.tier_two,
+            s.failed,
+        );
+    }
+    println!(
+        "\n(worst time = tier-one waits in every delivery + tier-two delays + N x M x timeout;"
+    );
+    println!(" override depths with QUEUE_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS=2 and friends, or a QUEUE_CONFIG file)");
+    Ok(())
+}

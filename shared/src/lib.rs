@@ -53,6 +53,10 @@
 //! assert_eq!(processed.settlement, Settlement::Retry { delay: Some(Duration::from_secs(2)) });
 //! ```
 
+// On wasm32 the runtime is single-threaded and `MaybeSend` is empty, so shared
+// state held in `Arc` need not be `Send`; one `Arc` type keeps both targets alike.
+#![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
+
 pub mod breaker;
 pub mod budget;
 pub mod cancel;

@@ -984,3 +984,45 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
     assert_eq!(last(&events).attempt, 2);
     next.shutdown().await.unwrap();
 }
+
+/// Shutting a consumer down leaves the messages it had not taken in the queue
+/// for the next consumer.
+pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
+    let h = Harness::new(backend, "backlog").await;
+    let job = job(&h, "backlog").retry(5).build().unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
+    for id in 0..5 {
+        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+    }
+    tokio::time::timeout(h.patience, started.notified())
+        .await
+        .expect("handler started");
+    consumer.shutdown().await.unwrap();
+    assert_eq!(
+        h.events.names(),
+        ["retried"],
+        "only the active delivery was settled"
+    );
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let next = h
+        .start_on(
+            backend.connect().await,
+            registry_with(&job, move |ctx, _| {
+                c.record(&ctx);
+                async { Ok(()) }
+            }),
+        )
+        .await;
+    h.events.wait_count(h.patience, "succeeded", 5).await;
+    let mut attempts = calls.attempts();
+    attempts.sort();
+    assert_eq!(
+        attempts,
+        [1, 1, 1, 1, 2],
+        "four untouched messages and the interrupted one"
+    );
+    next.shutdown().await.unwrap();
+}

@@ -13,7 +13,7 @@
 //! - [`policy`]: the attempt cap and backoff schedule (tier two), tier one.
 //! - [`error`]: handler outcomes as error markers found through the source chain.
 //! - [`envelope`]: the versioned wire format.
-//! - [`settle`]: the decision function, unknown-name and poison rules.
+//! - [`settle`](mod@settle): the decision function, unknown-name and poison rules.
 //! - [`registry`]: handlers by name and the per-delivery pipeline.
 //! - `executor`: tier one, in-process retries inside a delivery.
 //! - [`breaker`]: the circuit breaker per named dependency.

@@ -98,33 +98,55 @@ impl EventSink for Printer {
     }
 }
 
-async fn connect(
-    backend: &str,
-) -> Result<(Arc<dyn Driver>, Option<queue_native::MemoryDriver>), Box<dyn std::error::Error>> {
-    match backend {
-        "memory" => {
-            let memory = queue_native::MemoryDriver::default();
-            Ok((Arc::new(memory.clone()), Some(memory)))
-        }
-        #[cfg(feature = "rabbitmq")]
-        "rabbitmq" => {
-            let url = std::env::var("RABBITMQ_URL")
-                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-            let driver = queue_native::rabbitmq::RabbitDriver::connect(
-                queue_native::rabbitmq::RabbitConfig::new(url),
-            )
-            .await?;
-            Ok((Arc::new(driver), None))
-        }
-        other => Err(format!(
-            "unknown backend `{other}` (use `memory`{})",
-            if cfg!(feature = "rabbitmq") {
-                " or `rabbitmq`"
-            } else {
-                "; build with --features rabbitmq for `rabbitmq`"
+/// The backend the demo runs on, with a way to read its failure records.
+enum Backend {
+    Memory(queue_native::MemoryDriver),
+    #[cfg(feature = "rabbitmq")]
+    Rabbit(queue_native::RabbitDriver),
+}
+
+impl Backend {
+    async fn connect(name: &str) -> Result<Self, Box<dyn std::error::Error>> {
+        match name {
+            "memory" => Ok(Backend::Memory(queue_native::MemoryDriver::default())),
+            #[cfg(feature = "rabbitmq")]
+            "rabbitmq" => {
+                let url = std::env::var("RABBITMQ_URL")
+                    .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+                let config = queue_native::RabbitConfig::new(url);
+                Ok(Backend::Rabbit(
+                    queue_native::RabbitDriver::connect(config).await?,
+                ))
             }
-        )
-        .into()),
+            other => Err(format!(
+                "unknown backend `{other}` (use `memory`{})",
+                if cfg!(feature = "rabbitmq") {
+                    " or `rabbitmq`"
+                } else {
+                    "; build with --features rabbitmq for `rabbitmq`"
+                }
+            )
+            .into()),
+        }
+    }
+
+    fn driver(&self) -> Arc<dyn Driver> {
+        match self {
+            Backend::Memory(d) => Arc::new(d.clone()),
+            #[cfg(feature = "rabbitmq")]
+            Backend::Rabbit(d) => Arc::new(d.clone()),
+        }
+    }
+
+    async fn failure_records(
+        &self,
+        queue: &str,
+    ) -> Result<Vec<FailureRecord>, Box<dyn std::error::Error>> {
+        match self {
+            Backend::Memory(d) => Ok(d.failure_records(queue)),
+            #[cfg(feature = "rabbitmq")]
+            Backend::Rabbit(d) => Ok(d.failure_records(queue).await?),
+        }
     }
 }
 
@@ -143,7 +165,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|i| args.get(i + 1).cloned())
         .or_else(|| std::env::var("QUEUE_BACKEND").ok())
         .unwrap_or_else(|| "memory".into());
-    let (driver, memory) = connect(&backend).await?;
+    let backend = Backend::connect(&backend).await?;
+    let driver = backend.driver();
 
     let job = report_job::job()?;
     let mut registry = Registry::new();
@@ -226,25 +249,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let registry = consumer.registry().clone();
     consumer.shutdown().await?;
 
-    if let Some(memory) = &memory {
-        let records: Vec<FailureRecord> = memory.failure_records(report_job::QUEUE);
-        println!("\nfailure records ({}):", records.len());
-        for r in &records {
-            let what = r.job.clone().unwrap_or_else(|| "?".into());
-            println!(
-                "  {:<20} {:<15} delivery {} / {} execution{}: {}",
-                format!("{:?}", r.kind),
-                what,
-                r.attempt,
-                r.executions,
-                plural(r.executions),
-                r.reason
-            );
-        }
-    } else {
+    // Records of this run only (a broker's failure queue may hold older ones).
+    let records: Vec<FailureRecord> = backend
+        .failure_records(report_job::QUEUE)
+        .await?
+        .into_iter()
+        .filter(|r| {
+            r.message_id
+                .as_ref()
+                .is_none_or(|id| printer.names.contains_key(id))
+        })
+        .collect();
+    println!("\nfailure records ({}):", records.len());
+    for r in &records {
+        let what = r.job.clone().unwrap_or_else(|| "?".into());
         println!(
-            "\nfailure records were transferred to the `{}` failure queue",
-            report_job::QUEUE
+            "  {:<20} {:<15} delivery {} / {} execution{}: {}",
+            format!("{:?}", r.kind),
+            what,
+            r.attempt,
+            r.executions,
+            plural(r.executions),
+            r.reason
         );
     }
     driver.stop().await?;

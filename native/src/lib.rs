@@ -48,6 +48,8 @@ pub mod driver;
 #[cfg(feature = "memory")]
 pub mod memory;
 pub mod producer;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 pub mod runtime;
 
 pub use consumer::{Consumer, ConsumerBuilder, ConsumerHandle};
@@ -55,4 +57,6 @@ pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoin
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};
 pub use producer::{DispatchOptions, Producer};
+#[cfg(feature = "rabbitmq")]
+pub use rabbitmq::{RabbitConfig, RabbitDriver};
 pub use runtime::TokioRuntime;

@@ -297,6 +297,26 @@ impl Registry {
         }
 
         let spec = job.spec();
+        if spec.retry.attempts != 0 && delivery.attempt > spec.retry.attempts {
+            // Earlier deliveries ended without a settlement (a worker that
+            // crashed or was killed mid-job): the cap is spent, so fail
+            // without running the handler again.
+            let failure = Failure {
+                kind: FailureKind::AttemptsExhausted,
+                message: format!(
+                    "delivery {} exceeds the cap of {}: earlier deliveries ended without settlement",
+                    delivery.attempt, spec.retry.attempts
+                ),
+            };
+            return self.finish(
+                delivery,
+                &envelope,
+                Settlement::Fail { failure },
+                0,
+                None,
+                None,
+            );
+        }
         let parts = ContextParts {
             job: envelope.job.clone(),
             queue: delivery.queue.to_string(),
@@ -337,6 +357,25 @@ impl Registry {
             Some(resolution),
             error,
         )
+    }
+
+    /// A delivery the consumer will not run now (the edge's invocation budget
+    /// ran low before it started): a zero-delay retry without execution,
+    /// reported like the shutdown rule. The backend still counts the delivery.
+    pub fn defer(&self, delivery: Delivery<'_>, reason: &str) -> Processed {
+        let envelope = Envelope::decode(delivery.body).ok();
+        let kind = EventKind::Retried {
+            delay: Some(Duration::ZERO),
+            error: reason.to_string(),
+            shutdown: true,
+        };
+        Processed {
+            event: self.event(delivery, envelope.as_ref(), 0, kind),
+            settlement: Settlement::Retry {
+                delay: Some(Duration::ZERO),
+            },
+            record: None,
+        }
     }
 
     fn fail_early(

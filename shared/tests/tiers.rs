@@ -363,3 +363,49 @@ fn each_execution_sees_its_own_timeout_capped_by_the_delivery_deadline() {
     s.deliver_with(&body(1), 1, runtime, &CancelToken::new(), None);
     assert_eq!(seen.lock().unwrap()[2], Some(MS(100)));
 }
+
+#[test]
+fn deferred_deliveries_retry_at_once_without_running() {
+    let s = setup(three_by_three(), |_, _| Ok(()));
+    let body = body(4);
+    let p = s.registry.defer(
+        Delivery {
+            queue: "q",
+            body: &body,
+            attempt: 1,
+            deadline: None,
+        },
+        "budget exhausted",
+    );
+    assert_eq!(
+        p.settlement,
+        Settlement::Retry {
+            delay: Some(Duration::ZERO)
+        }
+    );
+    assert_eq!(p.executions(), 0);
+    assert_eq!(p.event.job, "work");
+    assert!(matches!(
+        p.event.kind,
+        queue::EventKind::Retried { shutdown: true, .. }
+    ));
+    assert_eq!(s.executions(), 0);
+}
+
+#[test]
+fn a_delivery_past_the_cap_fails_without_running() {
+    // Deliveries 1..=3 each killed the worker before settling; the fourth
+    // arrives above the cap of 3.
+    let s = setup(three_by_three(), |_, _| Ok(()));
+    let p = s.deliver(&body(1), 4);
+    assert!(
+        matches!(&p.settlement, Settlement::Fail { failure } if failure.kind == FailureKind::AttemptsExhausted)
+    );
+    assert_eq!(s.executions(), 0);
+    assert!(p.record.is_some());
+    assert_eq!(
+        s.deliver(&body(1), 3).settlement,
+        Settlement::Ack,
+        "the last allowed delivery still runs"
+    );
+}

@@ -123,7 +123,9 @@ pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
                 }
             }
         }),
-        2,
+        // One at a time: with two slots a zero-delay retry can be redelivered
+        // and settled before the first retry's event is emitted.
+        1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;

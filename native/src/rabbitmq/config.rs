@@ -1,0 +1,234 @@
+//! Settings for the RabbitMQ driver.
+
+use std::fmt;
+use std::time::Duration;
+
+use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
+
+use super::{config_error, DEFAULT_DELAY_BUCKETS};
+use crate::driver::DriverError;
+
+/// Settings for [`RabbitDriver`](super::RabbitDriver).
+///
+/// `Debug` never shows the password in [`url`](Self::url).
+#[derive(Clone)]
+pub struct RabbitConfig {
+    /// `amqp://user:password@host:port/vhost` (or `amqps://` with the
+    /// `rabbitmq-tls` feature). The vhost `/` is written `%2f`.
+    pub url: String,
+    /// The delay buckets: one hold queue per bucket and work queue, created
+    /// when first used. A retry delay rounds up to the next bucket; a delay
+    /// above the largest is refused ([`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported)).
+    /// Sorted and deduplicated by [`RabbitDriver::new`](super::RabbitDriver::new);
+    /// each bucket must be a whole number of milliseconds between 1 ms and
+    /// `u32::MAX` ms.
+    pub delay_buckets: Vec<Duration>,
+    /// The failure queue for a work queue, `{queue}` replaced by the work
+    /// queue's name (default `{queue}.failed`). `None`: terminal failures are
+    /// rejected without requeue and logged at error level.
+    pub failure_queue: Option<String>,
+    /// How long to wait for a publisher confirm before the outcome is
+    /// reported as uncertain.
+    pub confirm_timeout: Duration,
+    /// Bound on every other broker round trip (connect, declare, ack...).
+    pub operation_timeout: Duration,
+    /// Longest wait between reconnection attempts of a subscription.
+    pub max_reconnect_backoff: Duration,
+    /// `x-delivery-limit` set on work queues. `None` (default, recommended):
+    /// none, so the broker never drops a message on its own (RabbitMQ 3.x
+    /// quorum queues have no default limit).
+    pub delivery_limit: Option<u32>,
+    /// The largest attempt cap of any job (and of the unknown-name rule)
+    /// consumed through this driver. A [`delivery_limit`](Self::delivery_limit)
+    /// below it is refused, since the broker would drop a message before the
+    /// facade's cap. Default: the unknown-name cap, 10.
+    pub largest_attempt_cap: u32,
+    /// The connection name shown by the broker (`rabbitmqctl list_connections name`).
+    pub connection_name: String,
+}
+
+impl RabbitConfig {
+    /// Defaults for `url`: the default bucket ladder, `{queue}.failed`.
+    pub fn new(url: impl Into<String>) -> Self {
+        RabbitConfig {
+            url: url.into(),
+            delay_buckets: DEFAULT_DELAY_BUCKETS
+                .iter()
+                .map(|s| Duration::from_secs(*s))
+                .collect(),
+            failure_queue: Some("{queue}.failed".into()),
+            confirm_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(10),
+            max_reconnect_backoff: Duration::from_secs(5),
+            delivery_limit: None,
+            largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
+            connection_name: "queue-native".into(),
+        }
+    }
+
+    /// Replaces the delay buckets.
+    pub fn delay_buckets(mut self, buckets: impl IntoIterator<Item = Duration>) -> Self {
+        self.delay_buckets = buckets.into_iter().collect();
+        self
+    }
+
+    /// Replaces the failure queue pattern (`None`: no failure queue).
+    pub fn failure_queue(mut self, pattern: Option<&str>) -> Self {
+        self.failure_queue = pattern.map(str::to_string);
+        self
+    }
+
+    /// The URL with its password replaced by `***`.
+    pub fn redacted_url(&self) -> String {
+        redact(&self.url)
+    }
+
+    pub(super) fn validate(&mut self) -> Result<(), DriverError> {
+        let scheme = self
+            .url
+            .split("://")
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        match scheme.as_str() {
+            "amqp" => {}
+            "amqps" if cfg!(feature = "rabbitmq-tls") => {}
+            "amqps" => {
+                return Err(config_error(format!(
+                    "`{}` needs TLS: enable the `rabbitmq-tls` feature of queue-native",
+                    self.redacted_url()
+                )))
+            }
+            _ => {
+                return Err(config_error(format!(
+                    "`{}` is not an amqp:// or amqps:// URL",
+                    self.redacted_url()
+                )))
+            }
+        }
+        self.url.parse::<lapin::uri::AMQPUri>().map_err(|e| {
+            // The parser's message may quote the URL: do not pass it on.
+            let _ = e;
+            config_error(format!("`{}` is not a valid AMQP URL", self.redacted_url()))
+        })?;
+        if self.delay_buckets.is_empty() {
+            return Err(config_error("at least one delay bucket is required"));
+        }
+        self.delay_buckets.sort();
+        self.delay_buckets.dedup();
+        for bucket in &self.delay_buckets {
+            if bucket.is_zero()
+                || bucket.subsec_nanos() % 1_000_000 != 0
+                || bucket.as_millis() > u128::from(u32::MAX)
+            {
+                return Err(config_error(format!(
+                    "delay bucket {bucket:?} must be a whole number of milliseconds between 1 ms and {} ms",
+                    u32::MAX
+                )));
+            }
+        }
+        if let Some(pattern) = &self.failure_queue {
+            if !pattern.contains("{queue}") {
+                return Err(config_error(format!(
+                    "failure queue pattern `{pattern}` must contain `{{queue}}` (one failure queue per work queue)"
+                )));
+            }
+        }
+        if let Some(limit) = self.delivery_limit {
+            if limit < self.largest_attempt_cap {
+                return Err(config_error(format!(
+                    "x-delivery-limit {limit} is below the largest attempt cap {}: the broker would drop \
+                     messages before the facade's cap; raise it or leave it unset",
+                    self.largest_attempt_cap
+                )));
+            }
+        }
+        if self.confirm_timeout.is_zero() || self.operation_timeout.is_zero() {
+            return Err(config_error("timeouts must be positive"));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("url", &self.redacted_url())
+            .field("delay_buckets", &self.delay_buckets)
+            .field("failure_queue", &self.failure_queue)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("max_reconnect_backoff", &self.max_reconnect_backoff)
+            .field("delivery_limit", &self.delivery_limit)
+            .field("largest_attempt_cap", &self.largest_attempt_cap)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+/// `scheme://user:secret@host/...` -> `scheme://user:***@host/...`.
+pub(super) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparseable URL>".into();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}{tail}")
+            } else {
+                format!("{scheme}://{user}@{host}{tail}")
+            }
+        }
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact("amqps://u:p@ss@host"), "amqps://u:***@host");
+        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+        let config = RabbitConfig::new("amqp://guest:s3cret@localhost/%2f");
+        assert!(!format!("{config:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn validation() {
+        let mut c = RabbitConfig::new("amqp://guest:guest@localhost/%2f").delay_buckets([
+            Duration::from_secs(5),
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+        ]);
+        c.validate().unwrap();
+        assert_eq!(
+            c.delay_buckets,
+            [Duration::from_secs(1), Duration::from_secs(5)]
+        );
+        let mut c = RabbitConfig {
+            delivery_limit: Some(3),
+            ..RabbitConfig::new("amqp://localhost")
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("x-delivery-limit"));
+        let mut c = RabbitConfig::new("http://localhost");
+        assert!(c.validate().is_err());
+        let mut c = RabbitConfig::new("amqp://localhost").delay_buckets([]);
+        assert!(c.validate().is_err());
+        let mut c =
+            RabbitConfig::new("amqp://localhost").delay_buckets([Duration::from_micros(1500)]);
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,416 @@
+//! Subscriptions and deliveries.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel};
+use queue::{FailureRecord, Settlement};
+use tracing::{error, warn};
+
+use super::{bounded, error, RabbitDriver, ATTEMPTS_HEADER};
+use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+pub(super) struct RabbitSubscription {
+    driver: RabbitDriver,
+    queue: String,
+    prefetch: u16,
+    current: Option<(Channel, lapin::Consumer)>,
+    backoff: Duration,
+}
+
+impl RabbitSubscription {
+    pub(super) fn new(driver: RabbitDriver, queue: &str, prefetch: usize) -> Self {
+        RabbitSubscription {
+            driver,
+            queue: queue.to_string(),
+            prefetch: prefetch.clamp(1, usize::from(u16::MAX)) as u16,
+            current: None,
+            backoff: FIRST_BACKOFF,
+        }
+    }
+
+    /// Opens a channel with the prefetch and starts consuming.
+    ///
+    /// Cancel-safe: if dropped midway, the channel (and any consumer on it)
+    /// is dropped, which closes it, and the broker requeues whatever it sent.
+    pub(super) async fn open(&mut self) -> Result<(), DriverError> {
+        self.current = None;
+        let driver = &self.driver;
+        driver.declare_work(&self.queue).await?;
+        let connection = driver.connection().await?;
+        let limit = driver.inner.config.operation_timeout;
+        let channel = bounded(
+            limit,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await?;
+        bounded(
+            limit,
+            "basic.qos",
+            ErrorKind::Connection,
+            channel.basic_qos(self.prefetch, BasicQosOptions::default()),
+        )
+        .await?;
+        let consumer = bounded(
+            limit,
+            &format!("consuming `{}`", self.queue),
+            ErrorKind::Connection,
+            channel.basic_consume(
+                &self.queue,
+                "",
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+        self.current = Some((channel, consumer));
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Subscription for RabbitSubscription {
+    async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
+        let mut stopped = self.driver.inner.stopped.subscribe();
+        loop {
+            if *stopped.borrow_and_update() {
+                self.current = None;
+                return None;
+            }
+            let Some((channel, consumer)) = self.current.as_mut() else {
+                match self.open().await {
+                    Ok(()) => {
+                        self.backoff = FIRST_BACKOFF;
+                        continue;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Stopped => return None,
+                    Err(e) => {
+                        let wait = self.backoff;
+                        self.backoff = (self.backoff * 2).min(
+                            self.driver
+                                .inner
+                                .config
+                                .max_reconnect_backoff
+                                .max(FIRST_BACKOFF),
+                        );
+                        warn!(queue = %self.queue, "cannot resume consuming, retrying in {wait:?}: {e}");
+                        if e.kind() == ErrorKind::Config {
+                            // Someone changed the topology under us: say so to the consumer too.
+                            tokio::time::sleep(wait).await;
+                            return Some(Err(e));
+                        }
+                        tokio::select! {
+                            _ = stopped.changed() => {}
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                        continue;
+                    }
+                }
+            };
+            let item = tokio::select! {
+                _ = stopped.changed() => continue,
+                item = consumer.next() => item,
+            };
+            match item {
+                Some(Ok(delivery)) => {
+                    let attempt = attempt_of(&delivery.properties);
+                    return Some(Ok(Box::new(RabbitDelivery {
+                        driver: self.driver.clone(),
+                        queue: self.queue.clone(),
+                        channel: channel.clone(),
+                        tag: delivery.delivery_tag,
+                        message_id: delivery
+                            .properties
+                            .message_id()
+                            .as_ref()
+                            .map(|id| id.to_string()),
+                        body: delivery.data,
+                        attempt,
+                        settled: false,
+                    })));
+                }
+                Some(Err(e)) => {
+                    warn!(queue = %self.queue, "consumer failed, reconnecting: {e}");
+                    self.current = None;
+                }
+                None => {
+                    warn!(queue = %self.queue, "consumer ended (channel closed or consumer cancelled), reconnecting");
+                    self.current = None;
+                }
+            }
+        }
+    }
+}
+
+fn as_count(value: &AMQPValue) -> Option<u64> {
+    match value {
+        AMQPValue::ShortShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::ShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::Timestamp(v) => Some(*v),
+        _ => None,
+    }
+}
+
+/// `x-queue-attempts + x-delivery-count + 1`, saturating.
+fn attempt_of(properties: &BasicProperties) -> u32 {
+    let header = |name: &str| {
+        properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(name))
+            .and_then(as_count)
+            .unwrap_or(0)
+    };
+    let attempt = header(ATTEMPTS_HEADER)
+        .saturating_add(header("x-delivery-count"))
+        .saturating_add(1);
+    u32::try_from(attempt).unwrap_or(u32::MAX)
+}
+
+struct RabbitDelivery {
+    driver: RabbitDriver,
+    queue: String,
+    /// The channel the delivery came on: its tag means nothing elsewhere.
+    channel: Channel,
+    tag: u64,
+    message_id: Option<String>,
+    body: Vec<u8>,
+    attempt: u32,
+    settled: bool,
+}
+
+impl RabbitDelivery {
+    fn channel_gone(&self) -> DriverError {
+        error(
+            ErrorKind::Connection,
+            format!(
+                "the channel this delivery came on is gone; the broker returns the message to `{}` \
+                 (it is redelivered with a higher attempt count)",
+                self.queue
+            ),
+        )
+    }
+
+    fn check_channel(&self) -> Result<(), DriverError> {
+        if self.channel.status().connected() {
+            Ok(())
+        } else {
+            Err(self.channel_gone())
+        }
+    }
+
+    async fn ack(&mut self) -> Result<(), DriverError> {
+        self.check_channel()?;
+        let limit = self.driver.inner.config.operation_timeout;
+        self.settled = true;
+        bounded(
+            limit,
+            "basic.ack",
+            ErrorKind::Connection,
+            self.channel.basic_ack(self.tag, BasicAckOptions::default()),
+        )
+        .await
+    }
+
+    async fn reject(&mut self) -> Result<(), DriverError> {
+        self.check_channel()?;
+        let limit = self.driver.inner.config.operation_timeout;
+        self.settled = true;
+        bounded(
+            limit,
+            "basic.reject",
+            ErrorKind::Connection,
+            self.channel
+                .basic_reject(self.tag, BasicRejectOptions { requeue: false }),
+        )
+        .await
+    }
+
+    async fn requeue(&mut self) -> Result<(), DriverError> {
+        self.check_channel()?;
+        let limit = self.driver.inner.config.operation_timeout;
+        self.settled = true;
+        bounded(
+            limit,
+            "basic.nack",
+            ErrorKind::Connection,
+            self.channel.basic_nack(
+                self.tag,
+                BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                },
+            ),
+        )
+        .await
+    }
+
+    async fn forward(&mut self, delay: Option<Duration>) -> Result<(), DriverError> {
+        let target = match self.driver.route_for_delay(&self.queue, delay).await {
+            Ok(target) => target,
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                // Keep the message: back to the queue, counted as a delivery.
+                if let Err(requeue) = self.requeue().await {
+                    warn!(queue = %self.queue, "could not requeue after a refused retry: {requeue}");
+                }
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        let properties = RabbitDriver::properties(self.message_id.as_deref(), self.attempt);
+        self.driver.publish(&target, &self.body, properties).await?;
+        self.ack().await
+    }
+
+    async fn fail(
+        &mut self,
+        settlement_reason: &str,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
+        match self.driver.failure_queue_name(&self.queue) {
+            Some(failed) => {
+                let Some(record) = record else {
+                    return Err(error(
+                        ErrorKind::NotAccepted,
+                        format!("terminal failure without a record: {settlement_reason}"),
+                    ));
+                };
+                self.driver
+                    .declare(&failed, super::Role::Failure, &self.queue)
+                    .await?;
+                let properties = BasicProperties::default()
+                    .with_content_type("application/json".into())
+                    .with_message_id(self.message_id.clone().unwrap_or_default().into());
+                self.driver
+                    .publish(&failed, &record.encode(), properties)
+                    .await?;
+                self.ack().await
+            }
+            None => {
+                self.reject().await?;
+                error!(
+                    queue = %self.queue,
+                    message_id = self.message_id.as_deref().unwrap_or(""),
+                    attempt = self.attempt,
+                    "terminal failure, no failure queue configured; message rejected: {settlement_reason}"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for RabbitDelivery {
+    /// Unsettled: return the message to the queue now rather than when the
+    /// channel closes.
+    fn drop(&mut self) {
+        if self.settled || !self.channel.status().connected() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let channel = self.channel.clone();
+            let tag = self.tag;
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    channel.basic_nack(
+                        tag,
+                        BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        },
+                    ),
+                )
+                .await;
+            });
+        }
+    }
+}
+
+#[async_trait]
+impl Delivery for RabbitDelivery {
+    fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    async fn settle(
+        mut self: Box<Self>,
+        settlement: &Settlement,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
+        if self.driver.is_stopped() {
+            return Err(error(
+                ErrorKind::Stopped,
+                "the rabbitmq driver has been stopped; the broker returns the message to its queue",
+            ));
+        }
+        self.check_channel()?;
+        match settlement {
+            Settlement::Ack => self.ack().await,
+            Settlement::Reject => self.reject().await,
+            Settlement::Retry { delay } => self.forward(*delay).await,
+            Settlement::Fail { failure } => self.fail(&failure.message, record).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempts_combine_header_and_delivery_count() {
+        let with = |pairs: &[(&str, AMQPValue)]| {
+            let mut headers = FieldTable::default();
+            for (k, v) in pairs {
+                headers.insert((*k).into(), v.clone());
+            }
+            BasicProperties::default().with_headers(headers)
+        };
+        assert_eq!(attempt_of(&BasicProperties::default()), 1);
+        assert_eq!(
+            attempt_of(&with(&[("x-delivery-count", AMQPValue::LongLongInt(2))])),
+            3
+        );
+        assert_eq!(
+            attempt_of(&with(&[(ATTEMPTS_HEADER, AMQPValue::LongLongInt(4))])),
+            5
+        );
+        assert_eq!(
+            attempt_of(&with(&[
+                (ATTEMPTS_HEADER, AMQPValue::LongInt(4)),
+                ("x-delivery-count", AMQPValue::LongLongInt(1))
+            ])),
+            6
+        );
+        assert_eq!(
+            attempt_of(&with(&[(
+                ATTEMPTS_HEADER,
+                AMQPValue::LongLongInt(i64::MAX)
+            )])),
+            u32::MAX
+        );
+        assert_eq!(
+            attempt_of(&with(&[(ATTEMPTS_HEADER, AMQPValue::LongLongInt(-5))])),
+            1
+        );
+    }
+}

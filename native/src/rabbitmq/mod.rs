@@ -1,0 +1,765 @@
+//! The RabbitMQ driver (feature `rabbitmq`), on lapin with tokio.
+//!
+//! # Topology
+//!
+//! For a work queue `Q` the driver declares, idempotently and durably:
+//!
+//! - `Q`: a quorum queue, so the broker counts redeliveries in
+//!   `x-delivery-count`. No `x-delivery-limit` unless configured (see below).
+//! - `Q.hold.<ms>ms`, one per delay bucket, created on first use: a quorum
+//!   queue with `x-message-ttl = <ms>`, `x-dead-letter-exchange = ""`,
+//!   `x-dead-letter-routing-key = Q`, `x-dead-letter-strategy = at-least-once`
+//!   and `x-overflow = reject-publish`. A retried message waits there and is
+//!   dead-lettered back to `Q` when its TTL expires.
+//! - the failure queue (default `Q.failed`, a quorum queue), if configured.
+//!
+//! Declarations are active declares on a throwaway channel: if a queue exists
+//! with different arguments the broker refuses (`PRECONDITION_FAILED`, which
+//! closes that channel only) and the driver reports [`ErrorKind::Config`]
+//! naming the queue, rather than using a queue that behaves differently.
+//! Work and failure queues are declared on the first `send` or `subscribe`;
+//! hold queues when a delay first needs them.
+//!
+//! # Publishing
+//!
+//! Every publish the driver makes (dispatch, retry forwarding, failure
+//! transfer) is persistent (`delivery_mode = 2`), `mandatory`, on a channel in
+//! confirm mode, and waits for the broker's confirm. A dispatch that fails
+//! before anything was sent, is nacked, or is returned as unroutable is
+//! [`ErrorKind::NotAccepted`]; one whose connection is lost after sending or
+//! whose confirm does not arrive within
+//! [`confirm_timeout`](RabbitConfig::confirm_timeout) is
+//! [`ErrorKind::Uncertain`].
+//!
+//! # Attempts
+//!
+//! Each republish carries the header [`ATTEMPTS_HEADER`] (`x-queue-attempts`):
+//! the number of deliveries the message consumed before that publish. The
+//! broker adds `x-delivery-count` (quorum queues; absent on a first delivery)
+//! for returns since the publish, including those caused by a crashed worker
+//! or a lost connection. The reported attempt is
+//! `x-queue-attempts + x-delivery-count + 1`, so a message that kills its
+//! worker is still counted.
+//!
+//! # Retries and delays
+//!
+//! A retry with no (or zero) delay republishes to `Q` with the incremented
+//! header; a retry with a delay republishes to the hold queue of the smallest
+//! bucket at least as long as the delay (rounding up, never down). Either way
+//! the original is acked only after the copy is confirmed. A delay above the
+//! largest bucket is refused with [`ErrorKind::Unsupported`] and the original
+//! is returned to the queue (`basic.nack` with requeue), so nothing is lost;
+//! it is redelivered with a higher attempt count. A delayed dispatch uses
+//! the same hold queues. Default buckets: 1 s, 5 s, 10 s, 30 s, 1 min, 5 min,
+//! 15 min, 30 min, 1 h, 3 h, 6 h, 12 h, 24 h.
+//!
+//! ## What at-least-once dead-lettering guarantees
+//!
+//! With `x-dead-letter-strategy = at-least-once` (RabbitMQ 3.10+, quorum
+//! source queue, requires `x-overflow = reject-publish` and the `stream_queue`
+//! feature flag), the hold queue keeps an expired message until the work
+//! queue has confirmed it, so the transfer survives a broker restart or a
+//! failing node: a message is forwarded at least once. It does not
+//! guarantee:
+//!
+//! - exactly once: a crash during the transfer can deliver a duplicate;
+//! - timing: an expired message is forwarded only once it reaches the head of
+//!   its hold queue (all messages of one bucket share one TTL, so this is FIFO),
+//!   and while `Q` is unavailable (deleted, over a length limit) the message
+//!   stays in the hold queue until it can be delivered;
+//! - anything on brokers older than 3.10 or with the `stream_queue` feature
+//!   flag disabled, where the broker silently falls back to at-most-once
+//!   dead-lettering (a message can be lost if the broker fails mid-transfer).
+//!
+//! The retry copy and the ack of the original are not atomic: a crash between
+//! them duplicates the message (at-least-once), never loses it. The same holds
+//! for the failure record and the ack of the failed message.
+//!
+//! # Reject and terminal failure
+//!
+//! Reject is `basic.reject` without requeue (the work queue has no
+//! dead-letter exchange: the message is dropped). Terminal failure publishes
+//! [`FailureRecord::encode`] to the failure queue with a confirm, then acks;
+//! with no failure queue configured it rejects without requeue and logs the
+//! record's reason at error level.
+//!
+//! # The broker's delivery limit
+//!
+//! RabbitMQ 3.x quorum queues have no default `x-delivery-limit`, and the
+//! driver sets none, so the broker never drops a message before the
+//! facade's cap. If [`delivery_limit`](RabbitConfig::delivery_limit) is set
+//! it must be at least [`largest_attempt_cap`](RabbitConfig::largest_attempt_cap),
+//! otherwise the driver refuses to start. (RabbitMQ 4.0 introduced a default
+//! limit of 20: set `delivery_limit` explicitly above your caps there, and
+//! note that a work queue declared by an older version keeps its arguments.)
+//!
+//! # Consumption and connection loss
+//!
+//! A subscription opens its own channel with `basic.qos(prefetch)` and
+//! consumes `Q`. Unsettled deliveries stay unacked; if the connection or
+//! channel is lost the broker returns them to the queue (raising
+//! `x-delivery-count`). The subscription then reconnects by itself with
+//! exponential backoff (100 ms up to
+//! [`max_reconnect_backoff`](RabbitConfig::max_reconnect_backoff)) and resumes
+//! consuming; its `next()` returns `None` only once the driver is stopped.
+//! A delivery remembers its channel: settling it after that channel is gone
+//! fails with [`ErrorKind::Connection`] and is never retried on a new channel
+//! (the broker has already requeued it). Dropping a delivery unsettled
+//! returns it to the queue (`basic.nack` with requeue).
+//!
+//! # Connection settings
+//!
+//! One connection per driver (re-established on demand), from
+//! [`RabbitConfig::url`]: `amqp://`, or `amqps://` with the `rabbitmq-tls`
+//! feature. The password never appears in `Debug` output, errors or logs.
+
+mod config;
+mod delivery;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::protocol::AMQPErrorKind;
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use queue::FailureRecord;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+pub use config::RabbitConfig;
+use delivery::RabbitSubscription;
+
+use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
+
+const NAME: &str = "rabbitmq";
+
+/// The header carrying the deliveries a message consumed before its latest
+/// publish.
+pub const ATTEMPTS_HEADER: &str = "x-queue-attempts";
+
+/// The default delay buckets, in seconds.
+pub const DEFAULT_DELAY_BUCKETS: &[u64] = &[
+    1,
+    5,
+    10,
+    30,
+    60,
+    300,
+    900,
+    1800,
+    3600,
+    3 * 3600,
+    6 * 3600,
+    12 * 3600,
+    24 * 3600,
+];
+
+fn config_error(message: impl Into<String>) -> DriverError {
+    DriverError::new(NAME, ErrorKind::Config, message.into())
+}
+
+fn error(kind: ErrorKind, message: impl Into<String>) -> DriverError {
+    DriverError::new(NAME, kind, message.into())
+}
+
+/// A broker round trip bounded by `limit`; a timeout is `kind`.
+async fn bounded<T>(
+    limit: Duration,
+    what: &str,
+    kind: ErrorKind,
+    fut: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, DriverError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(error(kind, format!("{what}: {e}"))),
+        Err(_) => Err(error(kind, format!("{what}: no answer within {limit:?}"))),
+    }
+}
+
+struct Link {
+    connection: Arc<Connection>,
+    publisher: Option<Channel>,
+}
+
+pub(crate) struct Inner {
+    config: RabbitConfig,
+    link: tokio::sync::Mutex<Option<Link>>,
+    declared: Mutex<HashSet<String>>,
+    known: Mutex<HashSet<String>>,
+    stopped: watch::Sender<bool>,
+}
+
+/// The RabbitMQ driver. Clones share one connection.
+///
+/// See the [module documentation](self) for the topology and guarantees.
+#[derive(Clone)]
+pub struct RabbitDriver {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RabbitDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitDriver")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which kind of queue a name is, for its arguments.
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    Work,
+    Hold(Duration),
+    Failure,
+}
+
+impl RabbitDriver {
+    /// A driver with `config`; connects on first use. Fails with
+    /// [`ErrorKind::Config`] on an invalid configuration.
+    pub fn new(mut config: RabbitConfig) -> Result<Self, DriverError> {
+        config.validate()?;
+        let (stopped, _) = watch::channel(false);
+        Ok(RabbitDriver {
+            inner: Arc::new(Inner {
+                config,
+                link: tokio::sync::Mutex::new(None),
+                declared: Mutex::default(),
+                known: Mutex::default(),
+                stopped,
+            }),
+        })
+    }
+
+    /// A driver with `config`, connected now (so a wrong URL or credentials
+    /// fail here, as [`ErrorKind::Connection`]).
+    pub async fn connect(config: RabbitConfig) -> Result<Self, DriverError> {
+        let driver = Self::new(config)?;
+        driver.connection().await?;
+        Ok(driver)
+    }
+
+    /// The configuration in force (buckets sorted).
+    pub fn config(&self) -> &RabbitConfig {
+        &self.inner.config
+    }
+
+    /// The bucket a delay rounds up to; `None` above the largest bucket.
+    pub fn bucket_for(&self, delay: Duration) -> Option<Duration> {
+        self.inner
+            .config
+            .delay_buckets
+            .iter()
+            .copied()
+            .find(|b| *b >= delay)
+    }
+
+    /// The hold queue of `queue` for `bucket`.
+    pub fn hold_queue_name(queue: &str, bucket: Duration) -> String {
+        format!("{queue}.hold.{}ms", bucket.as_millis())
+    }
+
+    /// The failure queue of `queue`, if failure queues are configured.
+    pub fn failure_queue_name(&self, queue: &str) -> Option<String> {
+        self.inner
+            .config
+            .failure_queue
+            .as_ref()
+            .map(|p| p.replace("{queue}", queue))
+    }
+
+    fn lock_set(set: &Mutex<HashSet<String>>) -> MutexGuard<'_, HashSet<String>> {
+        set.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.inner.stopped.borrow()
+    }
+
+    fn check_running(&self) -> Result<(), DriverError> {
+        if self.is_stopped() {
+            Err(error(
+                ErrorKind::Stopped,
+                "the rabbitmq driver has been stopped",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The live connection, reconnecting if it was lost.
+    async fn connection(&self) -> Result<Arc<Connection>, DriverError> {
+        let mut link = self.inner.link.lock().await;
+        self.check_running()?;
+        if let Some(link) = link.as_ref() {
+            if link.connection.status().connected() {
+                return Ok(link.connection.clone());
+            }
+        }
+        let config = &self.inner.config;
+        let properties = ConnectionProperties::default()
+            .with_executor(tokio_executor_trait::Tokio::current())
+            .with_reactor(tokio_reactor_trait::Tokio)
+            .with_connection_name(LongString::from(config.connection_name.clone()));
+        let connection = match tokio::time::timeout(
+            config.operation_timeout,
+            Connection::connect(&config.url, properties),
+        )
+        .await
+        {
+            Ok(Ok(connection)) => Arc::new(connection),
+            Ok(Err(e)) => {
+                return Err(error(
+                    ErrorKind::Connection,
+                    format!("cannot connect to {}: {e}", config.redacted_url()),
+                ))
+            }
+            Err(_) => {
+                return Err(error(
+                    ErrorKind::Connection,
+                    format!(
+                        "cannot connect to {}: no answer within {:?}",
+                        config.redacted_url(),
+                        config.operation_timeout
+                    ),
+                ))
+            }
+        };
+        info!(url = %config.redacted_url(), "connected to RabbitMQ");
+        // Queues may have been deleted while we were away: declare again.
+        Self::lock_set(&self.inner.declared).clear();
+        *link = Some(Link {
+            connection: connection.clone(),
+            publisher: None,
+        });
+        Ok(connection)
+    }
+
+    /// A channel in confirm mode for publishing, shared by the driver.
+    async fn publisher(&self) -> Result<Channel, DriverError> {
+        let connection = self.connection().await?;
+        let mut link = self.inner.link.lock().await;
+        let Some(link) = link
+            .as_mut()
+            .filter(|l| Arc::ptr_eq(&l.connection, &connection))
+        else {
+            return Err(error(
+                ErrorKind::Connection,
+                "the connection was replaced; try again",
+            ));
+        };
+        if let Some(channel) = link.publisher.as_ref().filter(|c| c.status().connected()) {
+            return Ok(channel.clone());
+        }
+        let limit = self.inner.config.operation_timeout;
+        let channel = bounded(
+            limit,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await?;
+        bounded(
+            limit,
+            "confirm.select",
+            ErrorKind::Connection,
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        link.publisher = Some(channel.clone());
+        Ok(channel)
+    }
+
+    fn arguments(&self, role: Role, work_queue: &str) -> FieldTable {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        match role {
+            Role::Work => {
+                if let Some(limit) = self.inner.config.delivery_limit {
+                    args.insert(
+                        "x-delivery-limit".into(),
+                        AMQPValue::LongLongInt(i64::from(limit)),
+                    );
+                }
+            }
+            Role::Hold(bucket) => {
+                args.insert(
+                    "x-message-ttl".into(),
+                    AMQPValue::LongLongInt(bucket.as_millis() as i64),
+                );
+                args.insert(
+                    "x-dead-letter-exchange".into(),
+                    AMQPValue::LongString("".into()),
+                );
+                args.insert(
+                    "x-dead-letter-routing-key".into(),
+                    AMQPValue::LongString(work_queue.into()),
+                );
+                args.insert(
+                    "x-dead-letter-strategy".into(),
+                    AMQPValue::LongString("at-least-once".into()),
+                );
+                args.insert(
+                    "x-overflow".into(),
+                    AMQPValue::LongString("reject-publish".into()),
+                );
+            }
+            Role::Failure => {}
+        }
+        args
+    }
+
+    /// Declares `name` (once per connection) with the arguments of `role`.
+    async fn declare(&self, name: &str, role: Role, work_queue: &str) -> Result<(), DriverError> {
+        if Self::lock_set(&self.inner.declared).contains(name) {
+            return Ok(());
+        }
+        let connection = self.connection().await?;
+        let limit = self.inner.config.operation_timeout;
+        // A refused declare closes its channel: use a throwaway one.
+        let channel = bounded(
+            limit,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await?;
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declared = tokio::time::timeout(
+            limit,
+            channel.queue_declare(name, options, self.arguments(role, work_queue)),
+        )
+        .await;
+        match declared {
+            Ok(Ok(_)) => {
+                let _ = tokio::time::timeout(limit, channel.close(200, "declared")).await;
+            }
+            Ok(Err(lapin::Error::ProtocolError(e)))
+                if matches!(e.kind(), AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::PRECONDITIONFAILED)) =>
+            {
+                return Err(config_error(format!(
+                    "queue `{name}` already exists with arguments that differ from what this driver declares \
+                     ({role:?} queue: quorum{}); delete or migrate it, or align the driver's configuration. \
+                     Broker said: {}",
+                    match role {
+                        Role::Hold(b) => format!(
+                            ", x-message-ttl={}, dead-lettering at-least-once to `{work_queue}`, x-overflow=reject-publish",
+                            b.as_millis()
+                        ),
+                        Role::Work => match self.inner.config.delivery_limit {
+                            Some(l) => format!(", x-delivery-limit={l}"),
+                            None => ", no x-delivery-limit".into(),
+                        },
+                        Role::Failure => String::new(),
+                    },
+                    e.get_message()
+                )))
+            }
+            Ok(Err(e)) => return Err(error(ErrorKind::Connection, format!("declaring queue `{name}`: {e}"))),
+            Err(_) => return Err(error(ErrorKind::Connection, format!("declaring queue `{name}`: no answer within {limit:?}"))),
+        }
+        Self::lock_set(&self.inner.declared).insert(name.to_string());
+        Self::lock_set(&self.inner.known).insert(name.to_string());
+        Ok(())
+    }
+
+    /// Declares the work queue and its failure queue.
+    async fn declare_work(&self, queue: &str) -> Result<(), DriverError> {
+        self.declare(queue, Role::Work, queue).await?;
+        if let Some(failed) = self.failure_queue_name(queue) {
+            self.declare(&failed, Role::Failure, queue).await?;
+        }
+        Ok(())
+    }
+
+    /// Declares the hold queue of `queue` for `bucket`; returns its name.
+    async fn declare_hold(&self, queue: &str, bucket: Duration) -> Result<String, DriverError> {
+        let name = Self::hold_queue_name(queue, bucket);
+        self.declare(&name, Role::Hold(bucket), queue).await?;
+        Ok(name)
+    }
+
+    /// Where a message for `queue` delayed by `delay` goes (rounding up).
+    async fn route_for_delay(
+        &self,
+        queue: &str,
+        delay: Option<Duration>,
+    ) -> Result<String, DriverError> {
+        match delay.filter(|d| !d.is_zero()) {
+            None => Ok(queue.to_string()),
+            Some(delay) => {
+                match self.bucket_for(delay) {
+                    Some(bucket) => self.declare_hold(queue, bucket).await,
+                    None => {
+                        Err(error(
+                            ErrorKind::Unsupported,
+                            format!(
+                        "delay {delay:?} exceeds the largest delay bucket {:?} of this driver",
+                        self.inner.config.delay_buckets.last().copied().unwrap_or_default()
+                    ),
+                        ))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes persistently to `routing_key` on the default exchange and
+    /// waits for the confirm.
+    async fn publish(
+        &self,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), DriverError> {
+        self.check_running()?;
+        let not_accepted = |e: DriverError| error(ErrorKind::NotAccepted, format!("not sent: {e}"));
+        let channel = self.publisher().await.map_err(not_accepted)?;
+        let properties = properties.with_delivery_mode(2);
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let limit = self.inner.config.operation_timeout;
+        let confirm = match tokio::time::timeout(
+            limit,
+            channel.basic_publish("", routing_key, options, body, properties),
+        )
+        .await
+        {
+            Ok(Ok(confirm)) => confirm,
+            Ok(Err(
+                e
+                @ (lapin::Error::InvalidChannelState(_) | lapin::Error::InvalidConnectionState(_)),
+            )) => {
+                return Err(error(
+                    ErrorKind::NotAccepted,
+                    format!("publish to `{routing_key}` not sent: {e}"),
+                ))
+            }
+            Ok(Err(e)) => {
+                return Err(error(
+                    ErrorKind::Uncertain,
+                    format!("publish to `{routing_key}` failed: {e}"),
+                ))
+            }
+            Err(_) => {
+                return Err(error(
+                    ErrorKind::Uncertain,
+                    format!("publish to `{routing_key}` did not finish within {limit:?}"),
+                ))
+            }
+        };
+        let limit = self.inner.config.confirm_timeout;
+        match tokio::time::timeout(limit, confirm).await {
+            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+            Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(error(
+                ErrorKind::NotAccepted,
+                format!(
+                    "publish to `{routing_key}` was returned as unroutable ({}): does the queue exist?",
+                    returned.reply_text
+                ),
+            )),
+            Ok(Ok(Confirmation::Nack(_))) => Err(error(ErrorKind::NotAccepted, format!("the broker refused the publish to `{routing_key}` (nack)"))),
+            Ok(Ok(Confirmation::NotRequested)) => {
+                Err(error(ErrorKind::Uncertain, format!("publish to `{routing_key}` was sent without a confirm")))
+            }
+            Ok(Err(e)) => Err(error(ErrorKind::Uncertain, format!("publish to `{routing_key}` sent, confirm lost: {e}"))),
+            Err(_) => Err(error(ErrorKind::Uncertain, format!("publish to `{routing_key}`: no confirm within {limit:?}"))),
+        }
+    }
+
+    /// Terminal failure records on `queue`'s failure queue, oldest first.
+    ///
+    /// Reads every message with `basic.get` and returns them to the queue
+    /// (the channel closes without acking), so the records stay. Messages
+    /// that are not failure records are skipped with a warning.
+    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
+        let Some(failed) = self.failure_queue_name(queue) else {
+            return Ok(Vec::new());
+        };
+        self.declare(&failed, Role::Failure, queue).await?;
+        let connection = self.connection().await?;
+        let limit = self.inner.config.operation_timeout;
+        let channel = bounded(
+            limit,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await?;
+        let mut records = Vec::new();
+        while let Some(message) = bounded(
+            limit,
+            "basic.get",
+            ErrorKind::Connection,
+            channel.basic_get(&failed, BasicGetOptions { no_ack: false }),
+        )
+        .await?
+        {
+            match FailureRecord::decode(&message.delivery.data) {
+                Ok(record) => records.push(record),
+                Err(e) => {
+                    warn!(queue = %failed, "skipping a message that is not a failure record: {e}")
+                }
+            }
+        }
+        // Closing without acking returns every message to the queue.
+        let _ = tokio::time::timeout(limit, channel.close(200, "peeked")).await;
+        Ok(records)
+    }
+
+    /// Messages ready on `name` (any queue), by a passive declare.
+    pub async fn ready_count(&self, name: &str) -> Result<u32, DriverError> {
+        let connection = self.connection().await?;
+        let limit = self.inner.config.operation_timeout;
+        let channel = bounded(
+            limit,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await?;
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declared = bounded(
+            limit,
+            &format!("passive declare of `{name}`"),
+            ErrorKind::Connection,
+            channel.queue_declare(name, options, FieldTable::default()),
+        )
+        .await?;
+        let _ = tokio::time::timeout(limit, channel.close(200, "counted")).await;
+        Ok(declared.message_count())
+    }
+
+    /// Every queue this driver has declared (work, hold and failure queues).
+    pub fn declared_queues(&self) -> Vec<String> {
+        let mut names: Vec<String> = Self::lock_set(&self.inner.known).iter().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Deletes `names` (for tests and tooling), even if in use or not empty.
+    pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
+        let connection = self.connection().await?;
+        let limit = self.inner.config.operation_timeout;
+        let channel = bounded(
+            limit,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await?;
+        for name in names {
+            bounded(
+                limit,
+                &format!("deleting `{name}`"),
+                ErrorKind::Connection,
+                channel.queue_delete(name, QueueDeleteOptions::default()),
+            )
+            .await?;
+            Self::lock_set(&self.inner.known).remove(name);
+            Self::lock_set(&self.inner.declared).remove(name);
+        }
+        let _ = tokio::time::timeout(limit, channel.close(200, "deleted")).await;
+        Ok(())
+    }
+
+    fn properties(id: Option<&str>, attempts: u32) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ATTEMPTS_HEADER.into(),
+            AMQPValue::LongLongInt(i64::from(attempts)),
+        );
+        let properties = BasicProperties::default().with_headers(headers);
+        match id {
+            Some(id) => properties.with_message_id(ShortString::from(id.to_string())),
+            None => properties,
+        }
+    }
+}
+
+#[async_trait]
+impl Driver for RabbitDriver {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            max_retry_delay: self.inner.config.delay_buckets.last().copied(),
+            delayed_dispatch: true,
+            reject_drops: true,
+            redelivery_hint: Duration::ZERO,
+            counts_abandoned_deliveries: true,
+        }
+    }
+
+    async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
+        self.check_running()?;
+        let not_sent = |e: DriverError| match e.kind() {
+            ErrorKind::Config
+            | ErrorKind::Unsupported
+            | ErrorKind::Stopped
+            | ErrorKind::NotAccepted => e,
+            _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),
+        };
+        self.declare_work(queue).await.map_err(not_sent)?;
+        let target = self
+            .route_for_delay(queue, message.delay)
+            .await
+            .map_err(not_sent)?;
+        self.publish(
+            &target,
+            &message.body,
+            Self::properties(Some(&message.id), 0),
+        )
+        .await
+    }
+
+    async fn subscribe(
+        &self,
+        queue: &str,
+        prefetch: usize,
+    ) -> Result<Box<dyn Subscription>, DriverError> {
+        self.check_running()?;
+        self.declare_work(queue).await?;
+        let mut subscription = RabbitSubscription::new(self.clone(), queue, prefetch);
+        subscription.open().await?;
+        Ok(Box::new(subscription))
+    }
+
+    async fn stop(&self) -> Result<(), DriverError> {
+        self.inner.stopped.send_replace(true);
+        let link = self.inner.link.lock().await.take();
+        if let Some(link) = link {
+            if link.connection.status().connected() {
+                let limit = self.inner.config.operation_timeout;
+                bounded(
+                    limit,
+                    "closing the connection",
+                    ErrorKind::Connection,
+                    link.connection.close(200, "driver stopped"),
+                )
+                .await?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,549 @@
+//! RabbitMQ-specific behaviour beyond the shared suite, against a real broker
+//! (`RABBITMQ_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`):
+//! delay buckets, the failure queue, a worker killed mid-job, connections
+//! closed by the broker, conflicting topology, refused delays.
+//!
+//! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq_extra`.
+#![cfg(feature = "rabbitmq")]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use queue::{FailureKind, FailureRecord, Job, JobError, Registry, Settlement};
+use queue_conformance::scenarios::Work;
+use queue_conformance::{Backend, Harness};
+use queue_native::{Driver, ErrorKind, Outgoing, RabbitConfig, RabbitDriver};
+use tokio::time::Instant;
+
+const MS: fn(u64) -> Duration = Duration::from_millis;
+
+/// `rabbitmqctl close_all_connections` hits every connection: the test that
+/// runs it takes this for writing, the other broker tests for reading.
+static BROKER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+fn url() -> String {
+    std::env::var("RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// Like the suite's backend, with a configurable bucket ladder.
+struct Rabbit {
+    buckets: Vec<Duration>,
+    drivers: Mutex<Vec<RabbitDriver>>,
+}
+
+impl Rabbit {
+    fn new(buckets_ms: &[u64]) -> Self {
+        Rabbit {
+            buckets: buckets_ms.iter().map(|ms| MS(*ms)).collect(),
+            drivers: Mutex::default(),
+        }
+    }
+
+    fn config(&self) -> RabbitConfig {
+        let mut config = RabbitConfig::new(url()).delay_buckets(self.buckets.clone());
+        config.connection_name = "conformance-extra".into();
+        config
+    }
+
+    async fn driver(&self) -> RabbitDriver {
+        self.driver_with(self.config()).await
+    }
+
+    async fn driver_with(&self, config: RabbitConfig) -> RabbitDriver {
+        let driver = RabbitDriver::connect(config)
+            .await
+            .expect("RabbitMQ is reachable at RABBITMQ_URL");
+        self.drivers.lock().unwrap().push(driver.clone());
+        driver
+    }
+}
+
+#[async_trait]
+impl Backend for Rabbit {
+    async fn connect(&self) -> Arc<dyn Driver> {
+        Arc::new(self.driver().await)
+    }
+
+    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
+        self.driver()
+            .await
+            .failure_records(queue)
+            .await
+            .expect("failure queue readable")
+    }
+}
+
+impl Drop for Rabbit {
+    fn drop(&mut self) {
+        let drivers = std::mem::take(&mut *self.drivers.lock().unwrap());
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let config = self.config();
+        tokio::task::block_in_place(|| {
+            handle.block_on(async {
+                for driver in &drivers {
+                    let _ = driver.stop().await;
+                }
+                if let Ok(cleaner) = RabbitDriver::connect(config).await {
+                    for driver in &drivers {
+                        let _ = cleaner.delete_queues(&driver.declared_queues()).await;
+                    }
+                    let _ = cleaner.stop().await;
+                }
+            })
+        });
+    }
+}
+
+/// Records (attempt, when) per execution.
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<(u32, Instant)>>>);
+
+impl Calls {
+    fn record(&self, attempt: u32) -> usize {
+        let mut calls = self.0.lock().unwrap();
+        calls.push((attempt, Instant::now()));
+        calls.len()
+    }
+    fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|c| c.0).collect()
+    }
+    fn gaps(&self) -> Vec<Duration> {
+        let calls = self.0.lock().unwrap();
+        calls.windows(2).map(|w| w[1].1 - w[0].1).collect()
+    }
+}
+
+/// A retry-after of 3 s on a 1 s / 2 s / 5 s ladder waits in the 5 s hold
+/// queue: at least 3 s, never rounded down to 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delay_rounds_up_to_the_next_bucket() {
+    let _broker = BROKER.read().await;
+    let backend = Rabbit::new(&[1000, 2000, 5000]);
+    let h = Harness::new(&backend, "rmq-rounding").await;
+    let driver = backend.driver().await;
+    assert_eq!(driver.bucket_for(MS(3000)), Some(MS(5000)));
+    assert_eq!(driver.bucket_for(MS(2000)), Some(MS(2000)));
+    assert_eq!(driver.bucket_for(MS(1)), Some(MS(1000)));
+    assert_eq!(driver.bucket_for(MS(5001)), None);
+
+    let job = Job::<Work>::builder("rounding")
+        .queue(h.queue.clone())
+        .retry(3)
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            let n = c.record(ctx.attempt());
+            async move {
+                if n == 1 {
+                    Err(JobError::retry_after("come back later", MS(3000)))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .unwrap();
+    let consumer = h.start_on(Arc::new(driver.clone()), registry).await;
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events
+        .wait_count(Duration::from_secs(20), "succeeded", 1)
+        .await;
+    assert_eq!(calls.attempts(), [1, 2]);
+    let gap = calls.gaps()[0];
+    assert!(gap >= MS(3000), "waited only {gap:?}");
+    assert!(
+        gap >= MS(4500),
+        "3 s rounds up to the 5 s bucket, waited {gap:?}"
+    );
+    let hold = RabbitDriver::hold_queue_name(&h.queue, MS(5000));
+    assert!(
+        driver.declared_queues().contains(&hold),
+        "{:?}",
+        driver.declared_queues()
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// A poison message (not an envelope) fails at once and leaves exactly one
+/// record on the failure queue; nothing stays on the work queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_leaves_exactly_one_failure_record() {
+    let _broker = BROKER.read().await;
+    let backend = Rabbit::new(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-poison").await;
+    let job = Job::<Work>::builder("poison")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |_, _: Work| async { Ok(()) })
+        .unwrap();
+    let consumer = h.start(registry, 2);
+    let body = b"\x00not an envelope".to_vec();
+    h.producer
+        .send_raw(&h.queue, "poison-1".into(), body.clone(), None)
+        .await
+        .unwrap();
+    h.events.wait_count(h.patience, "failed", 1).await;
+    tokio::time::sleep(MS(500)).await;
+    consumer.shutdown().await.unwrap();
+
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].kind, FailureKind::MalformedEnvelope);
+    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
+    assert_eq!(records[0].attempt, 1);
+    // Reading the records does not consume them.
+    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
+    let driver = backend.driver().await;
+    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+    assert_eq!(h.events.names(), ["failed"]);
+}
+
+/// Spawns the kill worker and waits for its handler to report an attempt.
+fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32) -> u32 {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rabbitmq_kill_worker"))
+        .args([queue, job, &cap.to_string()])
+        .env("RABBITMQ_URL", url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the kill worker");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(n) = line.strip_prefix("attempt ") {
+                let _ = tx.send(n.trim().parse::<u32>().unwrap());
+                break;
+            }
+        }
+    });
+    let attempt = rx.recv_timeout(Duration::from_secs(20));
+    // SIGKILL while the handler runs: no settlement, no clean close.
+    child.kill().expect("kill the worker");
+    child.wait().expect("reap the worker");
+    attempt.expect("the worker's handler started")
+}
+
+/// A worker SIGKILLed mid-job loses nothing: the broker redelivers the
+/// message and the attempt count rises with each abandoned delivery, until
+/// the cap turns an ordinary error into a terminal failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_worker_loses_nothing_and_counts_the_attempt() {
+    let _broker = BROKER.read().await;
+    let backend = Rabbit::new(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-kill").await;
+    let job = Job::<Work>::builder("crashy")
+        .queue(h.queue.clone())
+        .retry(3)
+        .build()
+        .unwrap();
+    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
+
+    let queue = h.queue.clone();
+    let seen = tokio::task::spawn_blocking(move || {
+        let first = run_worker_until_handler_starts(&queue, "crashy", 3);
+        let second = run_worker_until_handler_starts(&queue, "crashy", 3);
+        (first, second)
+    })
+    .await
+    .unwrap();
+    assert_eq!(seen, (1, 2), "each killed delivery counts");
+
+    // The message is still there, and the next delivery is attempt 3.
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            c.record(ctx.attempt());
+            async { Err(JobError::new("still crashing")) }
+        })
+        .unwrap();
+    let consumer = h.start_on(backend.connect().await, registry).await;
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(calls.attempts(), [3]);
+    assert_eq!(events.last().unwrap().message_id, id);
+    consumer.shutdown().await.unwrap();
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        (records[0].kind, records[0].attempt),
+        (FailureKind::AttemptsExhausted, 3)
+    );
+}
+
+fn close_all_connections() {
+    let status = Command::new("rabbitmqctl")
+        .args(["close_all_connections", "test"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("run rabbitmqctl");
+    assert!(status.success(), "rabbitmqctl close_all_connections failed");
+}
+
+/// Retries a dispatch the broker may not have taken because its connection
+/// was just closed.
+async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match h.producer.dispatch(job, &Work { id }).await {
+            Ok(id) => return id,
+            Err(e) if Instant::now() < deadline && e.kind() == ErrorKind::NotAccepted => {
+                tokio::time::sleep(MS(200)).await;
+            }
+            Err(e) => panic!("dispatch failed: {e}"),
+        }
+    }
+}
+
+/// `rabbitmqctl close_all_connections` mid-test: the in-flight delivery's
+/// settlement fails (its channel is gone; it is never acked on a new one),
+/// the broker redelivers it with a higher attempt, the subscription
+/// reconnects by itself and consumption resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumption_resumes_after_the_broker_closes_connections() {
+    let _broker = BROKER.write().await;
+    let backend = Rabbit::new(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-reconnect").await;
+    let job = Job::<Work>::builder("steady")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let calls = Calls::default();
+    let (s, c) = (started.clone(), calls.clone());
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, work: Work| {
+            let s = s.clone();
+            if work.id == 0 {
+                c.record(ctx.attempt());
+            }
+            async move {
+                if work.id == 0 && ctx.attempt() == 1 {
+                    s.notify_one();
+                    tokio::time::sleep(MS(1500)).await;
+                }
+                Ok(())
+            }
+        })
+        .unwrap();
+    let consumer = h.start(registry, 2);
+
+    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
+    tokio::time::timeout(h.patience, started.notified())
+        .await
+        .expect("slow handler started");
+    close_all_connections();
+
+    // The slow delivery finishes after its channel died: settlement fails.
+    let (event, error) = h.events.wait_settlement_failure(h.patience).await;
+    assert_eq!(event.attempt, 1);
+    assert!(error.contains("connection error"), "{error}");
+
+    // Meanwhile the subscription reconnects; new work flows again.
+    let mut ids = std::collections::BTreeSet::new();
+    for id in 1..=5 {
+        ids.insert(dispatch_retrying(&h, &job, id).await);
+    }
+    let events = h
+        .events
+        .wait_count(Duration::from_secs(30), "succeeded", 6)
+        .await;
+    let done: std::collections::BTreeSet<_> = events
+        .iter()
+        .filter(|e| e.kind.name() == "succeeded")
+        .map(|e| e.message_id.clone())
+        .collect();
+    assert!(ids.is_subset(&done), "{ids:?} vs {done:?}");
+    assert_eq!(
+        calls.attempts(),
+        [1, 2],
+        "the interrupted delivery came back as attempt 2"
+    );
+    consumer.shutdown().await.unwrap();
+}
+
+/// A work queue that already exists with other arguments is a clear
+/// configuration error, for dispatch and subscription alike, and the driver
+/// stays usable for other queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicting_existing_queue_is_a_config_error() {
+    let _broker = BROKER.read().await;
+    let backend = Rabbit::new(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-conflict").await;
+    // Someone declared the queue with a delivery limit this driver does not set.
+    let mut other = backend.config();
+    other.delivery_limit = Some(50);
+    let first = backend.driver_with(other).await;
+    first
+        .send(
+            &h.queue,
+            Outgoing {
+                id: "a".into(),
+                body: b"{}".to_vec(),
+                delay: None,
+            },
+        )
+        .await
+        .unwrap();
+
+    let driver = backend.driver().await;
+    let err = driver
+        .send(
+            &h.queue,
+            Outgoing {
+                id: "b".into(),
+                body: b"{}".to_vec(),
+                delay: None,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains(&h.queue), "{err}");
+    let err = match driver.subscribe(&h.queue, 1).await {
+        Ok(_) => panic!("subscribing to a conflicting queue succeeded"),
+        Err(e) => e,
+    };
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    // The refused declare closed only its own channel.
+    let fine = format!("{}-other", h.queue);
+    driver
+        .send(
+            &fine,
+            Outgoing {
+                id: "c".into(),
+                body: b"{}".to_vec(),
+                delay: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(driver.ready_count(&fine).await.unwrap(), 1);
+}
+
+/// A retry delay above the largest bucket fails the settlement as
+/// unsupported and keeps the message, which comes back with a higher
+/// attempt; a dispatch with such a delay is refused and stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delay_above_the_largest_bucket_is_refused_and_the_message_kept() {
+    let _broker = BROKER.read().await;
+    let backend = Rabbit::new(&[100, 250]);
+    let h = Harness::new(&backend, "rmq-too-long").await;
+    let driver = backend.driver().await;
+    assert_eq!(driver.capabilities().max_retry_delay, Some(MS(250)));
+
+    let err = driver
+        .send(
+            &h.queue,
+            Outgoing {
+                id: "late".into(),
+                body: b"{}".to_vec(),
+                delay: Some(Duration::from_secs(10)),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(err.to_string().contains("largest delay bucket"), "{err}");
+    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+
+    driver
+        .send(
+            &h.queue,
+            Outgoing {
+                id: "m".into(),
+                body: b"payload".to_vec(),
+                delay: None,
+            },
+        )
+        .await
+        .unwrap();
+    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
+    let delivery = subscription.next().await.unwrap().unwrap();
+    assert_eq!(delivery.attempt(), 1);
+    let err = delivery
+        .settle(
+            &Settlement::Retry {
+                delay: Some(Duration::from_secs(10)),
+            },
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+
+    let again = tokio::time::timeout(h.patience, subscription.next())
+        .await
+        .expect("redelivered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.body(), b"payload");
+    assert_eq!(again.attempt(), 2);
+    // An accepted delay within the ladder: held, then back with attempt 3.
+    again
+        .settle(
+            &Settlement::Retry {
+                delay: Some(MS(200)),
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    let held = tokio::time::timeout(h.patience, subscription.next())
+        .await
+        .expect("forwarded")
+        .unwrap()
+        .unwrap();
+    assert_eq!(held.attempt(), 3);
+    held.settle(&Settlement::Ack, None).await.unwrap();
+    drop(subscription);
+    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+}
+
+/// A broker that cannot be reached: the dispatch certainly did not happen,
+/// and the error does not reveal the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_broker_is_not_accepted_and_hides_the_password() {
+    let config = RabbitConfig::new("amqp://guest:hunter2@127.0.0.1:1/%2f");
+    assert!(!format!("{config:?}").contains("hunter2"));
+    let driver = RabbitDriver::new(config).unwrap();
+    let err = driver
+        .send(
+            "nowhere",
+            Outgoing {
+                id: "x".into(),
+                body: b"{}".to_vec(),
+                delay: None,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    let err = RabbitDriver::connect(RabbitConfig::new("amqp://guest:hunter2@127.0.0.1:1/%2f"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Connection);
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    let mut limited = RabbitConfig::new(url());
+    limited.delivery_limit = Some(3);
+    let err = RabbitDriver::new(limited).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+}

@@ -33,6 +33,14 @@ pub enum Behaviour {
     Missing,
     /// Always fails: exhausts both tiers.
     Broken,
+    /// The report belongs to another tenant: reject it.
+    Rejected,
+    /// A bug panics on the first delivery; the redelivery works.
+    Panics,
+    /// A bug panics on every delivery (the process or instance dies each time).
+    AlwaysPanics,
+    /// The renderer takes two seconds (bounded by the execution's deadline).
+    Slow,
 }
 
 /// Build one report.
@@ -87,5 +95,20 @@ pub async fn handle(ctx: JobContext, report: BuildReport) -> Result<(), JobError
             report.report_id
         ))),
         Behaviour::Broken => Err(JobError::new("report renderer crashed")),
+        Behaviour::Rejected => Err(JobError::reject(format!(
+            "report {} belongs to another tenant",
+            report.report_id
+        ))),
+        Behaviour::Panics if ctx.attempt() == 1 => {
+            panic!("renderer bug on report {}", report.report_id)
+        }
+        Behaviour::Panics => Ok(()),
+        Behaviour::AlwaysPanics => panic!("renderer bug on report {}", report.report_id),
+        Behaviour::Slow => {
+            let wanted = Duration::from_secs(2);
+            ctx.sleep(ctx.remaining().map_or(wanted, |left| left.min(wanted)))
+                .await?;
+            Ok(())
+        }
     }
 }

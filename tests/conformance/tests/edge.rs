@@ -162,15 +162,16 @@ fn report(id: u64, behaviour: Behaviour) -> BuildReport {
     }
 }
 
-/// The messages of the main phase, by label. Healthy reports first; no
-/// panics (they take their batch down: see `panics_are_contained`).
-fn main_phase_messages(
-    base_id: u64,
-) -> (
+/// Reports, envelopes and raw bodies of the main phase, each with its label.
+type MainPhase = (
     Vec<(String, BuildReport)>,
     Vec<(String, Envelope)>,
     Vec<(String, String)>,
-) {
+);
+
+/// The messages of the main phase, by label. Healthy reports first; no
+/// panics (they take their batch down: see `panics_are_contained`).
+fn main_phase_messages(base_id: u64) -> MainPhase {
     let behaviours = [
         Behaviour::Healthy,
         Behaviour::Blip,
@@ -471,7 +472,7 @@ fn panics_are_contained() {
         json!({ "reports": [report(base_id, Behaviour::Panics)] }),
     );
     let once_id = once["reports"][0].as_str().unwrap().to_string();
-    let log = wait_terminal(&[once_id.clone()]);
+    let log = wait_terminal(std::slice::from_ref(&once_id));
     let steps = edge_steps(&log);
     assert_eq!(
         plain(&steps[&once_id]),
@@ -483,7 +484,7 @@ fn panics_are_contained() {
         json!({ "reports": [report(base_id + 1, Behaviour::AlwaysPanics)] }),
     );
     let always_id = always["reports"][0].as_str().unwrap().to_string();
-    wait_terminal(&[always_id.clone()]);
+    wait_terminal(std::slice::from_ref(&always_id));
     let log = wait_records("the always-panicking report", 1, |r| {
         r["message_id"] == always_id.as_str()
     });

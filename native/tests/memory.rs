@@ -1,5 +1,6 @@
 //! Behaviour specific to the memory driver (the shared rules are covered by
 //! the conformance suite).
+#![cfg(feature = "memory")]
 
 use std::sync::Arc;
 use std::time::Duration;

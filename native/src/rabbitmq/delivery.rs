@@ -44,15 +44,8 @@ impl RabbitSubscription {
         self.current = None;
         let driver = &self.driver;
         driver.declare_work(&self.queue).await?;
-        let connection = driver.connection().await?;
         let limit = driver.inner.config.operation_timeout;
-        let channel = bounded(
-            limit,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = driver.open_channel().await?;
         bounded(
             limit,
             "basic.qos",

@@ -419,6 +419,18 @@ impl RabbitDriver {
         args
     }
 
+    /// Opens a channel on the (re-established if needed) connection.
+    pub(crate) async fn open_channel(&self) -> Result<Channel, DriverError> {
+        let connection = self.connection().await?;
+        bounded(
+            self.inner.config.operation_timeout,
+            "opening a channel",
+            ErrorKind::Connection,
+            connection.create_channel(),
+        )
+        .await
+    }
+
     /// Declares `name` (once per connection) with the arguments of `role`.
     async fn declare(&self, name: &str, role: Role, work_queue: &str) -> Result<(), DriverError> {
         if Self::lock_set(&self.inner.declared).contains(name) {
@@ -592,15 +604,8 @@ impl RabbitDriver {
             return Ok(Vec::new());
         };
         self.declare(&failed, Role::Failure, queue).await?;
-        let connection = self.connection().await?;
         let limit = self.inner.config.operation_timeout;
-        let channel = bounded(
-            limit,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = self.open_channel().await?;
         let mut records = Vec::new();
         while let Some(message) = bounded(
             limit,
@@ -624,15 +629,8 @@ impl RabbitDriver {
 
     /// Messages ready on `name` (any queue), by a passive declare.
     pub async fn ready_count(&self, name: &str) -> Result<u32, DriverError> {
-        let connection = self.connection().await?;
         let limit = self.inner.config.operation_timeout;
-        let channel = bounded(
-            limit,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = self.open_channel().await?;
         let options = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -657,15 +655,8 @@ impl RabbitDriver {
 
     /// Deletes `names` (for tests and tooling), even if in use or not empty.
     pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
-        let connection = self.connection().await?;
         let limit = self.inner.config.operation_timeout;
-        let channel = bounded(
-            limit,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await?;
+        let channel = self.open_channel().await?;
         for name in names {
             bounded(
                 limit,

@@ -51,6 +51,22 @@ impl Calls {
     }
 }
 
+/// A handler that records each execution and returns `outcome(ctx, n)`,
+/// where `n` counts executions so far (first = 1).
+fn recorded<F>(
+    calls: &Calls,
+    outcome: F,
+) -> impl Fn(JobContext, Work) -> std::future::Ready<Result<(), JobError>> + Send + Sync + 'static
+where
+    F: Fn(&JobContext, usize) -> Result<(), JobError> + Send + Sync + 'static,
+{
+    let calls = calls.clone();
+    move |ctx, _| {
+        let n = calls.record(&ctx);
+        std::future::ready(outcome(&ctx, n))
+    }
+}
+
 fn registry_with<F, Fut>(job: &Job<Work>, handler: F) -> Registry
 where
     F: Fn(JobContext, Work) -> Fut + Send + Sync + 'static,
@@ -77,14 +93,7 @@ pub async fn ack_on_success(backend: &dyn Backend) {
     let h = Harness::new(backend, "ack").await;
     let job = job(&h, "ack").retry(3).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
-    let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Ok(()) }
-        }),
-        2,
-    );
+    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 2);
     let id = h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(events.len(), 1, "{events:?}");
@@ -111,18 +120,14 @@ pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
     let h = Harness::new(backend, "ordinary").await;
     let job = job(&h, "ordinary").retry(5).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async move {
-                if ctx.attempt() < 3 {
-                    Err(JobError::new("transient"))
-                } else {
-                    Ok(())
-                }
-            }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, |ctx, _| match ctx.attempt() {
+                1 | 2 => Err(JobError::new("transient")),
+                _ => Ok(()),
+            }),
+        ),
         // One at a time: with two slots a zero-delay retry can be redelivered
         // and settled before the first retry's event is emitted.
         1,
@@ -155,12 +160,11 @@ pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
         .build()
         .unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Err(JobError::new("always broken")) }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, |_, _| Err(JobError::new("always broken"))),
+        ),
         2,
     );
     let id = h.producer.dispatch(&job, &Work { id: 9 }).await.unwrap();
@@ -194,12 +198,8 @@ async fn observe_schedule(
         .build()
         .unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Err(JobError::new("fails")) }
-        }),
+        registry_with(&job, recorded(&calls, |_, _| Err(JobError::new("fails")))),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -246,17 +246,14 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
         .build()
         .unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async move {
-                match ctx.attempt() {
-                    1 => Err(JobError::retry_after("rate limited", MS(400))),
-                    _ => Ok(()),
-                }
-            }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, |ctx, _| match ctx.attempt() {
+                1 => Err(JobError::retry_after("rate limited", MS(400))),
+                _ => Ok(()),
+            }),
+        ),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -300,12 +297,13 @@ pub async fn permanent_fails_at_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent").await;
     let job = job(&h, "permanent").retry(5).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Err(JobError::permanent("report source deleted")) }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, |_, _| {
+                Err(JobError::permanent("report source deleted"))
+            }),
+        ),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -352,12 +350,11 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
     let h = Harness::new(backend, "reject").await;
     let job = job(&h, "reject").retry(5).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Err(JobError::reject("not for us")) }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, |_, _| Err(JobError::reject("not for us"))),
+        ),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -389,14 +386,7 @@ pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backe
     let h = Harness::new(backend, "poison").await;
     let job = job(&h, "poison").retry(5).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
-    let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Ok(()) }
-        }),
-        1,
-    );
+    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 1);
     let envelope = Envelope::new("poison", serde_json::json!({"id": "not a number"}));
     h.producer
         .send_envelope(&h.queue, &envelope, None)
@@ -565,14 +555,10 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
     );
 
     let calls = Calls::default();
-    let c = calls.clone();
     let next = h
         .start_on(
             backend.connect().await,
-            registry_with(&job, move |ctx, _| {
-                c.record(&ctx);
-                async { Ok(()) }
-            }),
+            registry_with(&job, recorded(&calls, |_, _| Ok(()))),
         )
         .await;
     h.events.wait_count(h.patience, "succeeded", 1).await;
@@ -627,18 +613,14 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
     let job = job(&h, "settle-fail").retry(5).build().unwrap();
     let too_long = max + Duration::from_secs(1);
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            let n = c.record(&ctx);
-            async move {
-                if n == 1 {
-                    Err(JobError::retry_after("wait too long", too_long))
-                } else {
-                    Ok(())
-                }
-            }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, move |_, n| match n {
+                1 => Err(JobError::retry_after("wait too long", too_long)),
+                _ => Ok(()),
+            }),
+        ),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -701,14 +683,7 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
         return;
     }
     let calls = Calls::default();
-    let c = calls.clone();
-    let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Ok(()) }
-        }),
-        1,
-    );
+    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 1);
     let sent = Instant::now();
     h.producer
         .dispatch_with(&job, &Work { id: 1 }, options)
@@ -790,12 +765,11 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
         .build()
         .unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Err(JobError::new("model unavailable")) }
-        }),
+        registry_with(
+            &job,
+            recorded(&calls, |_, _| Err(JobError::new("model unavailable"))),
+        ),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -922,14 +896,7 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
         .build()
         .unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
-    let consumer = h.start(
-        registry_with(&job, move |ctx, _| {
-            c.record(&ctx);
-            async { Ok(()) }
-        }),
-        1,
-    );
+    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 1);
     h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(&events[0]), FailureKind::InvalidPayload);
@@ -1008,14 +975,10 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     );
 
     let calls = Calls::default();
-    let c = calls.clone();
     let next = h
         .start_on(
             backend.connect().await,
-            registry_with(&job, move |ctx, _| {
-                c.record(&ctx);
-                async { Ok(()) }
-            }),
+            registry_with(&job, recorded(&calls, |_, _| Ok(()))),
         )
         .await;
     h.events.wait_count(h.patience, "succeeded", 5).await;

@@ -271,6 +271,8 @@ mod tests {
     use super::*;
     use crate::runtime::VirtualRuntime;
     use futures_executor::block_on;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn breaker(clock: &VirtualRuntime) -> CircuitBreaker {
         let config = BreakerConfig {

@@ -133,6 +133,8 @@ impl fmt::Display for FailureBudget {
 mod tests {
     use super::*;
     use crate::Job;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn three_by_three() {

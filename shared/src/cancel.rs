@@ -81,6 +81,8 @@ impl Future for Cancellation {
 mod tests {
     use super::*;
     use futures_util::FutureExt;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn cancellation_completes_waiters() {

@@ -319,6 +319,8 @@ impl Registry {
 mod tests {
     use super::*;
     use crate::{Job, JobContext};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn registry() -> Registry {
         let job = Job::<()>::builder("build-report").retry(3).build().unwrap();

@@ -343,6 +343,8 @@ impl StdError for Panicked {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[derive(Debug)]
     struct Wrapper(BoxError);

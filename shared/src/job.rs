@@ -267,6 +267,8 @@ impl<P> JobBuilder<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn invalid_declarations_are_errors_at_build() {

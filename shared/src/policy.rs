@@ -163,7 +163,8 @@ impl PolicyError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
@@ -203,46 +204,52 @@ mod tests {
         assert_eq!(capped.delay(u32::MAX), S(60));
     }
 
-    proptest! {
-        #[test]
-        fn exponential_is_monotone_up_to_the_cap(
-            initial_ms in 0u64..1_000_000,
-            multiplier in prop_oneof![Just(f64::NAN), -10.0f64..1e6],
-            max_ms in 0u64..10_000_000,
-            k in 2u32..200,
-        ) {
-            let max = Duration::from_millis(max_ms);
-            let b = Backoff::exponential(Duration::from_millis(initial_ms), multiplier, max);
-            let now = b.delay(k);
-            let next = b.delay(k + 1);
-            prop_assert!(next >= now);
-            if !max.is_zero() {
-                prop_assert!(now <= max);
+    #[cfg(not(target_arch = "wasm32"))]
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn exponential_is_monotone_up_to_the_cap(
+                initial_ms in 0u64..1_000_000,
+                multiplier in prop_oneof![Just(f64::NAN), -10.0f64..1e6],
+                max_ms in 0u64..10_000_000,
+                k in 2u32..200,
+            ) {
+                let max = Duration::from_millis(max_ms);
+                let b = Backoff::exponential(Duration::from_millis(initial_ms), multiplier, max);
+                let now = b.delay(k);
+                let next = b.delay(k + 1);
+                prop_assert!(next >= now);
+                if !max.is_zero() {
+                    prop_assert!(now <= max);
+                }
+                let floor = if max.is_zero() { Duration::from_millis(initial_ms) } else { Duration::from_millis(initial_ms).min(max) };
+                prop_assert!(now >= floor);
             }
-            let floor = if max.is_zero() { Duration::from_millis(initial_ms) } else { Duration::from_millis(initial_ms).min(max) };
-            prop_assert!(now >= floor);
-        }
 
-        #[test]
-        fn never_panics_on_any_input(
-            initial_ns in any::<u64>(),
-            secs in any::<u64>(),
-            multiplier in any::<f64>(),
-            max_s in any::<u64>(),
-            k in any::<u32>(),
-        ) {
-            let b = Backoff::exponential(
-                Duration::new(secs, (initial_ns % 1_000_000_000) as u32),
-                multiplier,
-                Duration::from_secs(max_s),
-            );
-            let _ = b.delay(k);
-        }
+            #[test]
+            fn never_panics_on_any_input(
+                initial_ns in any::<u64>(),
+                secs in any::<u64>(),
+                multiplier in any::<f64>(),
+                max_s in any::<u64>(),
+                k in any::<u32>(),
+            ) {
+                let b = Backoff::exponential(
+                    Duration::new(secs, (initial_ns % 1_000_000_000) as u32),
+                    multiplier,
+                    Duration::from_secs(max_s),
+                );
+                let _ = b.delay(k);
+            }
 
-        #[test]
-        fn huge_inputs_saturate_at_the_cap(max_s in 1u64..1_000_000, k in 60u32..u32::MAX) {
-            let b = Backoff::exponential(Duration::from_secs(1), 2.0, Duration::from_secs(max_s));
-            prop_assert_eq!(b.delay(k), Duration::from_secs(max_s));
+            #[test]
+            fn huge_inputs_saturate_at_the_cap(max_s in 1u64..1_000_000, k in 60u32..u32::MAX) {
+                let b = Backoff::exponential(Duration::from_secs(1), 2.0, Duration::from_secs(max_s));
+                prop_assert_eq!(b.delay(k), Duration::from_secs(max_s));
+            }
         }
     }
 }

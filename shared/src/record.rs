@@ -116,6 +116,8 @@ impl FailureRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn raw_bodies_round_trip() {

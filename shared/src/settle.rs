@@ -163,6 +163,8 @@ mod tests {
     use super::*;
     use crate::error::{Permanent, Reject, RetryAfter};
     use crate::policy::Backoff;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 

@@ -11,6 +11,9 @@ use queue::{
     Settlement, VirtualRuntime,
 };
 
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
 const MS: fn(u64) -> Duration = Duration::from_millis;
 
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -175,6 +175,8 @@ struct Dispatch {
     envelopes: Vec<Envelope>,
     /// Raw text bodies (malformed envelopes).
     raw: Vec<String>,
+    /// Delay for each of `reports` (seconds).
+    delay_seconds: u64,
 }
 
 async fn dispatch(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
@@ -184,8 +186,13 @@ async fn dispatch(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
     let job = report_job::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
     let fail = |e: queue_edge::EdgeError| worker::Error::RustError(e.to_string());
     let mut reports = Vec::new();
+    let delay = (body.delay_seconds > 0).then(|| Duration::from_secs(body.delay_seconds));
     for report in &body.reports {
-        reports.push(producer.dispatch(&job, report).await.map_err(fail)?);
+        let id = producer
+            .dispatch_with(&job, report, delay, Default::default())
+            .await
+            .map_err(fail)?;
+        reports.push(id);
     }
     let batch = if body.batch.is_empty() {
         Vec::new()

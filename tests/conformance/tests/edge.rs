@@ -501,3 +501,26 @@ fn panics_are_contained() {
         .expect("a failure record");
     assert_eq!(record["attempt"], 4);
 }
+
+/// A delayed dispatch is not delivered before its delay.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn delayed_dispatch_waits() {
+    let sent_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as f64;
+    let answer = post(
+        "/dispatch",
+        json!({ "reports": [report(fresh_id(), Behaviour::Healthy)], "delay_seconds": 2 }),
+    );
+    let id = answer["reports"][0].as_str().unwrap().to_string();
+    let log = wait_terminal(std::slice::from_ref(&id));
+    let (at, step) = &edge_steps(&log)[&id][0];
+    assert_eq!(step.outcome, "succeeded:first_attempt");
+    assert!(
+        at - sent_ms >= 2000.0,
+        "delivered {} ms after dispatch",
+        at - sent_ms
+    );
+}

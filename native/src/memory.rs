@@ -34,6 +34,14 @@ pub struct MemoryConfig {
     pub max_retry_delay: Option<Duration>,
 }
 
+fn stopped() -> DriverError {
+    DriverError::new(
+        NAME,
+        ErrorKind::Stopped,
+        "the memory driver has been stopped",
+    )
+}
+
 #[derive(Debug)]
 struct Stored {
     body: Vec<u8>,
@@ -109,11 +117,7 @@ impl MemoryDriver {
     fn enqueue(&self, queue: &str, stored: Stored, front: bool) -> Result<(), DriverError> {
         let mut state = self.lock();
         if state.stopped {
-            return Err(DriverError::new(
-                NAME,
-                ErrorKind::Stopped,
-                "the memory driver has been stopped",
-            ));
+            return Err(stopped());
         }
         let q = state.queues.entry(queue.to_string()).or_default();
         if front {
@@ -133,11 +137,7 @@ impl MemoryDriver {
     ) -> Result<(), DriverError> {
         let mut state = self.lock();
         if state.stopped {
-            return Err(DriverError::new(
-                NAME,
-                ErrorKind::Stopped,
-                "the memory driver has been stopped",
-            ));
+            return Err(stopped());
         }
         state.queues.entry(queue.to_string()).or_default().delayed += 1;
         let driver = self.clone();
@@ -190,11 +190,7 @@ impl Driver for MemoryDriver {
     ) -> Result<Box<dyn Subscription>, DriverError> {
         let mut state = self.lock();
         if state.stopped {
-            return Err(DriverError::new(
-                NAME,
-                ErrorKind::Stopped,
-                "the memory driver has been stopped",
-            ));
+            return Err(stopped());
         }
         let notify = state
             .queues
@@ -306,11 +302,7 @@ impl Delivery for MemoryDelivery {
             // Dropping would try to requeue; a stopped driver keeps nothing.
             self.stored = None;
             self.release();
-            return Err(DriverError::new(
-                NAME,
-                ErrorKind::Stopped,
-                "the memory driver has been stopped",
-            ));
+            return Err(stopped());
         }
         match settlement {
             Settlement::Ack | Settlement::Reject => {}

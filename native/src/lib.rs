@@ -42,6 +42,11 @@
 //! # }
 //! ```
 
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
+
 pub mod config;
 pub mod consumer;
 pub mod driver;

@@ -9,8 +9,9 @@
 //!
 //! Settings come from `[vars]` in `wrangler.toml`: `EDGE_BUDGET_MS`,
 //! `EDGE_RESERVE_MS`, `MAX_RETRIES` (the consumer's `max_retries`, checked
-//! against the job's cap at start), `UNKNOWN_NAME_ATTEMPTS` and
-//! `UNKNOWN_NAME_RETRY_DELAY_MS`.
+//! against the job's cap at start), `UNKNOWN_NAME_ATTEMPTS`,
+//! `UNKNOWN_NAME_RETRY_DELAY_MS` and `PARALLEL_CONCURRENCY` (messages handled
+//! at once from `reports-parallel`; `reports` is consumed in order).
 #![cfg(target_arch = "wasm32")]
 
 use std::cell::RefCell;
@@ -35,8 +36,12 @@ const FAILED: &str = "FAILED";
 /// The KV namespace holding the test log.
 const LOG: &str = "LOG";
 
+/// The producer binding of the queue consumed with concurrency.
+const REPORTS_PARALLEL: &str = "REPORTS_PARALLEL";
+
 thread_local! {
     static CONSUMER: RefCell<Option<Rc<EdgeConsumer>>> = const { RefCell::new(None) };
+    static PARALLEL: RefCell<Option<Rc<EdgeConsumer>>> = const { RefCell::new(None) };
     static PENDING: RefCell<Vec<serde_json::Value>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -91,8 +96,10 @@ fn var_u64(env: &Env, name: &str) -> Option<u64> {
         .and_then(|v| v.to_string().trim().parse().ok())
 }
 
-fn consumer(env: &Env) -> std::result::Result<Rc<EdgeConsumer>, String> {
-    if let Some(existing) = CONSUMER.with(|c| c.borrow().clone()) {
+/// The consumer for `reports` (in order) or `reports-parallel` (concurrent).
+fn consumer(env: &Env, parallel: bool) -> std::result::Result<Rc<EdgeConsumer>, String> {
+    let slot = if parallel { &PARALLEL } else { &CONSUMER };
+    if let Some(existing) = slot.with(|c| c.borrow().clone()) {
         return Ok(existing);
     }
     let job = report_job::job().map_err(|e| e.to_string())?;
@@ -118,8 +125,11 @@ fn consumer(env: &Env) -> std::result::Result<Rc<EdgeConsumer>, String> {
         config.settlement_reserve = Duration::from_millis(ms);
     }
     config.platform_max_retries = var_u64(env, "MAX_RETRIES").map(|n| n as u32);
+    if parallel {
+        config.concurrency = var_u64(env, "PARALLEL_CONCURRENCY").unwrap_or(4) as usize;
+    }
     let consumer = Rc::new(EdgeConsumer::new(registry, config).map_err(|e| e.to_string())?);
-    CONSUMER.with(|c| *c.borrow_mut() = Some(consumer.clone()));
+    slot.with(|c| *c.borrow_mut() = Some(consumer.clone()));
     Ok(consumer)
 }
 
@@ -147,7 +157,7 @@ pub async fn queue(
             let _ = message.ack();
         }
     } else {
-        match consumer(&env) {
+        match consumer(&env, name.ends_with("-parallel")) {
             Ok(consumer) => {
                 consumer.consume(&batch, &env).await;
             }
@@ -177,11 +187,18 @@ struct Dispatch {
     raw: Vec<String>,
     /// Delay for each of `reports` (seconds).
     delay_seconds: u64,
+    /// Send to `reports-parallel` instead of `reports`.
+    parallel: bool,
 }
 
 async fn dispatch(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
     let body: Dispatch = req.json().await?;
-    let producer = EdgeProducer::from_env(&ctx.env, REPORTS)
+    let binding = if body.parallel {
+        REPORTS_PARALLEL
+    } else {
+        REPORTS
+    };
+    let producer = EdgeProducer::from_env(&ctx.env, binding)
         .map_err(|e| worker::Error::RustError(e.to_string()))?;
     let job = report_job::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
     let fail = |e: queue_edge::EdgeError| worker::Error::RustError(e.to_string());

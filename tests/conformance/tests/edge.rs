@@ -524,3 +524,38 @@ fn delayed_dispatch_waits() {
         at - sent_ms
     );
 }
+
+/// With concurrency 4, a batch of four slow reports runs at once and fits the
+/// invocation budget that, one at a time, would defer all but the first.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn concurrency_runs_a_batch_at_once() {
+    let base_id = fresh_id();
+    let batch: Vec<_> = (0..4)
+        .map(|i| report(base_id + i, Behaviour::Slow))
+        .collect();
+    let answer = post("/dispatch", json!({ "batch": batch, "parallel": true }));
+    let ids: Vec<String> = answer["batch"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    let log = wait_terminal(&ids);
+    let steps = edge_steps(&log);
+    let mut times = vec![];
+    for id in &ids {
+        assert_eq!(
+            plain(&steps[id]),
+            [(1, "succeeded:first_attempt".to_string(), 1)],
+            "no deferral with concurrency"
+        );
+        times.push(steps[id][0].0);
+    }
+    let spread = times.iter().cloned().fold(f64::MIN, f64::max)
+        - times.iter().cloned().fold(f64::MAX, f64::min);
+    assert!(
+        spread < 1000.0,
+        "the four 2 s reports finished together ({spread} ms apart)"
+    );
+}

@@ -12,6 +12,8 @@
 //! - [`consumer`]: the worker loop, concurrency and graceful shutdown.
 //! - [`memory`]: the in-memory backend (feature `memory`, on by default).
 //! - `rabbitmq`: RabbitMQ through lapin (feature `rabbitmq`).
+//! - `sqs`: Amazon SQS through aws-sdk-sqs (feature `sqs`).
+//! - `nats`: NATS JetStream through async-nats (feature `nats`).
 //! - [`runtime`]: tokio's clock and sleep for the rules.
 //! - [`config`]: operator overrides from `QUEUE_CONFIG` and the environment.
 //!
@@ -52,16 +54,24 @@ pub mod consumer;
 pub mod driver;
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod producer;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 pub mod runtime;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 
 pub use consumer::{Consumer, ConsumerBuilder, ConsumerHandle};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};
+#[cfg(feature = "nats")]
+pub use nats::{NatsConfig, NatsDriver};
 pub use producer::{DispatchOptions, Producer};
 #[cfg(feature = "rabbitmq")]
 pub use rabbitmq::{RabbitConfig, RabbitDriver};
 pub use runtime::TokioRuntime;
+#[cfg(feature = "sqs")]
+pub use sqs::{SqsConfig, SqsCredentials, SqsDriver};

@@ -1,0 +1,347 @@
+//! Settings for the NATS JetStream driver.
+
+use std::fmt;
+use std::time::Duration;
+
+use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
+
+use super::config_error;
+use crate::driver::DriverError;
+
+/// Settings for [`NatsDriver`](super::NatsDriver).
+///
+/// `Debug` never shows the password or token in [`url`](Self::url).
+#[derive(Clone)]
+pub struct NatsConfig {
+    /// `nats://host:port`, optionally with credentials:
+    /// `nats://user:password@host:port` or `nats://token@host:port`
+    /// (`tls://` for TLS). Credentials may be percent-encoded.
+    pub url: String,
+    /// The first subject token(s): queue `Q` is stored under the subject
+    /// `<subject_prefix>.Q` (default `queue`).
+    pub subject_prefix: String,
+    /// The first part of stream names: queue `Q` is stored in the stream
+    /// `<stream_prefix>_Q` (default `QUEUE`), with `.`, `*`, `>`, `/`, `\`
+    /// and whitespace in `Q` replaced by `_`.
+    pub stream_prefix: String,
+    /// The durable pull consumer every worker of a queue shares
+    /// (default `queue-worker`).
+    pub consumer_name: String,
+    /// How long the server waits for a settlement (or a `Progress` renewal)
+    /// before redelivering (default 30 s). Deliveries are renewed every half
+    /// of it while they are handled.
+    pub ack_wait: Duration,
+    /// The consumer's `MaxDeliver`. `None` (default, recommended): unlimited
+    /// (`-1`), so the server never stops redelivering a message on its own.
+    /// If set, it must be at least [`largest_attempt_cap`](Self::largest_attempt_cap).
+    pub max_deliver: Option<u32>,
+    /// The largest attempt cap of any job (and of the unknown-name rule)
+    /// consumed through this driver. A [`max_deliver`](Self::max_deliver)
+    /// below it is refused, since the server would stop delivering a message
+    /// before the facade's cap. Default: the unknown-name cap, 10.
+    pub largest_attempt_cap: u32,
+    /// The failure subject of a queue, `{queue}` replaced by the queue's
+    /// name and `{prefix}` by [`subject_prefix`](Self::subject_prefix)
+    /// (default `{prefix}.{queue}.failed`). Records published there are kept
+    /// in a failure stream (`<work stream>_failed`, limits retention). `None`:
+    /// terminal failures are logged at error level and acknowledged.
+    pub failure_subject: Option<String>,
+    /// Bound on every server round trip: connect, API requests, publish
+    /// acknowledgements, double acks.
+    pub operation_timeout: Duration,
+    /// How long one pull request waits on the server for messages before a
+    /// fresh one is sent (default 5 s).
+    pub fetch_expiry: Duration,
+    /// Longest wait between reconnection attempts (of the connection and of a
+    /// subscription's consumer).
+    pub max_reconnect_backoff: Duration,
+    /// The connection name shown by the server (`/connz`).
+    pub connection_name: String,
+}
+
+impl NatsConfig {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        NatsConfig {
+            url: url.into(),
+            subject_prefix: "queue".into(),
+            stream_prefix: "QUEUE".into(),
+            consumer_name: "queue-worker".into(),
+            ack_wait: Duration::from_secs(30),
+            max_deliver: None,
+            largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
+            failure_subject: Some("{prefix}.{queue}.failed".into()),
+            operation_timeout: Duration::from_secs(10),
+            fetch_expiry: Duration::from_secs(5),
+            max_reconnect_backoff: Duration::from_secs(5),
+            connection_name: "queue-native".into(),
+        }
+    }
+
+    /// Replaces the AckWait.
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// Replaces the failure subject pattern (`None`: no failure subject).
+    pub fn failure_subject(mut self, pattern: Option<&str>) -> Self {
+        self.failure_subject = pattern.map(str::to_string);
+        self
+    }
+
+    /// The URL with its password or token replaced by `***`.
+    pub fn redacted_url(&self) -> String {
+        redact(&self.url)
+    }
+
+    pub(super) fn validate(&self) -> Result<Endpoint, DriverError> {
+        let endpoint = Endpoint::parse(&self.url)
+            .map_err(|why| config_error(format!("`{}` {why}", self.redacted_url())))?;
+        if !valid_subject(&self.subject_prefix) {
+            return Err(config_error(format!(
+                "subject prefix `{}` is not a valid subject (no spaces, `*`, `>` or empty tokens)",
+                self.subject_prefix
+            )));
+        }
+        if !valid_name(&self.stream_prefix) {
+            return Err(config_error(format!(
+                "stream prefix `{}` is not a valid stream name",
+                self.stream_prefix
+            )));
+        }
+        if !valid_name(&self.consumer_name) {
+            return Err(config_error(format!(
+                "consumer name `{}` is not a valid consumer name",
+                self.consumer_name
+            )));
+        }
+        if let Some(pattern) = &self.failure_subject {
+            if !pattern.contains("{queue}") {
+                return Err(config_error(format!(
+                    "failure subject pattern `{pattern}` must contain `{{queue}}` (one failure subject per queue)"
+                )));
+            }
+            let sample = pattern
+                .replace("{prefix}", &self.subject_prefix)
+                .replace("{queue}", "q");
+            if !valid_subject(&sample) {
+                return Err(config_error(format!(
+                    "failure subject pattern `{pattern}` does not make a valid subject"
+                )));
+            }
+        }
+        if let Some(limit) = self.max_deliver {
+            if limit < self.largest_attempt_cap {
+                return Err(config_error(format!(
+                    "MaxDeliver {limit} is below the largest attempt cap {}: the server would stop \
+                     delivering messages before the facade's cap; raise it or leave it unset",
+                    self.largest_attempt_cap
+                )));
+            }
+            if limit == 0 {
+                return Err(config_error("MaxDeliver must be positive (or unset)"));
+            }
+        }
+        if self.ack_wait < Duration::from_millis(100) {
+            return Err(config_error(format!(
+                "AckWait {:?} is too short (at least 100 ms)",
+                self.ack_wait
+            )));
+        }
+        if self.operation_timeout.is_zero() || self.fetch_expiry < Duration::from_millis(100) {
+            return Err(config_error(
+                "the operation timeout must be positive and the fetch expiry at least 100 ms",
+            ));
+        }
+        Ok(endpoint)
+    }
+}
+
+impl fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &self.redacted_url())
+            .field("subject_prefix", &self.subject_prefix)
+            .field("stream_prefix", &self.stream_prefix)
+            .field("consumer_name", &self.consumer_name)
+            .field("ack_wait", &self.ack_wait)
+            .field("max_deliver", &self.max_deliver)
+            .field("largest_attempt_cap", &self.largest_attempt_cap)
+            .field("failure_subject", &self.failure_subject)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("fetch_expiry", &self.fetch_expiry)
+            .field("max_reconnect_backoff", &self.max_reconnect_backoff)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+/// Credentials taken out of the URL.
+#[derive(Clone)]
+pub(super) enum Auth {
+    None,
+    UserPassword(String, String),
+    Token(String),
+}
+
+/// Where to connect, with the credentials separated from the address (so the
+/// address can appear in errors and logs).
+#[derive(Clone)]
+pub(super) struct Endpoint {
+    /// `scheme://host:port`, no credentials.
+    pub(super) address: String,
+    pub(super) auth: Auth,
+}
+
+impl fmt::Debug for Endpoint {
+    /// The address only: never the credentials.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("address", &self.address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Endpoint {
+    fn parse(url: &str) -> Result<Endpoint, &'static str> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Err("is not a nats:// or tls:// URL");
+        };
+        let scheme = scheme.to_ascii_lowercase();
+        if scheme != "nats" && scheme != "tls" {
+            return Err("is not a nats:// or tls:// URL");
+        }
+        let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        if !tail.is_empty() && tail != "/" {
+            return Err("must not have a path or query");
+        }
+        let (auth, host) = match authority.rsplit_once('@') {
+            Some((userinfo, host)) => {
+                let auth = match userinfo.split_once(':') {
+                    Some((user, password)) => {
+                        Auth::UserPassword(percent_decode(user)?, percent_decode(password)?)
+                    }
+                    None => Auth::Token(percent_decode(userinfo)?),
+                };
+                (auth, host)
+            }
+            None => (Auth::None, authority),
+        };
+        if host.is_empty() || host.contains(char::is_whitespace) {
+            return Err("has no host");
+        }
+        Ok(Endpoint {
+            address: format!("{scheme}://{host}"),
+            auth,
+        })
+    }
+}
+
+fn percent_decode(s: &str) -> Result<String, &'static str> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or("has a malformed percent-encoding in its credentials")?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "has credentials that are not UTF-8")
+}
+
+/// A subject without wildcards: dot-separated, non-empty tokens, no spaces.
+pub(super) fn valid_subject(subject: &str) -> bool {
+    !subject.is_empty()
+        && subject.split('.').all(|token| {
+            !token.is_empty() && !token.contains(char::is_whitespace) && !token.contains(['*', '>'])
+        })
+}
+
+/// A stream or consumer name.
+pub(super) fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 200
+        && !name.contains(char::is_whitespace)
+        && !name.contains(['.', '*', '>', '/', '\\'])
+}
+
+/// `scheme://user:secret@host` -> `scheme://user:***@host`;
+/// `scheme://token@host` -> `scheme://***@host`.
+pub(super) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparseable URL>".into();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}{tail}"),
+            None => format!("{scheme}://***@{host}{tail}"),
+        },
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_redacted_and_separated() {
+        assert_eq!(
+            redact("nats://ada:s3cret@127.0.0.1:4222"),
+            "nats://ada:***@127.0.0.1:4222"
+        );
+        assert_eq!(redact("nats://tok3n@host:4222"), "nats://***@host:4222");
+        assert_eq!(redact("nats://host:4222"), "nats://host:4222");
+        let config = NatsConfig::new("nats://ada:s3cret@localhost:4222");
+        assert!(!format!("{config:?}").contains("s3cret"));
+        let endpoint = config.validate().unwrap();
+        assert_eq!(endpoint.address, "nats://localhost:4222");
+        assert!(
+            matches!(endpoint.auth, Auth::UserPassword(ref u, ref p) if u == "ada" && p == "s3cret")
+        );
+        let endpoint = NatsConfig::new("nats://t%40k@localhost")
+            .validate()
+            .unwrap();
+        assert!(matches!(endpoint.auth, Auth::Token(ref t) if t == "t@k"));
+    }
+
+    #[test]
+    fn validation() {
+        assert!(NatsConfig::new("nats://127.0.0.1:4222").validate().is_ok());
+        assert!(NatsConfig::new("amqp://127.0.0.1").validate().is_err());
+        assert!(NatsConfig::new("127.0.0.1:4222").validate().is_err());
+        let err = NatsConfig::new("http://u:hunter2@x")
+            .validate()
+            .err()
+            .unwrap();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let mut c = NatsConfig::new("nats://localhost");
+        c.max_deliver = Some(3);
+        assert!(c.validate().unwrap_err().to_string().contains("MaxDeliver"));
+        c.max_deliver = Some(10);
+        assert!(c.validate().is_ok());
+        let c = NatsConfig::new("nats://localhost").failure_subject(Some("failed"));
+        assert!(c.validate().is_err());
+        let c = NatsConfig::new("nats://localhost").ack_wait(Duration::ZERO);
+        assert!(c.validate().is_err());
+        assert!(valid_subject("queue.a-b.c"));
+        assert!(!valid_subject("queue..c"));
+        assert!(!valid_subject("queue.*"));
+        assert!(!valid_subject("queue. x"));
+        assert!(valid_name("QUEUE_a-b"));
+        assert!(!valid_name("QUEUE.a"));
+    }
+}

@@ -1,0 +1,416 @@
+//! Subscriptions (pull requests) and deliveries (with their lease).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream::consumer::pull::Batch;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::message::Acker;
+use async_nats::jetstream::{AckKind, Message};
+use async_trait::async_trait;
+use futures_util::{FutureExt, StreamExt};
+use queue::{FailureRecord, Settlement};
+use tokio::task::JoinHandle;
+use tracing::{debug, error, warn};
+
+use super::{error, NatsDriver};
+use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+type Opening = Pin<Box<dyn Future<Output = Result<Pull, DriverError>> + Send>>;
+
+/// An open pull request.
+struct Pull {
+    batch: Batch,
+    consumer: PullConsumer,
+    /// The connection generation it was sent on.
+    generation: u64,
+}
+
+pub(super) struct NatsSubscription {
+    driver: NatsDriver,
+    queue: String,
+    prefetch: usize,
+    /// Deliveries handed out and not yet settled or dropped.
+    outstanding: Arc<AtomicUsize>,
+    consumer: Option<PullConsumer>,
+    pull: Option<Pull>,
+    /// A pull request being sent (kept across cancelled `next()` calls).
+    opening: Option<Opening>,
+    backoff: Duration,
+}
+
+impl NatsSubscription {
+    pub(super) fn new(
+        driver: NatsDriver,
+        queue: &str,
+        prefetch: usize,
+        consumer: PullConsumer,
+    ) -> Self {
+        NatsSubscription {
+            driver,
+            queue: queue.to_string(),
+            prefetch: prefetch.max(1),
+            outstanding: Arc::default(),
+            consumer: Some(consumer),
+            pull: None,
+            opening: None,
+            backoff: FIRST_BACKOFF,
+        }
+    }
+
+    /// A future sending a pull request for the free slots.
+    fn open(&self) -> Opening {
+        let driver = self.driver.clone();
+        let queue = self.queue.clone();
+        let consumer = self.consumer.clone();
+        let wanted = self
+            .prefetch
+            .saturating_sub(self.outstanding.load(Ordering::SeqCst))
+            .max(1);
+        Box::pin(async move {
+            let consumer = match consumer {
+                Some(consumer) => consumer,
+                None => driver.declare(&queue).await?,
+            };
+            let link = driver.link().await?;
+            // Wait out a reconnection rather than queueing a request for it.
+            let mut waited = Duration::ZERO;
+            while link.client.connection_state() != State::Connected {
+                driver.check_running()?;
+                if waited >= driver.inner.config.operation_timeout {
+                    return Err(error(
+                        ErrorKind::Connection,
+                        "not connected to NATS (reconnecting)",
+                    ));
+                }
+                tokio::time::sleep(FIRST_BACKOFF).await;
+                waited += FIRST_BACKOFF;
+            }
+            let generation = *driver.inner.connections.borrow();
+            let limit = driver.inner.config.operation_timeout;
+            let batch = tokio::time::timeout(
+                limit,
+                consumer
+                    .batch()
+                    .max_messages(wanted)
+                    .expires(driver.inner.config.fetch_expiry)
+                    .messages(),
+            )
+            .await
+            .map_err(|_| {
+                error(
+                    ErrorKind::Connection,
+                    format!("pull request on `{queue}`: no answer within {limit:?}"),
+                )
+            })?
+            .map_err(|e| {
+                error(
+                    ErrorKind::Connection,
+                    format!("pull request on `{queue}`: {e}"),
+                )
+            })?;
+            Ok(Pull {
+                batch,
+                consumer,
+                generation,
+            })
+        })
+    }
+
+    fn deliver(&self, message: Message) -> Box<dyn Delivery> {
+        let (attempt, sequence, published) = match message.info() {
+            Ok(info) => (
+                u32::try_from(info.delivered.max(0)).unwrap_or(u32::MAX),
+                info.stream_sequence,
+                info.published.unix_timestamp_nanos(),
+            ),
+            Err(e) => {
+                warn!(queue = %self.queue, "a delivery without JetStream metadata: {e}");
+                (0, 0, 0)
+            }
+        };
+        let acker = Acker::new(message.context.clone(), message.reply.clone());
+        let every = self.driver.inner.config.ack_wait / 2;
+        let queue = self.queue.clone();
+        let lease = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if let Err(e) = acker.ack_with(AckKind::Progress).await {
+                    debug!(queue = %queue, "could not renew a delivery's lease: {e}");
+                }
+            }
+        });
+        self.outstanding.fetch_add(1, Ordering::SeqCst);
+        Box::new(NatsDelivery {
+            driver: self.driver.clone(),
+            queue: self.queue.clone(),
+            message,
+            attempt,
+            sequence,
+            published,
+            lease: Some(lease),
+            outstanding: self.outstanding.clone(),
+            settled: false,
+        })
+    }
+
+    async fn wait(&mut self, stopped: &mut tokio::sync::watch::Receiver<bool>) {
+        let wait = self.backoff;
+        self.backoff = (self.backoff * 2).min(
+            self.driver
+                .inner
+                .config
+                .max_reconnect_backoff
+                .max(FIRST_BACKOFF),
+        );
+        tokio::select! {
+            _ = stopped.changed() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for NatsSubscription {
+    async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
+        let mut stopped = self.driver.inner.stopped.subscribe();
+        let mut connections = self.driver.inner.connections.subscribe();
+        loop {
+            if *stopped.borrow_and_update() {
+                self.pull = None;
+                self.opening = None;
+                return None;
+            }
+            let generation = *connections.borrow_and_update();
+            if let Some(pull) = self.pull.as_mut() {
+                if pull.generation != generation {
+                    // Sent on a connection since lost: hand out what already
+                    // arrived, then send a fresh request.
+                    if let Some(Some(Ok(message))) = pull.batch.next().now_or_never() {
+                        return Some(Ok(self.deliver(message)));
+                    }
+                    debug!(queue = %self.queue, "reconnected: abandoning the open pull request");
+                    self.pull = None;
+                    continue;
+                }
+                let item = tokio::select! {
+                    _ = stopped.changed() => continue,
+                    _ = connections.changed() => continue,
+                    item = pull.batch.next() => item,
+                };
+                match item {
+                    Some(Ok(message)) => {
+                        self.backoff = FIRST_BACKOFF;
+                        return Some(Ok(self.deliver(message)));
+                    }
+                    Some(Err(e)) => {
+                        warn!(queue = %self.queue, "pull request failed, declaring the consumer again: {e}");
+                        self.pull = None;
+                        self.consumer = None;
+                        self.driver.forget(&self.queue);
+                        self.wait(&mut stopped).await;
+                    }
+                    None => {
+                        // Fulfilled or expired: send the next one.
+                        self.pull = None;
+                    }
+                }
+                continue;
+            }
+            if self.opening.is_none() {
+                self.opening = Some(self.open());
+            }
+            let Some(opening) = self.opening.as_mut() else {
+                continue;
+            };
+            let opened = tokio::select! {
+                _ = stopped.changed() => continue,
+                opened = opening => opened,
+            };
+            self.opening = None;
+            match opened {
+                Ok(pull) => {
+                    self.consumer = Some(pull.consumer.clone());
+                    self.pull = Some(pull);
+                }
+                Err(e) if e.kind() == ErrorKind::Stopped => return None,
+                Err(e) => {
+                    warn!(queue = %self.queue, "cannot pull, retrying in {:?}: {e}", self.backoff);
+                    self.consumer = None;
+                    self.driver.forget(&self.queue);
+                    self.wait(&mut stopped).await;
+                    if e.kind() == ErrorKind::Config {
+                        // Someone changed the topology under us: say so to the consumer too.
+                        return Some(Err(e));
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct NatsDelivery {
+    driver: NatsDriver,
+    queue: String,
+    message: Message,
+    attempt: u32,
+    sequence: u64,
+    published: i128,
+    lease: Option<JoinHandle<()>>,
+    outstanding: Arc<AtomicUsize>,
+    settled: bool,
+}
+
+impl NatsDelivery {
+    fn stop_lease(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.abort();
+        }
+    }
+
+    /// Sends the final `kind` as a double ack: `Ok` once the server confirmed.
+    async fn reply(&mut self, kind: AckKind, what: &str) -> Result<(), DriverError> {
+        self.stop_lease();
+        self.settled = true;
+        let limit = self.driver.inner.config.operation_timeout;
+        match tokio::time::timeout(limit, self.message.double_ack_with(kind)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let timed_out = e
+                    .downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut);
+                Err(error(
+                    if timed_out {
+                        ErrorKind::Uncertain
+                    } else {
+                        ErrorKind::Connection
+                    },
+                    format!(
+                        "{what} of a delivery from `{}` not confirmed: {e}; if the server did not get it, \
+                         the message is redelivered after AckWait",
+                        self.queue
+                    ),
+                ))
+            }
+            Err(_) => Err(error(
+                ErrorKind::Uncertain,
+                format!(
+                    "{what} of a delivery from `{}`: no confirmation within {limit:?}",
+                    self.queue
+                ),
+            )),
+        }
+    }
+
+    fn message_id(&self) -> Option<String> {
+        self.message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|v| v.to_string())
+    }
+
+    async fn fail(
+        &mut self,
+        reason: &str,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
+        match self.driver.failure_subject(&self.queue) {
+            Some(subject) => {
+                let Some(record) = record else {
+                    return Err(error(
+                        ErrorKind::NotAccepted,
+                        format!("terminal failure without a record: {reason}"),
+                    ));
+                };
+                // The lease keeps running while the record is transferred.
+                let dedup = format!(
+                    "failed:{}:{}:{}",
+                    self.driver.stream_name(&self.queue),
+                    self.sequence,
+                    self.published
+                );
+                self.driver
+                    .publish(&subject, record.encode(), &dedup)
+                    .await?;
+                self.reply(AckKind::Ack, "ack after the failure transfer")
+                    .await
+            }
+            None => {
+                self.reply(AckKind::Ack, "ack").await?;
+                error!(
+                    queue = %self.queue,
+                    message_id = self.message_id().as_deref().unwrap_or(""),
+                    attempt = self.attempt,
+                    "terminal failure, no failure subject configured; message acknowledged: {reason}"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for NatsDelivery {
+    /// Stops the lease; unsettled: `-NAK` so the message comes back now.
+    fn drop(&mut self) {
+        self.stop_lease();
+        self.outstanding.fetch_sub(1, Ordering::SeqCst);
+        if self.settled || self.driver.is_stopped() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let message = self.message.clone();
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    message.ack_with(AckKind::Nak(None)),
+                )
+                .await;
+            });
+        }
+    }
+}
+
+#[async_trait]
+impl Delivery for NatsDelivery {
+    fn body(&self) -> &[u8] {
+        &self.message.payload
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    async fn settle(
+        mut self: Box<Self>,
+        settlement: &Settlement,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
+        if self.driver.is_stopped() {
+            self.settled = true;
+            return Err(error(
+                ErrorKind::Stopped,
+                "the nats driver has been stopped; the message is redelivered after AckWait",
+            ));
+        }
+        match settlement {
+            Settlement::Ack => self.reply(AckKind::Ack, "ack").await,
+            Settlement::Reject => self.reply(AckKind::Term, "term").await,
+            Settlement::Retry { delay } => match delay.filter(|d| !d.is_zero()) {
+                None => self.reply(AckKind::Nak(None), "nak").await,
+                Some(delay) if delay.as_nanos() > i64::MAX as u128 => Err(error(
+                    ErrorKind::Unsupported,
+                    format!("retry delay {delay:?} exceeds what JetStream can express"),
+                )),
+                Some(delay) => self.reply(AckKind::Nak(Some(delay)), "nak").await,
+            },
+            Settlement::Fail { failure } => self.fail(&failure.message, record).await,
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! Settings for the SQS driver.
+
+use std::fmt;
+use std::time::Duration;
+
+use aws_sdk_sqs::config::SharedCredentialsProvider;
+use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
+
+use super::{config_error, MAX_VISIBILITY};
+use crate::driver::DriverError;
+
+/// Where the driver's AWS credentials come from. `Debug` never shows a key.
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum SqsCredentials {
+    /// Fixed keys (for an emulator, or keys loaded by the application).
+    Static {
+        /// The access key id.
+        access_key_id: String,
+        /// The secret access key.
+        secret_access_key: String,
+        /// A session token, for temporary credentials.
+        session_token: Option<String>,
+    },
+    /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and, if set,
+    /// `AWS_SESSION_TOKEN`, read when the driver is created (the default).
+    Environment,
+    /// Any credentials provider, for example the default chain of the
+    /// `aws-config` crate (profiles, SSO, instance and container roles):
+    /// `SqsCredentials::Provider(sdk_config.credentials_provider().unwrap())`.
+    Provider(SharedCredentialsProvider),
+}
+
+impl SqsCredentials {
+    /// Fixed keys without a session token.
+    pub fn fixed(access_key_id: impl Into<String>, secret_access_key: impl Into<String>) -> Self {
+        SqsCredentials::Static {
+            access_key_id: access_key_id.into(),
+            secret_access_key: secret_access_key.into(),
+            session_token: None,
+        }
+    }
+}
+
+impl fmt::Debug for SqsCredentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SqsCredentials::Static { session_token, .. } => f
+                .debug_struct("Static")
+                .field("access_key_id", &"***")
+                .field("secret_access_key", &"***")
+                .field("session_token", &session_token.as_ref().map(|_| "***"))
+                .finish(),
+            SqsCredentials::Environment => f.write_str("Environment"),
+            SqsCredentials::Provider(_) => f.write_str("Provider(..)"),
+        }
+    }
+}
+
+/// Settings for [`SqsDriver`](super::SqsDriver).
+///
+/// `Debug` never shows credentials.
+#[derive(Clone, Debug)]
+pub struct SqsConfig {
+    /// The region (`us-east-1`...).
+    pub region: String,
+    /// An endpoint replacing the region's (an emulator such as
+    /// `http://127.0.0.1:4517`, or a VPC endpoint). `None`: AWS's endpoint
+    /// for [`region`](Self::region).
+    pub endpoint: Option<String>,
+    /// Where the credentials come from (default: the environment).
+    pub credentials: SqsCredentials,
+    /// How long a received message stays invisible to other consumers. Every
+    /// receive asks for it, and the driver renews it every half of it while a
+    /// handler runs (never past 12 h after the receive). A whole number of
+    /// seconds, 1 s to 12 h; default 30 s. It is also how long a message
+    /// retried without a delay, rejected, or whose settlement failed waits
+    /// before it is delivered again, at most.
+    pub visibility_timeout: Duration,
+    /// Long-polling wait of each `ReceiveMessage` call: a whole number of
+    /// seconds, 0 to 20 s; default 20 s.
+    pub wait_time: Duration,
+    /// Whether missing work and failure queues are created (standard queues,
+    /// with [`visibility_timeout`](Self::visibility_timeout); failure queues
+    /// keep messages 14 days). Default `true`. When `false`, a missing queue
+    /// is an [`ErrorKind::Config`](crate::ErrorKind::Config) error.
+    pub create_queues: bool,
+    /// The failure queue for a work queue, `{queue}` replaced by the work
+    /// queue's name (default `{queue}-failed`). `None`: terminal failures are
+    /// logged at error level and deleted.
+    pub failure_queue: Option<String>,
+    /// The largest attempt cap of any job (and of the unknown-name rule)
+    /// consumed through this driver. A work queue whose redrive policy has a
+    /// `maxReceiveCount` below it is refused, since SQS would move a message
+    /// to its dead-letter queue before the facade's cap. Default: the
+    /// unknown-name cap, 10.
+    pub largest_attempt_cap: u32,
+    /// Bound on every request (a receive gets the wait time on top). A send
+    /// that does not finish within it is reported as uncertain.
+    pub operation_timeout: Duration,
+}
+
+impl SqsConfig {
+    /// Defaults for `region`, credentials from the environment.
+    pub fn new(region: impl Into<String>) -> Self {
+        SqsConfig {
+            region: region.into(),
+            endpoint: None,
+            credentials: SqsCredentials::Environment,
+            visibility_timeout: Duration::from_secs(30),
+            wait_time: Duration::from_secs(20),
+            create_queues: true,
+            failure_queue: Some("{queue}-failed".into()),
+            largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
+            operation_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Replaces the endpoint.
+    pub fn endpoint(mut self, url: impl Into<String>) -> Self {
+        self.endpoint = Some(url.into());
+        self
+    }
+
+    /// Replaces the credentials.
+    pub fn credentials(mut self, credentials: SqsCredentials) -> Self {
+        self.credentials = credentials;
+        self
+    }
+
+    /// Replaces the visibility timeout.
+    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
+        self.visibility_timeout = timeout;
+        self
+    }
+
+    /// Replaces the long-polling wait.
+    pub fn wait_time(mut self, wait: Duration) -> Self {
+        self.wait_time = wait;
+        self
+    }
+
+    /// Replaces the failure queue pattern (`None`: no failure queue).
+    pub fn failure_queue(mut self, pattern: Option<&str>) -> Self {
+        self.failure_queue = pattern.map(str::to_string);
+        self
+    }
+
+    pub(super) fn validate(&self) -> Result<(), DriverError> {
+        let whole = |d: Duration| d.subsec_nanos() == 0;
+        if !whole(self.visibility_timeout)
+            || self.visibility_timeout.is_zero()
+            || self.visibility_timeout > MAX_VISIBILITY
+        {
+            return Err(config_error(format!(
+                "visibility timeout {:?} must be a whole number of seconds between 1 s and 12 h",
+                self.visibility_timeout
+            )));
+        }
+        if !whole(self.wait_time) || self.wait_time > Duration::from_secs(20) {
+            return Err(config_error(format!(
+                "wait time {:?} must be a whole number of seconds between 0 and 20 s",
+                self.wait_time
+            )));
+        }
+        if self.region.is_empty() {
+            return Err(config_error("a region is required (us-east-1...)"));
+        }
+        if let Some(endpoint) = &self.endpoint {
+            if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+                return Err(config_error(format!(
+                    "endpoint `{endpoint}` must be an http:// or https:// URL"
+                )));
+            }
+        }
+        if let Some(pattern) = &self.failure_queue {
+            if !pattern.contains("{queue}") {
+                return Err(config_error(format!(
+                    "failure queue pattern `{pattern}` must contain `{{queue}}` (one failure queue per work queue)"
+                )));
+            }
+        }
+        if self.operation_timeout.is_zero() {
+            return Err(config_error("the operation timeout must be positive"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_never_shown() {
+        let config = SqsConfig::new("us-east-1").credentials(SqsCredentials::Static {
+            access_key_id: "AKIDEXAMPLE".into(),
+            secret_access_key: "s3cret".into(),
+            session_token: Some("t0ken".into()),
+        });
+        let shown = format!("{config:?}");
+        for secret in ["AKIDEXAMPLE", "s3cret", "t0ken"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+    }
+
+    #[test]
+    fn validation() {
+        SqsConfig::new("us-east-1").validate().unwrap();
+        let bad = [
+            SqsConfig::new("us-east-1").visibility_timeout(Duration::from_millis(1500)),
+            SqsConfig::new("us-east-1").visibility_timeout(Duration::ZERO),
+            SqsConfig::new("us-east-1").visibility_timeout(Duration::from_secs(43_201)),
+            SqsConfig::new("us-east-1").wait_time(Duration::from_secs(21)),
+            SqsConfig::new("us-east-1").failure_queue(Some("failures")),
+            SqsConfig::new("us-east-1").endpoint("127.0.0.1:4517"),
+            SqsConfig::new(""),
+        ];
+        for config in bad {
+            assert!(config.validate().is_err(), "{config:?}");
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! Subscriptions, deliveries and their leases.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
+use queue::{FailureRecord, Instant, Settlement};
+use tokio::task::JoinHandle;
+use tracing::{debug, error, warn};
+
+use super::{
+    bounded, ceil_seconds, decode_body, error, is_missing_queue, sdk_error, SqsDriver,
+    ENCODING_ATTRIBUTE, MAX_VISIBILITY,
+};
+use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+
+/// Whether a received message's body is base64 (see [`ENCODING_ATTRIBUTE`]).
+pub(super) fn is_base64(message: &Message) -> bool {
+    message
+        .message_attributes()
+        .and_then(|a| a.get(ENCODING_ATTRIBUTE))
+        .and_then(|v| v.string_value())
+        == Some("base64")
+}
+
+/// What one `ReceiveMessage` call returned.
+type Batch = Result<Vec<SqsDelivery>, DriverError>;
+
+pub(super) struct SqsSubscription {
+    driver: SqsDriver,
+    queue: Arc<str>,
+    url: Arc<str>,
+    failure_url: Option<Arc<str>>,
+    max_messages: i32,
+    /// Received, not yet handed out (their leases run).
+    buffer: VecDeque<SqsDelivery>,
+    /// The receive call in flight: kept across dropped `next()` futures.
+    pending: Option<JoinHandle<Batch>>,
+}
+
+impl SqsSubscription {
+    pub(super) fn new(
+        driver: SqsDriver,
+        queue: &str,
+        url: String,
+        failure_url: Option<String>,
+        prefetch: usize,
+    ) -> Self {
+        SqsSubscription {
+            driver,
+            queue: queue.into(),
+            url: url.into(),
+            failure_url: failure_url.map(Into::into),
+            max_messages: prefetch.clamp(1, 10) as i32,
+            buffer: VecDeque::new(),
+            pending: None,
+        }
+    }
+
+    /// Starts a `ReceiveMessage` call in its own task.
+    fn start_receive(&self) -> JoinHandle<Batch> {
+        let driver = self.driver.clone();
+        let queue = self.queue.clone();
+        let url = self.url.clone();
+        let failure_url = self.failure_url.clone();
+        let max = self.max_messages;
+        tokio::spawn(async move {
+            let config = &driver.inner.config;
+            let wait = config.wait_time;
+            let limit = config.operation_timeout + wait;
+            let what = format!("ReceiveMessage from `{queue}`");
+            // Measured before the request: SQS's 12-hour clock starts no
+            // earlier than this.
+            let received = Instant::now();
+            #[allow(deprecated)] // `AttributeNames`: for servers without the newer parameter.
+            let request = driver
+                .inner
+                .client
+                .receive_message()
+                .queue_url(&*url)
+                .max_number_of_messages(max)
+                .wait_time_seconds(wait.as_secs() as i32)
+                .visibility_timeout(config.visibility_timeout.as_secs() as i32)
+                .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+                .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
+                .message_attribute_names(ENCODING_ATTRIBUTE);
+            let out = match bounded(limit, &what, ErrorKind::Connection, request.send()).await? {
+                Ok(out) => out,
+                Err(e) => {
+                    if is_missing_queue(&e) {
+                        driver.forget(&queue);
+                    }
+                    return Err(sdk_error(
+                        &what,
+                        e,
+                        ErrorKind::Connection,
+                        ErrorKind::Connection,
+                    ));
+                }
+            };
+            let mut batch = Vec::new();
+            for message in out.messages() {
+                let Some(receipt) = message.receipt_handle().map(str::to_string) else {
+                    warn!(queue = %queue, "a received message has no receipt handle; skipped");
+                    continue;
+                };
+                let attempt = message
+                    .attributes()
+                    .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .unwrap_or_else(|| {
+                        warn!(queue = %queue, "no ApproximateReceiveCount on a message: attempt unknown (0)");
+                        0
+                    });
+                let body = decode_body(message.body().unwrap_or_default(), is_base64(message));
+                let hold = Hold::start(driver.clone(), url.clone(), receipt, received);
+                batch.push(SqsDelivery {
+                    queue: queue.clone(),
+                    failure_url: failure_url.clone(),
+                    message_id: message.message_id().unwrap_or_default().to_string(),
+                    body,
+                    attempt,
+                    hold,
+                });
+            }
+            Ok(batch)
+        })
+    }
+}
+
+#[async_trait]
+impl Subscription for SqsSubscription {
+    async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
+        let mut stopped = self.driver.inner.stopped.subscribe();
+        loop {
+            if *stopped.borrow_and_update() {
+                self.buffer.clear();
+                return None;
+            }
+            if let Some(delivery) = self.buffer.pop_front() {
+                return Some(Ok(Box::new(delivery)));
+            }
+            if self.pending.is_none() {
+                self.pending = Some(self.start_receive());
+            }
+            let Some(pending) = self.pending.as_mut() else {
+                continue;
+            };
+            // Cancel-safe: if this future is dropped here, `pending` stays.
+            let joined = tokio::select! {
+                _ = stopped.changed() => continue,
+                joined = pending => joined,
+            };
+            self.pending = None;
+            match joined {
+                Ok(Ok(batch)) => self.buffer.extend(batch),
+                Ok(Err(e)) => return Some(Err(e)),
+                Err(e) => {
+                    return Some(Err(error(
+                        ErrorKind::Connection,
+                        format!("the receive task of `{}` failed: {e}", self.queue),
+                    )))
+                }
+            }
+        }
+    }
+}
+
+/// The driver's hold on one received message: its receipt and the task
+/// renewing its visibility.
+struct Hold {
+    driver: SqsDriver,
+    url: Arc<str>,
+    receipt: String,
+    received: Instant,
+    /// `true` once renewal must stop. The renewal task holds the lock while
+    /// its request is in flight, so a settlement that takes it runs after.
+    stop: Arc<tokio::sync::Mutex<bool>>,
+    renewal: tokio::task::AbortHandle,
+    /// Settled (or settling): do not release on drop.
+    settled: bool,
+}
+
+impl Hold {
+    fn start(driver: SqsDriver, url: Arc<str>, receipt: String, received: Instant) -> Self {
+        let stop = Arc::new(tokio::sync::Mutex::new(false));
+        let renewal = tokio::spawn(renew(
+            driver.clone(),
+            url.clone(),
+            receipt.clone(),
+            received,
+            stop.clone(),
+        ))
+        .abort_handle();
+        Hold {
+            driver,
+            url,
+            receipt,
+            received,
+            stop,
+            renewal,
+            settled: false,
+        }
+    }
+
+    /// Stops the renewal, waiting for a renewal request in flight.
+    async fn stop_renewal(&mut self) {
+        self.settled = true;
+        *self.stop.lock().await = true;
+        self.renewal.abort();
+    }
+
+    async fn change_visibility(&self, seconds: u64) -> Result<(), DriverError> {
+        change_visibility(&self.driver, &self.url, &self.receipt, seconds).await
+    }
+
+    async fn delete(&self) -> Result<(), DriverError> {
+        let what = "DeleteMessage";
+        let limit = self.driver.inner.config.operation_timeout;
+        bounded(
+            limit,
+            what,
+            ErrorKind::Uncertain,
+            self.driver
+                .inner
+                .client
+                .delete_message()
+                .queue_url(&*self.url)
+                .receipt_handle(&self.receipt)
+                .send(),
+        )
+        .await?
+        .map(|_| ())
+        .map_err(|e| sdk_error(what, e, ErrorKind::NotAccepted, ErrorKind::Uncertain))
+    }
+}
+
+impl Drop for Hold {
+    /// Unsettled (a dropped delivery, or one buffered by a dropped
+    /// subscription): make the message visible again now, best effort.
+    fn drop(&mut self) {
+        self.renewal.abort();
+        if self.settled || self.driver.is_stopped() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let driver = self.driver.clone();
+        let url = self.url.clone();
+        let receipt = std::mem::take(&mut self.receipt);
+        let stop = self.stop.clone();
+        runtime.spawn(async move {
+            *stop.lock().await = true;
+            if let Err(e) = change_visibility(&driver, &url, &receipt, 0).await {
+                debug!("could not release an unsettled message (it returns when its visibility ends): {e}");
+            }
+        });
+    }
+}
+
+async fn change_visibility(
+    driver: &SqsDriver,
+    url: &str,
+    receipt: &str,
+    seconds: u64,
+) -> Result<(), DriverError> {
+    let what = "ChangeMessageVisibility";
+    let limit = driver.inner.config.operation_timeout;
+    bounded(
+        limit,
+        what,
+        ErrorKind::Uncertain,
+        driver
+            .inner
+            .client
+            .change_message_visibility()
+            .queue_url(url)
+            .receipt_handle(receipt)
+            .visibility_timeout(seconds as i32)
+            .send(),
+    )
+    .await?
+    .map(|_| ())
+    .map_err(|e| sdk_error(what, e, ErrorKind::NotAccepted, ErrorKind::Uncertain))
+}
+
+/// Extends the visibility every half visibility timeout, never past 12 h
+/// after the receive, until told to stop.
+async fn renew(
+    driver: SqsDriver,
+    url: Arc<str>,
+    receipt: String,
+    received: Instant,
+    stop: Arc<tokio::sync::Mutex<bool>>,
+) {
+    let visibility = driver.inner.config.visibility_timeout;
+    let period = (visibility / 2).max(Duration::from_millis(500));
+    let limit = received + MAX_VISIBILITY;
+    loop {
+        tokio::time::sleep(period).await;
+        let stopped = stop.lock().await;
+        if *stopped || driver.is_stopped() {
+            return;
+        }
+        let left = limit.saturating_duration_since(Instant::now());
+        // Whole seconds, rounded down: never ask past the 12-hour cap.
+        let seconds = visibility.min(left).as_secs();
+        if seconds == 0 {
+            return;
+        }
+        match change_visibility(&driver, &url, &receipt, seconds).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotAccepted => {
+                // Deleted, receipt expired (its visibility had already ended),
+                // or past the cap: nothing left to renew.
+                debug!("visibility renewal ends: {e}");
+                return;
+            }
+            Err(e) => warn!("visibility renewal failed, trying again in {period:?}: {e}"),
+        }
+        drop(stopped);
+    }
+}
+
+pub(super) struct SqsDelivery {
+    queue: Arc<str>,
+    failure_url: Option<Arc<str>>,
+    message_id: String,
+    body: Vec<u8>,
+    attempt: u32,
+    hold: Hold,
+}
+
+impl SqsDelivery {
+    async fn retry(&mut self, delay: Option<Duration>) -> Result<(), DriverError> {
+        let Some(delay) = delay else {
+            // Driver timing: back when the current visibility ends.
+            return Ok(());
+        };
+        let seconds = ceil_seconds(delay);
+        let since_receive = self.hold.received.elapsed();
+        if since_receive.saturating_add(Duration::from_secs(seconds)) > MAX_VISIBILITY {
+            return Err(error(
+                ErrorKind::Unsupported,
+                format!(
+                    "retry delay {delay:?} would end more than 12 h after the message was received \
+                     (SQS's visibility cap); the message stays in `{}` and returns when its visibility ends",
+                    self.queue
+                ),
+            ));
+        }
+        self.hold.change_visibility(seconds).await
+    }
+
+    async fn fail(
+        &mut self,
+        reason: &str,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
+        let driver = self.hold.driver.clone();
+        match self.failure_url.clone() {
+            Some(url) => {
+                let Some(record) = record else {
+                    return Err(error(
+                        ErrorKind::NotAccepted,
+                        format!("terminal failure without a record: {reason}"),
+                    ));
+                };
+                let failed = driver.failure_queue_name(&self.queue).unwrap_or_default();
+                driver.send_body(&failed, &url, &record.encode(), 0).await?;
+                self.hold.delete().await
+            }
+            None => {
+                self.hold.delete().await?;
+                error!(
+                    queue = %self.queue,
+                    message_id = %self.message_id,
+                    attempt = self.attempt,
+                    "terminal failure, no failure queue configured; message deleted: {reason}"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Delivery for SqsDelivery {
+    fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        Some(self.hold.received + MAX_VISIBILITY)
+    }
+
+    async fn settle(
+        mut self: Box<Self>,
+        settlement: &Settlement,
+        record: Option<&FailureRecord>,
+    ) -> Result<(), DriverError> {
+        self.hold.stop_renewal().await;
+        if self.hold.driver.is_stopped() {
+            return Err(error(
+                ErrorKind::Stopped,
+                "the sqs driver has been stopped; the message returns when its visibility ends",
+            ));
+        }
+        match settlement {
+            Settlement::Ack => self.hold.delete().await,
+            Settlement::Retry { delay } => self.retry(*delay).await,
+            // SQS cannot drop a message without deleting it: leave it to its
+            // visibility timeout and the queue's redrive policy.
+            Settlement::Reject => Ok(()),
+            Settlement::Fail { failure } => self.fail(&failure.message, record).await,
+        }
+    }
+}

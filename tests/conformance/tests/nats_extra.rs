@@ -1,0 +1,590 @@
+//! NATS-specific behaviour beyond the shared suite, against a real server
+//! with JetStream (`NATS_URL`, default `nats://127.0.0.1:4222`): a worker
+//! killed mid-job, lease renewal, conflicting topology, refused delayed
+//! dispatch, the failure stream, MaxDeliver below the cap, dropped
+//! deliveries, unreachable servers.
+//!
+//! Run with `cargo test -p queue-conformance --features nats --test nats_extra`.
+#![cfg(feature = "nats")]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use queue::{FailureKind, FailureRecord, Job, JobError, Registry};
+use queue_conformance::scenarios::Work;
+use queue_conformance::{Backend, Harness};
+use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
+use tokio::time::Instant;
+
+const MS: fn(u64) -> Duration = Duration::from_millis;
+const STREAM_PREFIX: &str = "EXTRA";
+const SUBJECT_PREFIX: &str = "extra";
+
+fn url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
+    Outgoing {
+        id: id.into(),
+        body: b"{}".to_vec(),
+        delay,
+    }
+}
+
+/// Like the suite's backend, with a configurable AckWait. Streams declared
+/// by its drivers are deleted when it is dropped.
+struct Nats {
+    url: String,
+    ack_wait: Duration,
+    drivers: Mutex<Vec<NatsDriver>>,
+}
+
+impl Nats {
+    fn new(ack_wait: Duration) -> Self {
+        Nats {
+            url: url(),
+            ack_wait,
+            drivers: Mutex::default(),
+        }
+    }
+
+    /// Connecting through `url` instead of `NATS_URL`.
+    fn via(url: String, ack_wait: Duration) -> Self {
+        Nats {
+            url,
+            ack_wait,
+            drivers: Mutex::default(),
+        }
+    }
+
+    fn config(&self) -> NatsConfig {
+        let mut config = NatsConfig::new(self.url.clone()).ack_wait(self.ack_wait);
+        config.stream_prefix = STREAM_PREFIX.into();
+        config.subject_prefix = SUBJECT_PREFIX.into();
+        config.fetch_expiry = Duration::from_secs(2);
+        // A publish lost with a cut connection is reported uncertain sooner.
+        config.operation_timeout = Duration::from_secs(3);
+        config.connection_name = "conformance-extra".into();
+        config
+    }
+
+    async fn driver(&self) -> NatsDriver {
+        self.driver_with(self.config()).await
+    }
+
+    async fn driver_with(&self, config: NatsConfig) -> NatsDriver {
+        let driver = NatsDriver::connect(config)
+            .await
+            .expect("NATS is reachable at NATS_URL");
+        self.drivers.lock().unwrap().push(driver.clone());
+        driver
+    }
+}
+
+#[async_trait]
+impl Backend for Nats {
+    async fn connect(&self) -> Arc<dyn Driver> {
+        Arc::new(self.driver().await)
+    }
+
+    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
+        self.driver()
+            .await
+            .failure_records(queue)
+            .await
+            .expect("failure stream readable")
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let drivers = std::mem::take(&mut *self.drivers.lock().unwrap());
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let config = self.config();
+        tokio::task::block_in_place(|| {
+            handle.block_on(async {
+                for driver in &drivers {
+                    let _ = driver.stop().await;
+                }
+                if let Ok(cleaner) = NatsDriver::connect(config).await {
+                    for driver in &drivers {
+                        let _ = cleaner.delete_streams(&driver.declared_streams()).await;
+                    }
+                    let _ = cleaner.stop().await;
+                }
+            })
+        });
+    }
+}
+
+/// Records (attempt, when) per execution.
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<(u32, Instant)>>>);
+
+impl Calls {
+    fn record(&self, attempt: u32) -> usize {
+        let mut calls = self.0.lock().unwrap();
+        calls.push((attempt, Instant::now()));
+        calls.len()
+    }
+    fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|c| c.0).collect()
+    }
+}
+
+/// Spawns the kill worker and waits for its handler to report an attempt,
+/// then SIGKILLs it.
+fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32, ack_wait: Duration) -> u32 {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nats_kill_worker"))
+        .args([
+            queue,
+            job,
+            &cap.to_string(),
+            STREAM_PREFIX,
+            SUBJECT_PREFIX,
+            &ack_wait.as_millis().to_string(),
+        ])
+        .env("NATS_URL", url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the kill worker");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(n) = line.strip_prefix("attempt ") {
+                let _ = tx.send(n.trim().parse::<u32>().unwrap());
+                break;
+            }
+        }
+    });
+    let attempt = rx.recv_timeout(Duration::from_secs(20));
+    // SIGKILL while the handler runs: no settlement, no clean close.
+    child.kill().expect("kill the worker");
+    child.wait().expect("reap the worker");
+    attempt.expect("the worker's handler started")
+}
+
+/// A worker SIGKILLed mid-job loses nothing: once AckWait passes without a
+/// lease renewal the server redelivers the message with a higher delivery
+/// count, until the cap turns an ordinary error into a terminal failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_worker_loses_nothing_and_counts_the_attempt() {
+    let ack_wait = Duration::from_secs(2);
+    let backend = Nats::new(ack_wait);
+    let h = Harness::new(&backend, "nats-kill").await;
+    let job = Job::<Work>::builder("crashy")
+        .queue(h.queue.clone())
+        .retry(3)
+        .build()
+        .unwrap();
+    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
+
+    let queue = h.queue.clone();
+    let seen = tokio::task::spawn_blocking(move || {
+        let first = run_worker_until_handler_starts(&queue, "crashy", 3, ack_wait);
+        let second = run_worker_until_handler_starts(&queue, "crashy", 3, ack_wait);
+        (first, second)
+    })
+    .await
+    .unwrap();
+    assert_eq!(seen, (1, 2), "each killed delivery counts");
+
+    // The message is still there, and the next delivery is attempt 3.
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            c.record(ctx.attempt());
+            async { Err(JobError::new("still crashing")) }
+        })
+        .unwrap();
+    let consumer = h.start_on(backend.connect().await, registry).await;
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(calls.attempts(), [3]);
+    assert_eq!(events.last().unwrap().message_id, id);
+    consumer.shutdown().await.unwrap();
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        (records[0].kind, records[0].attempt),
+        (FailureKind::AttemptsExhausted, 3)
+    );
+    let driver = backend.driver().await;
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
+}
+
+/// `Progress` every half AckWait keeps a handler running for 3 x AckWait
+/// from losing its delivery: exactly one execution, then an ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_keeps_a_long_handler_from_redelivery() {
+    let ack_wait = Duration::from_secs(1);
+    let backend = Nats::new(ack_wait);
+    let h = Harness::new(&backend, "nats-lease").await;
+    let job = Job::<Work>::builder("slow")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            c.record(ctx.attempt());
+            async move {
+                tokio::time::sleep(ack_wait * 3).await;
+                Ok(())
+            }
+        })
+        .unwrap();
+    // Two slots: a redelivery would be taken while the first still runs.
+    let consumer = h.start(registry, 2);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events
+        .wait_count(Duration::from_secs(20), "succeeded", 1)
+        .await;
+    // Past another AckWait: nothing comes back.
+    tokio::time::sleep(ack_wait * 2).await;
+    assert_eq!(calls.attempts(), [1], "exactly one delivery");
+    assert_eq!(h.events.names(), ["succeeded"]);
+    consumer.shutdown().await.unwrap();
+    let driver = backend.driver().await;
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
+}
+
+/// A stream or consumer that already exists with another configuration is
+/// a clear configuration error, for dispatch and subscription alike; the
+/// driver stays usable for other queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicting_existing_stream_or_consumer_is_a_config_error() {
+    let backend = Nats::new(Duration::from_secs(2));
+    let h = Harness::new(&backend, "nats-conflict").await;
+
+    // Someone made the stream for other subjects.
+    let mut other = backend.config();
+    other.subject_prefix = "someone-else".into();
+    let first = backend.driver_with(other).await;
+    first.send(&h.queue, outgoing("a", None)).await.unwrap();
+    let driver = backend.driver().await;
+    let err = driver
+        .send(&h.queue, outgoing("b", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(
+        err.to_string().contains(&driver.stream_name(&h.queue)),
+        "{err}"
+    );
+    assert!(err.to_string().contains("subjects"), "{err}");
+    let err = match driver.subscribe(&h.queue, 1).await {
+        Ok(_) => panic!("subscribing to a conflicting stream succeeded"),
+        Err(e) => e,
+    };
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+
+    // Someone made the consumer with another AckWait, or a MaxDeliver.
+    let queue = format!("{}-consumer", h.queue);
+    let other = backend.config().ack_wait(Duration::from_secs(45));
+    let first = backend.driver_with(other).await;
+    first.send(&queue, outgoing("c", None)).await.unwrap();
+    let err = driver.send(&queue, outgoing("d", None)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("AckWait"), "{err}");
+    let queue = format!("{}-limit", h.queue);
+    let mut other = backend.config();
+    other.max_deliver = Some(20);
+    let first = backend.driver_with(other).await;
+    first.send(&queue, outgoing("e", None)).await.unwrap();
+    let err = match driver.subscribe(&queue, 1).await {
+        Ok(_) => panic!("subscribing with a conflicting consumer succeeded"),
+        Err(e) => e,
+    };
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("MaxDeliver 20"), "{err}");
+
+    // Other queues are fine.
+    let fine = format!("{}-other", h.queue);
+    driver.send(&fine, outgoing("f", None)).await.unwrap();
+    assert_eq!(driver.stored_count(&fine).await.unwrap(), 1);
+}
+
+/// JetStream 2.9 cannot schedule a message: a delayed dispatch is refused
+/// as unsupported, by the driver and the producer alike, and stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_dispatch_is_refused_as_unsupported() {
+    let backend = Nats::new(Duration::from_secs(2));
+    let h = Harness::new(&backend, "nats-delay").await;
+    let driver = backend.driver().await;
+    assert!(!driver.capabilities().delayed_dispatch);
+    let err = driver
+        .send(&h.queue, outgoing("late", Some(MS(500))))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(err.to_string().contains("delayed dispatch"), "{err}");
+    let job = Job::<Work>::builder("delayed")
+        .queue(h.queue.clone())
+        .build()
+        .unwrap();
+    let err = h
+        .producer
+        .dispatch_with(
+            &job,
+            &Work { id: 1 },
+            DispatchOptions {
+                delay: Some(MS(500)),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    // A zero delay is no delay.
+    driver
+        .send(&h.queue, outgoing("now", Some(Duration::ZERO)))
+        .await
+        .unwrap();
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 1);
+}
+
+/// A poison message (not an envelope) fails at once and leaves exactly one
+/// record in the failure stream; reading it does not consume it, and the
+/// work stream is empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_leaves_exactly_one_failure_record() {
+    let backend = Nats::new(Duration::from_secs(2));
+    let h = Harness::new(&backend, "nats-poison").await;
+    let job = Job::<Work>::builder("poison")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |_, _: Work| async { Ok(()) })
+        .unwrap();
+    let consumer = h.start(registry, 2);
+    let body = b"\x00not an envelope".to_vec();
+    h.producer
+        .send_raw(&h.queue, "poison-1".into(), body.clone(), None)
+        .await
+        .unwrap();
+    h.events.wait_count(h.patience, "failed", 1).await;
+    // Longer than AckWait: the message does not come back.
+    tokio::time::sleep(MS(2500)).await;
+    consumer.shutdown().await.unwrap();
+
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].kind, FailureKind::MalformedEnvelope);
+    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
+    assert_eq!(records[0].attempt, 1);
+    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
+    let driver = backend.driver().await;
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
+    assert_eq!(h.events.names(), ["failed"]);
+}
+
+/// A MaxDeliver below the largest attempt cap is refused: the server would
+/// stop delivering a message before the facade's cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_deliver_below_the_cap_is_refused() {
+    let mut config = NatsConfig::new(url());
+    config.max_deliver = Some(3);
+    let err = NatsDriver::new(config.clone()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("MaxDeliver 3"), "{err}");
+    config.largest_attempt_cap = 3;
+    NatsDriver::new(config).expect("a MaxDeliver equal to the cap is accepted");
+}
+
+/// A delivery dropped without settlement is handed back at once (`-NAK`),
+/// with a higher attempt, well before AckWait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_delivery_comes_back_promptly() {
+    let backend = Nats::new(Duration::from_secs(30));
+    let h = Harness::new(&backend, "nats-drop").await;
+    let driver = backend.driver().await;
+    driver
+        .send(
+            &h.queue,
+            Outgoing {
+                id: "m".into(),
+                body: b"payload".to_vec(),
+                delay: None,
+            },
+        )
+        .await
+        .unwrap();
+    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
+    let delivery = subscription.next().await.unwrap().unwrap();
+    assert_eq!(delivery.attempt(), 1);
+    drop(delivery);
+    let again = tokio::time::timeout(Duration::from_secs(10), subscription.next())
+        .await
+        .expect("redelivered before AckWait")
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.body(), b"payload");
+    assert_eq!(again.attempt(), 2);
+    again.settle(&queue::Settlement::Ack, None).await.unwrap();
+    drop(subscription);
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
+}
+
+/// A server that cannot be reached: the dispatch certainly did not happen,
+/// and the error does not reveal the credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_server_is_not_accepted_and_hides_credentials() {
+    let mut config = NatsConfig::new("nats://ada:hunter2@127.0.0.1:1");
+    config.operation_timeout = Duration::from_secs(2);
+    assert!(!format!("{config:?}").contains("hunter2"));
+    let driver = NatsDriver::new(config.clone()).unwrap();
+    let err = driver
+        .send("nowhere", outgoing("x", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    let err = NatsDriver::connect(config).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Connection);
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    let mut token = NatsConfig::new("nats://s3cr3t-token@127.0.0.1:1");
+    token.operation_timeout = Duration::from_secs(2);
+    assert!(!format!("{token:?}").contains("s3cr3t"));
+    let err = NatsDriver::connect(token).await.unwrap_err();
+    assert!(!err.to_string().contains("s3cr3t"), "{err}");
+}
+
+/// A TCP proxy to the server whose connections can all be cut at once,
+/// to lose the client's connection without touching the server.
+struct Proxy {
+    url: String,
+    cut: tokio::sync::watch::Sender<u64>,
+}
+
+impl Proxy {
+    async fn start() -> Proxy {
+        let server = url();
+        let server = server.split("://").nth(1).unwrap_or(&server);
+        let server = server.rsplit('@').next().unwrap().to_string();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let cuts = cut.clone();
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let mut cut = cuts.subscribe();
+                let server = server.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&server).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy {
+            url: format!("nats://127.0.0.1:{port}"),
+            cut,
+        }
+    }
+
+    /// Drops every connection made so far (new ones are accepted).
+    fn cut(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
+}
+
+/// Retries a dispatch while the connection is being re-established: one
+/// sent just as the connection dropped is uncertain (it may be stored; its
+/// copy then runs too), one sent while reconnecting is not accepted.
+async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match h.producer.dispatch(job, &Work { id }).await {
+            Ok(id) => return id,
+            Err(e)
+                if Instant::now() < deadline
+                    && matches!(e.kind(), ErrorKind::NotAccepted | ErrorKind::Uncertain) =>
+            {
+                tokio::time::sleep(MS(200)).await;
+            }
+            Err(e) => panic!("dispatch failed: {e}"),
+        }
+    }
+}
+
+/// The connection is lost mid-job: async-nats reconnects, the subscription
+/// sends fresh pull requests and consumption resumes. A JetStream ack is not
+/// tied to a connection, so the in-flight delivery (its lease renewed
+/// across the reconnection) is still acknowledged and never redelivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumption_resumes_after_the_connection_is_lost() {
+    let proxy = Proxy::start().await;
+    let backend = Nats::via(proxy.url.clone(), Duration::from_secs(2));
+    let h = Harness::new(&backend, "nats-reconnect").await;
+    let job = Job::<Work>::builder("steady")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let calls = Calls::default();
+    let (s, c) = (started.clone(), calls.clone());
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, work: Work| {
+            let s = s.clone();
+            if work.id == 0 {
+                c.record(ctx.attempt());
+            }
+            async move {
+                if work.id == 0 && ctx.attempt() == 1 {
+                    s.notify_one();
+                    tokio::time::sleep(MS(1500)).await;
+                }
+                Ok(())
+            }
+        })
+        .unwrap();
+    let consumer = h.start(registry, 2);
+    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
+    tokio::time::timeout(h.patience, started.notified())
+        .await
+        .expect("slow handler started");
+    proxy.cut();
+
+    let mut ids = std::collections::BTreeSet::new();
+    for id in 1..=5 {
+        ids.insert(dispatch_retrying(&h, &job, id).await);
+    }
+    let events = h
+        .events
+        .wait_count(Duration::from_secs(30), "succeeded", 6)
+        .await;
+    let done: std::collections::BTreeSet<_> = events
+        .iter()
+        .filter(|e| e.kind.name() == "succeeded")
+        .map(|e| e.message_id.clone())
+        .collect();
+    assert!(ids.is_subset(&done), "{ids:?} vs {done:?}");
+    // Past AckWait: the slow delivery was acknowledged, not redelivered.
+    tokio::time::sleep(MS(2500)).await;
+    assert_eq!(calls.attempts(), [1]);
+    assert!(h.events.settlement_failures().is_empty());
+    consumer.shutdown().await.unwrap();
+}

@@ -1,0 +1,646 @@
+//! SQS-specific behaviour beyond the shared suite, against the emulator at
+//! `SQS_ENDPOINT` (start it with `tests/sqs-emulator`): delays rounded up to
+//! seconds, the 12-hour visibility cap, reject leaving the message to its
+//! visibility timeout, visibility renewal for long handlers, redrive policies
+//! below the attempt cap, the 900 s dispatch limit, poison messages, released
+//! and cancel-safe deliveries.
+//!
+//! Run with
+//! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p queue-conformance --features sqs --test sqs_extra`.
+#![cfg(feature = "sqs")]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use queue::{FailureKind, FailureRecord, Job, JobError, Registry, Settlement};
+use queue_conformance::scenarios::Work;
+use queue_conformance::{Backend, Harness};
+use queue_native::sqs::aws_sdk_sqs::types::QueueAttributeName;
+use queue_native::{Driver, ErrorKind, Outgoing, SqsConfig, SqsCredentials, SqsDriver};
+use tokio::time::Instant;
+
+const MS: fn(u64) -> Duration = Duration::from_millis;
+const VISIBILITY: Duration = Duration::from_secs(2);
+
+fn config() -> SqsConfig {
+    let endpoint = std::env::var("SQS_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "SQS_ENDPOINT is not set: start the emulator with `tests/sqs-emulator` and export \
+             SQS_ENDPOINT=<the URL it prints> (e.g. http://127.0.0.1:4517)"
+        )
+    });
+    SqsConfig::new("us-east-1")
+        .endpoint(endpoint)
+        .credentials(SqsCredentials::fixed("test", "test"))
+        .visibility_timeout(VISIBILITY)
+        .wait_time(Duration::from_secs(1))
+}
+
+/// Like the suite's backend; also deletes queues made outside the driver.
+#[derive(Default)]
+struct Sqs {
+    drivers: Mutex<Vec<SqsDriver>>,
+    extra_queues: Mutex<Vec<String>>,
+}
+
+impl Sqs {
+    async fn driver(&self) -> SqsDriver {
+        self.driver_with(config()).await
+    }
+
+    async fn driver_with(&self, config: SqsConfig) -> SqsDriver {
+        let driver = SqsDriver::connect(config).await.unwrap_or_else(|e| {
+            panic!("the SQS emulator at SQS_ENDPOINT does not answer ({e}); start it with `tests/sqs-emulator`")
+        });
+        self.drivers.lock().unwrap().push(driver.clone());
+        driver
+    }
+}
+
+#[async_trait]
+impl Backend for Sqs {
+    async fn connect(&self) -> Arc<dyn Driver> {
+        Arc::new(self.driver().await)
+    }
+
+    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
+        self.driver()
+            .await
+            .failure_records(queue)
+            .await
+            .expect("failure queue readable")
+    }
+}
+
+impl Drop for Sqs {
+    fn drop(&mut self) {
+        let drivers = std::mem::take(&mut *self.drivers.lock().unwrap());
+        let extra = std::mem::take(&mut *self.extra_queues.lock().unwrap());
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        tokio::task::block_in_place(|| {
+            handle.block_on(async {
+                for driver in &drivers {
+                    let _ = driver.stop().await;
+                }
+                if let Ok(cleaner) = SqsDriver::connect(config()).await {
+                    for driver in &drivers {
+                        let _ = cleaner.delete_queues(&driver.created_queues()).await;
+                    }
+                    let _ = cleaner.delete_queues(&extra).await;
+                }
+            })
+        });
+    }
+}
+
+/// Records (attempt, when) per execution.
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<(u32, Instant)>>>);
+
+impl Calls {
+    fn record(&self, attempt: u32) -> usize {
+        let mut calls = self.0.lock().unwrap();
+        calls.push((attempt, Instant::now()));
+        calls.len()
+    }
+    fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|c| c.0).collect()
+    }
+    fn gaps(&self) -> Vec<Duration> {
+        let calls = self.0.lock().unwrap();
+        calls.windows(2).map(|w| w[1].1 - w[0].1).collect()
+    }
+}
+
+fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
+    Outgoing {
+        id: id.into(),
+        body: format!("{{\"raw\":\"{id}\"}}").into_bytes(),
+        delay,
+    }
+}
+
+/// Messages on `queue`: visible, in flight or delayed.
+async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
+    let url = driver
+        .client()
+        .get_queue_url()
+        .queue_name(queue)
+        .send()
+        .await
+        .unwrap()
+        .queue_url()
+        .unwrap()
+        .to_string();
+    let attributes = driver
+        .client()
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
+        .send()
+        .await
+        .unwrap();
+    let attributes = attributes.attributes().unwrap();
+    [
+        QueueAttributeName::ApproximateNumberOfMessages,
+        QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+        QueueAttributeName::ApproximateNumberOfMessagesDelayed,
+    ]
+    .iter()
+    .map(|name| attributes[name].parse::<u64>().unwrap())
+    .sum()
+}
+
+/// A retry-after of 1.2 s becomes a visibility of 2 s: the next delivery
+/// waits at least 2 s, never 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_delay_rounds_up_to_whole_seconds() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-rounding").await;
+    let job = Job::<Work>::builder("rounding")
+        .queue(h.queue.clone())
+        .retry(3)
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            let n = c.record(ctx.attempt());
+            async move {
+                if n == 1 {
+                    Err(JobError::retry_after("come back later", MS(1200)))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .unwrap();
+    let consumer = h.start(registry, 1);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events
+        .wait_count(Duration::from_secs(20), "succeeded", 1)
+        .await;
+    assert_eq!(calls.attempts(), [1, 2]);
+    let gap = calls.gaps()[0];
+    assert!(gap >= MS(2000), "1.2 s rounds up to 2 s, waited {gap:?}");
+    consumer.shutdown().await.unwrap();
+}
+
+/// A retry that would end more than 12 h after the receive is refused as
+/// unsupported; the message is kept and comes back after its visibility.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_beyond_twelve_hours_is_refused_and_the_message_kept() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-12h").await;
+    let driver = backend.driver().await;
+    assert_eq!(
+        driver.capabilities().max_retry_delay,
+        Some(Duration::from_secs(12 * 3600))
+    );
+    driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
+    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
+    let first = subscription.next().await.unwrap().unwrap();
+    assert_eq!(first.attempt(), 1);
+    let body = first.body().to_vec();
+    let refused = first
+        .settle(
+            &Settlement::Retry {
+                delay: Some(Duration::from_secs(12 * 3600 + 1)),
+            },
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::Unsupported, "{refused}");
+    let refused_at = Instant::now();
+    let again = tokio::time::timeout(Duration::from_secs(10), subscription.next())
+        .await
+        .expect("the message comes back")
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.body(), body);
+    assert_eq!(again.attempt(), 2);
+    assert!(
+        refused_at.elapsed() >= MS(500),
+        "it came back when its visibility ended, not at once"
+    );
+    again.settle(&Settlement::Ack, None).await.unwrap();
+}
+
+/// Reject does not drop on SQS: the message comes back once its visibility
+/// timeout ends, with a higher attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_message_comes_back_after_the_visibility_timeout() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-reject").await;
+    assert!(!h.driver.capabilities().reject_drops);
+    assert_eq!(h.driver.capabilities().redelivery_hint, VISIBILITY);
+    let job = Job::<Work>::builder("reject")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            let n = c.record(ctx.attempt());
+            async move {
+                if n == 1 {
+                    Err(JobError::reject("not now"))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .unwrap();
+    let consumer = h.start(registry, 1);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events
+        .wait_count(Duration::from_secs(20), "succeeded", 1)
+        .await;
+    assert_eq!(h.events.names(), ["rejected", "succeeded"]);
+    assert_eq!(calls.attempts(), [1, 2]);
+    let gap = calls.gaps()[0];
+    // The visibility started at the receive, just before the first call.
+    assert!(gap >= MS(1500), "came back after {gap:?}");
+    consumer.shutdown().await.unwrap();
+    assert!(backend.failure_records(&h.queue).await.is_empty());
+}
+
+/// A handler running three visibility timeouts is executed once: the
+/// driver keeps extending the message's visibility while it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_handler_is_delivered_once_thanks_to_visibility_renewal() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-lease").await;
+    let job = Job::<Work>::builder("long")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            c.record(ctx.attempt());
+            async {
+                tokio::time::sleep(VISIBILITY * 3).await;
+                Ok(())
+            }
+        })
+        .unwrap();
+    // Two slots: the consumer keeps polling while the handler runs.
+    let consumer = h.start(registry, 2);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events
+        .wait_count(Duration::from_secs(30), "succeeded", 1)
+        .await;
+    tokio::time::sleep(VISIBILITY + MS(1500)).await;
+    consumer.shutdown().await.unwrap();
+    assert_eq!(calls.attempts(), [1], "executed exactly once");
+    assert_eq!(h.events.names(), ["succeeded"]);
+    assert_eq!(messages_on(&backend.driver().await, &h.queue).await, 0);
+}
+
+/// A work queue whose redrive policy would dead-letter before the facade's
+/// cap is refused as a configuration error; one at the cap is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redrive_policy_below_the_cap_is_refused() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-redrive").await;
+    let driver = backend.driver().await;
+    let dlq = format!("{}-dlq", h.queue);
+    let low = format!("{}-low", h.queue);
+    let ok = format!("{}-ok", h.queue);
+    backend
+        .extra_queues
+        .lock()
+        .unwrap()
+        .extend([dlq.clone(), low.clone(), ok.clone()]);
+    let client = driver.client();
+    let dlq_url = client
+        .create_queue()
+        .queue_name(&dlq)
+        .send()
+        .await
+        .unwrap()
+        .queue_url()
+        .unwrap()
+        .to_string();
+    let dlq_arn = client
+        .get_queue_attributes()
+        .queue_url(dlq_url)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .unwrap()
+        .attributes()
+        .unwrap()[&QueueAttributeName::QueueArn]
+        .clone();
+    for (name, max) in [(&low, 3), (&ok, 10)] {
+        client
+            .create_queue()
+            .queue_name(name)
+            .attributes(
+                QueueAttributeName::RedrivePolicy,
+                serde_json::json!({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": max})
+                    .to_string(),
+            )
+            .send()
+            .await
+            .unwrap();
+    }
+    assert_eq!(driver.config().largest_attempt_cap, 10);
+
+    let refused = driver.subscribe(&low, 4).await.err().expect("refused");
+    assert_eq!(refused.kind(), ErrorKind::Config, "{refused}");
+    assert!(
+        refused.to_string().contains("maxReceiveCount 3"),
+        "{refused}"
+    );
+    let refused = driver.send(&low, outgoing("m1", None)).await.unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::Config, "{refused}");
+
+    driver.send(&ok, outgoing("m2", None)).await.unwrap();
+    drop(driver.subscribe(&ok, 4).await.unwrap());
+
+    // A lower cap accepts the low policy.
+    let mut lenient = config();
+    lenient.largest_attempt_cap = 3;
+    let lenient = backend.driver_with(lenient).await;
+    lenient.send(&low, outgoing("m3", None)).await.unwrap();
+}
+
+/// DelaySeconds stops at 900 s: longer dispatch delays are unsupported,
+/// 900 s (and anything that rounds up to it) is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatch_delay_above_900_seconds_is_unsupported() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-delay-cap").await;
+    let driver = backend.driver().await;
+    let err = driver
+        .send(&h.queue, outgoing("late", Some(Duration::from_secs(901))))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    let err = driver
+        .send(&h.queue, outgoing("late", Some(MS(900_001))))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Unsupported,
+        "900.001 s rounds up to 901 s"
+    );
+    driver
+        .send(&h.queue, outgoing("ok", Some(MS(899_500))))
+        .await
+        .unwrap();
+    driver
+        .send(&h.queue, outgoing("ok", Some(Duration::from_secs(900))))
+        .await
+        .unwrap();
+    assert_eq!(messages_on(&driver, &h.queue).await, 2);
+}
+
+/// A poison message (not an envelope) fails at once and leaves exactly one
+/// record on the failure queue; nothing stays on the work queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_leaves_exactly_one_failure_record() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-poison").await;
+    let job = Job::<Work>::builder("poison")
+        .queue(h.queue.clone())
+        .retry(5)
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |_, _: Work| async { Ok(()) })
+        .unwrap();
+    let consumer = h.start(registry, 2);
+    let body = b"\x00not an envelope".to_vec();
+    h.producer
+        .send_raw(&h.queue, "poison-1".into(), body.clone(), None)
+        .await
+        .unwrap();
+    h.events.wait_count(h.patience, "failed", 1).await;
+    tokio::time::sleep(VISIBILITY + MS(1500)).await;
+    consumer.shutdown().await.unwrap();
+
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].kind, FailureKind::MalformedEnvelope);
+    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
+    assert_eq!(records[0].attempt, 1);
+    // Reading the records does not consume them.
+    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
+    assert_eq!(messages_on(&backend.driver().await, &h.queue).await, 0);
+    assert_eq!(h.events.names(), ["failed"]);
+}
+
+/// A queue name SQS cannot have (`.`) is refused clearly, not mapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dotted_queue_names_are_refused() {
+    let backend = Sqs::default();
+    let driver = backend.driver().await;
+    let err = driver
+        .send("reports.daily", outgoing("m", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(
+        err.to_string().contains("not a valid SQS queue name"),
+        "{err}"
+    );
+    let err = driver.subscribe("reports.daily", 1).await.err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+}
+
+/// A delivery dropped unsettled is made visible again at once (its receive
+/// count has risen), and a `next()` dropped mid-poll loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_deliveries_and_polls_lose_nothing() {
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-drop").await;
+    let driver = backend.driver().await;
+    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
+    // A poll dropped while the long poll is in flight...
+    assert!(tokio::time::timeout(MS(100), subscription.next())
+        .await
+        .is_err());
+    // ...keeps its receive call: the message it gets is handed out next.
+    driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), subscription.next())
+        .await
+        .expect("delivered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.attempt(), 1);
+    let dropped_at = Instant::now();
+    drop(first);
+    let again = tokio::time::timeout(Duration::from_secs(10), subscription.next())
+        .await
+        .expect("redelivered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.attempt(), 2);
+    assert!(
+        dropped_at.elapsed() < VISIBILITY,
+        "released at once, not after the visibility timeout ({:?})",
+        dropped_at.elapsed()
+    );
+    again.settle(&Settlement::Ack, None).await.unwrap();
+    assert_eq!(messages_on(&driver, &h.queue).await, 0);
+}
+
+/// What the fake SQS endpoint does with a `SendMessage`.
+#[derive(Clone, Copy)]
+enum OnSend {
+    /// Read the request, then close the connection without an answer.
+    Close,
+    /// Read the request and never answer (until the server's own deadline).
+    Hang,
+}
+
+/// A fake SQS endpoint on loopback that answers `GetQueueUrl` and
+/// `GetQueueAttributes` and misbehaves on `SendMessage`. It stops accepting
+/// after 30 s. Returns its URL.
+fn fake_sqs(on_send: OnSend) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let queue_url = format!("{endpoint}/000000000000/fake");
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            let Ok((stream, _)) = listener.accept() else {
+                std::thread::sleep(MS(10));
+                continue;
+            };
+            let queue_url = queue_url.clone();
+            std::thread::spawn(move || {
+                stream.set_nonblocking(false).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(30)))
+                    .unwrap();
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut writer = stream;
+                loop {
+                    let (mut target, mut length) = (String::new(), 0usize);
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let line = line.trim_end();
+                        if line.is_empty() {
+                            break;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("x-amz-target:") {
+                            target = v.trim().to_string();
+                        } else if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let answer = match target.as_str() {
+                        "amazonsqs.getqueueurl" => format!("{{\"QueueUrl\":\"{queue_url}\"}}"),
+                        "amazonsqs.getqueueattributes" => "{\"Attributes\":{}}".to_string(),
+                        _ => match on_send {
+                            OnSend::Close => return,
+                            OnSend::Hang => {
+                                std::thread::sleep(Duration::from_secs(5));
+                                return;
+                            }
+                        },
+                    };
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/x-amz-json-1.0\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if writer.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    endpoint
+}
+
+/// Dispatch errors say whether SQS may have the message: refused before
+/// sending (no connection, or an error answer) is `NotAccepted`; a request
+/// sent whose answer never comes (connection closed, timeout) is `Uncertain`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
+    let short = |endpoint: String| {
+        let mut config = config();
+        config.endpoint = Some(endpoint);
+        config.operation_timeout = Duration::from_secs(1);
+        config
+    };
+    // Nothing listens: nothing was sent.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let driver = SqsDriver::new(short(endpoint)).unwrap();
+    let err = driver
+        .send("anything", outgoing("m", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+
+    // The request went out, the connection closed before an answer.
+    let driver = SqsDriver::new(short(fake_sqs(OnSend::Close))).unwrap();
+    let err = driver.send("fake", outgoing("m", None)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Uncertain, "{err}");
+
+    // The request went out and no answer came in time.
+    let driver = SqsDriver::new(short(fake_sqs(OnSend::Hang))).unwrap();
+    let err = driver.send("fake", outgoing("m", None)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Uncertain, "{err}");
+
+    // SQS answered with an error (the queue was deleted behind the driver's back).
+    let backend = Sqs::default();
+    let h = Harness::new(&backend, "sqs-refused").await;
+    let driver = backend.driver().await;
+    driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
+    let url = driver
+        .client()
+        .get_queue_url()
+        .queue_name(&h.queue)
+        .send()
+        .await
+        .unwrap()
+        .queue_url()
+        .unwrap()
+        .to_string();
+    driver
+        .client()
+        .delete_queue()
+        .queue_url(url)
+        .send()
+        .await
+        .unwrap();
+    let err = driver
+        .send(&h.queue, outgoing("m2", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+}

@@ -1,5 +1,6 @@
-//! The quick start: report jobs with injected failures, on the memory driver
-//! (or RabbitMQ with `--backend rabbitmq`, built with `--features rabbitmq`).
+//! The quick start: report jobs with injected failures, on the memory driver,
+//! or on a broker with `--backend rabbitmq|nats|sqs` (build with the
+//! driver's feature; `RABBITMQ_URL`, `NATS_URL`, `SQS_ENDPOINT` point at it).
 //!
 //! ```text
 //! cargo run -p queue-native --example quickstart
@@ -103,6 +104,25 @@ enum Backend {
     Memory(queue_native::MemoryDriver),
     #[cfg(feature = "rabbitmq")]
     Rabbit(queue_native::RabbitDriver),
+    #[cfg(feature = "nats")]
+    Nats(queue_native::NatsDriver),
+    #[cfg(feature = "sqs")]
+    Sqs(queue_native::SqsDriver),
+}
+
+/// The backends this build of the example can use.
+fn available() -> Vec<&'static str> {
+    let mut names = vec!["memory"];
+    if cfg!(feature = "rabbitmq") {
+        names.push("rabbitmq");
+    }
+    if cfg!(feature = "nats") {
+        names.push("nats");
+    }
+    if cfg!(feature = "sqs") {
+        names.push("sqs");
+    }
+    names
 }
 
 impl Backend {
@@ -118,13 +138,27 @@ impl Backend {
                     queue_native::RabbitDriver::connect(config).await?,
                 ))
             }
-            other => Err(format!(
-                "unknown backend `{other}` (use `memory`{})",
-                if cfg!(feature = "rabbitmq") {
-                    " or `rabbitmq`"
-                } else {
-                    "; build with --features rabbitmq for `rabbitmq`"
+            #[cfg(feature = "nats")]
+            "nats" => {
+                let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+                let config = queue_native::NatsConfig::new(url);
+                Ok(Backend::Nats(queue_native::NatsDriver::connect(config).await?))
+            }
+            #[cfg(feature = "sqs")]
+            "sqs" => {
+                let region = std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into());
+                let mut config = queue_native::SqsConfig::new(region);
+                // A local emulator (tests/sqs-emulator) takes any static keys.
+                if let Ok(endpoint) = std::env::var("SQS_ENDPOINT") {
+                    config = config
+                        .endpoint(endpoint)
+                        .credentials(queue_native::SqsCredentials::fixed("test", "test"));
                 }
+                Ok(Backend::Sqs(queue_native::SqsDriver::connect(config).await?))
+            }
+            other => Err(format!(
+                "unknown backend `{other}`: this build knows {} (build with --features rabbitmq, nats or sqs for more)",
+                available().join(", ")
             )
             .into()),
         }
@@ -135,6 +169,10 @@ impl Backend {
             Backend::Memory(d) => Arc::new(d.clone()),
             #[cfg(feature = "rabbitmq")]
             Backend::Rabbit(d) => Arc::new(d.clone()),
+            #[cfg(feature = "nats")]
+            Backend::Nats(d) => Arc::new(d.clone()),
+            #[cfg(feature = "sqs")]
+            Backend::Sqs(d) => Arc::new(d.clone()),
         }
     }
 
@@ -146,6 +184,10 @@ impl Backend {
             Backend::Memory(d) => Ok(d.failure_records(queue)),
             #[cfg(feature = "rabbitmq")]
             Backend::Rabbit(d) => Ok(d.failure_records(queue).await?),
+            #[cfg(feature = "nats")]
+            Backend::Nats(d) => Ok(d.failure_records(queue).await?),
+            #[cfg(feature = "sqs")]
+            Backend::Sqs(d) => Ok(d.failure_records(queue).await?),
         }
     }
 }

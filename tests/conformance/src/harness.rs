@@ -190,3 +190,43 @@ impl Harness {
             .spawn()
     }
 }
+
+/// Records each execution a handler makes: the delivery attempt, the
+/// in-process attempt and when it started.
+#[derive(Clone, Default)]
+pub struct Calls(Arc<Mutex<Vec<(u32, u32, Instant)>>>);
+
+impl Calls {
+    /// Records one execution; returns how many there have been (first = 1).
+    pub fn record(&self, ctx: &queue::JobContext) -> usize {
+        let mut calls = self.0.lock().unwrap();
+        calls.push((ctx.attempt(), ctx.in_process_attempt(), Instant::now()));
+        calls.len()
+    }
+
+    /// Executions so far.
+    pub fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    /// The delivery attempt of each execution.
+    pub fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|c| c.0).collect()
+    }
+
+    /// (delivery attempt, in-process attempt) of each execution.
+    pub fn seen(&self) -> Vec<(u32, u32)> {
+        self.0.lock().unwrap().iter().map(|c| (c.0, c.1)).collect()
+    }
+
+    /// When each execution started.
+    pub fn times(&self) -> Vec<Instant> {
+        self.0.lock().unwrap().iter().map(|c| c.2).collect()
+    }
+
+    /// Time between consecutive executions.
+    pub fn gaps(&self) -> Vec<Duration> {
+        let times = self.times();
+        times.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+}

@@ -16,10 +16,12 @@
 //! queue_conformance::conformance_suite!(MyBackend);
 //! ```
 
+pub mod fixture;
 pub mod harness;
 pub mod scenarios;
 
-pub use harness::{Backend, Events, Harness};
+pub use fixture::{Broker, Fixture};
+pub use harness::{Backend, Calls, Events, Harness};
 
 /// Expands to one `#[tokio::test]` per scenario, each with a fresh backend
 /// built by `$make` (an expression evaluated per test, which may `.await`).

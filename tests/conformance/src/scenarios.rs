@@ -14,7 +14,7 @@ use queue_native::{DispatchOptions, ErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::harness::{Backend, Harness};
+use crate::harness::{Backend, Calls, Harness};
 
 /// The payload every scenario dispatches.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -27,28 +27,6 @@ const MS: fn(u64) -> Duration = Duration::from_millis;
 
 fn job(h: &Harness, name: &str) -> JobBuilder<Work> {
     Job::<Work>::builder(name).queue(h.queue.clone())
-}
-
-/// Records each execution: (delivery attempt, in-process attempt, when).
-#[derive(Clone, Default)]
-struct Calls(Arc<Mutex<Vec<(u32, u32, Instant)>>>);
-
-impl Calls {
-    fn record(&self, ctx: &JobContext) -> usize {
-        let mut calls = self.0.lock().unwrap();
-        calls.push((ctx.attempt(), ctx.in_process_attempt(), Instant::now()));
-        calls.len()
-    }
-    fn count(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|c| c.0).collect()
-    }
-    fn gaps(&self) -> Vec<Duration> {
-        let calls = self.0.lock().unwrap();
-        calls.windows(2).map(|w| w[1].2 - w[0].2).collect()
-    }
 }
 
 /// A handler that records each execution and returns `outcome(ctx, n)`,
@@ -690,7 +668,7 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
         .await
         .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
-    let ran = calls.0.lock().unwrap()[0].2;
+    let ran = calls.times()[0];
     assert!(ran - sent >= MS(300), "delivered after {:?}", ran - sent);
     consumer.shutdown().await.unwrap();
 }
@@ -775,7 +753,7 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(calls.count(), 9);
-    let seen: Vec<(u32, u32)> = calls.0.lock().unwrap().iter().map(|c| (c.0, c.1)).collect();
+    let seen = calls.seen();
     assert_eq!(
         seen,
         [

@@ -9,11 +9,12 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use queue::{FailureKind, FailureRecord, Job, JobError, Registry};
+use queue::{FailureKind, Job, JobError, Registry};
+use queue_conformance::fixture::{Fixture, Nats};
+use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
 use queue_conformance::{Backend, Harness};
 use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
@@ -35,107 +36,21 @@ fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
     }
 }
 
-/// Like the suite's backend, with a configurable AckWait. Streams declared
-/// by its drivers are deleted when it is dropped.
-struct Nats {
-    url: String,
-    ack_wait: Duration,
-    drivers: Mutex<Vec<NatsDriver>>,
+/// A fixture with its own AckWait, through `url`; streams are deleted when
+/// it is dropped.
+fn nats_via(url: String, ack_wait: Duration) -> Fixture<Nats> {
+    let mut config = NatsConfig::new(url).ack_wait(ack_wait);
+    config.stream_prefix = STREAM_PREFIX.into();
+    config.subject_prefix = SUBJECT_PREFIX.into();
+    config.fetch_expiry = Duration::from_secs(2);
+    // A publish lost with a cut connection is reported uncertain sooner.
+    config.operation_timeout = Duration::from_secs(3);
+    config.connection_name = "conformance-extra".into();
+    Fixture::new(config)
 }
 
-impl Nats {
-    fn new(ack_wait: Duration) -> Self {
-        Nats {
-            url: url(),
-            ack_wait,
-            drivers: Mutex::default(),
-        }
-    }
-
-    /// Connecting through `url` instead of `NATS_URL`.
-    fn via(url: String, ack_wait: Duration) -> Self {
-        Nats {
-            url,
-            ack_wait,
-            drivers: Mutex::default(),
-        }
-    }
-
-    fn config(&self) -> NatsConfig {
-        let mut config = NatsConfig::new(self.url.clone()).ack_wait(self.ack_wait);
-        config.stream_prefix = STREAM_PREFIX.into();
-        config.subject_prefix = SUBJECT_PREFIX.into();
-        config.fetch_expiry = Duration::from_secs(2);
-        // A publish lost with a cut connection is reported uncertain sooner.
-        config.operation_timeout = Duration::from_secs(3);
-        config.connection_name = "conformance-extra".into();
-        config
-    }
-
-    async fn driver(&self) -> NatsDriver {
-        self.driver_with(self.config()).await
-    }
-
-    async fn driver_with(&self, config: NatsConfig) -> NatsDriver {
-        let driver = NatsDriver::connect(config)
-            .await
-            .expect("NATS is reachable at NATS_URL");
-        self.drivers.lock().unwrap().push(driver.clone());
-        driver
-    }
-}
-
-#[async_trait]
-impl Backend for Nats {
-    async fn connect(&self) -> Arc<dyn Driver> {
-        Arc::new(self.driver().await)
-    }
-
-    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
-        self.driver()
-            .await
-            .failure_records(queue)
-            .await
-            .expect("failure stream readable")
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let drivers = std::mem::take(&mut *self.drivers.lock().unwrap());
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let config = self.config();
-        tokio::task::block_in_place(|| {
-            handle.block_on(async {
-                for driver in &drivers {
-                    let _ = driver.stop().await;
-                }
-                if let Ok(cleaner) = NatsDriver::connect(config).await {
-                    for driver in &drivers {
-                        let _ = cleaner.delete_streams(&driver.declared_streams()).await;
-                    }
-                    let _ = cleaner.stop().await;
-                }
-            })
-        });
-    }
-}
-
-/// Records (attempt, when) per execution.
-#[derive(Clone, Default)]
-struct Calls(Arc<Mutex<Vec<(u32, Instant)>>>);
-
-impl Calls {
-    fn record(&self, attempt: u32) -> usize {
-        let mut calls = self.0.lock().unwrap();
-        calls.push((attempt, Instant::now()));
-        calls.len()
-    }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|c| c.0).collect()
-    }
+fn nats(ack_wait: Duration) -> Fixture<Nats> {
+    nats_via(url(), ack_wait)
 }
 
 /// Spawns the kill worker and waits for its handler to report an attempt,
@@ -179,7 +94,7 @@ fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32, ack_wait: D
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let ack_wait = Duration::from_secs(2);
-    let backend = Nats::new(ack_wait);
+    let backend = nats(ack_wait);
     let h = Harness::new(&backend, "nats-kill").await;
     let job = Job::<Work>::builder("crashy")
         .queue(h.queue.clone())
@@ -204,7 +119,7 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            c.record(ctx.attempt());
+            c.record(&ctx);
             async { Err(JobError::new("still crashing")) }
         })
         .unwrap();
@@ -228,7 +143,7 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn progress_keeps_a_long_handler_from_redelivery() {
     let ack_wait = Duration::from_secs(1);
-    let backend = Nats::new(ack_wait);
+    let backend = nats(ack_wait);
     let h = Harness::new(&backend, "nats-lease").await;
     let job = Job::<Work>::builder("slow")
         .queue(h.queue.clone())
@@ -240,7 +155,7 @@ async fn progress_keeps_a_long_handler_from_redelivery() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            c.record(ctx.attempt());
+            c.record(&ctx);
             async move {
                 tokio::time::sleep(ack_wait * 3).await;
                 Ok(())
@@ -267,7 +182,7 @@ async fn progress_keeps_a_long_handler_from_redelivery() {
 /// driver stays usable for other queues.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflicting_existing_stream_or_consumer_is_a_config_error() {
-    let backend = Nats::new(Duration::from_secs(2));
+    let backend = nats(Duration::from_secs(2));
     let h = Harness::new(&backend, "nats-conflict").await;
 
     // Someone made the stream for other subjects.
@@ -322,7 +237,7 @@ async fn conflicting_existing_stream_or_consumer_is_a_config_error() {
 /// as unsupported, by the driver and the producer alike, and stores nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delayed_dispatch_is_refused_as_unsupported() {
-    let backend = Nats::new(Duration::from_secs(2));
+    let backend = nats(Duration::from_secs(2));
     let h = Harness::new(&backend, "nats-delay").await;
     let driver = backend.driver().await;
     assert!(!driver.capabilities().delayed_dispatch);
@@ -362,7 +277,7 @@ async fn delayed_dispatch_is_refused_as_unsupported() {
 /// work stream is empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_message_leaves_exactly_one_failure_record() {
-    let backend = Nats::new(Duration::from_secs(2));
+    let backend = nats(Duration::from_secs(2));
     let h = Harness::new(&backend, "nats-poison").await;
     let job = Job::<Work>::builder("poison")
         .queue(h.queue.clone())
@@ -412,7 +327,7 @@ async fn max_deliver_below_the_cap_is_refused() {
 /// with a higher attempt, well before AckWait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_delivery_comes_back_promptly() {
-    let backend = Nats::new(Duration::from_secs(30));
+    let backend = nats(Duration::from_secs(30));
     let h = Harness::new(&backend, "nats-drop").await;
     let driver = backend.driver().await;
     driver
@@ -535,7 +450,7 @@ async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumption_resumes_after_the_connection_is_lost() {
     let proxy = Proxy::start().await;
-    let backend = Nats::via(proxy.url.clone(), Duration::from_secs(2));
+    let backend = nats_via(proxy.url.clone(), Duration::from_secs(2));
     let h = Harness::new(&backend, "nats-reconnect").await;
     let job = Job::<Work>::builder("steady")
         .queue(h.queue.clone())
@@ -550,7 +465,7 @@ async fn consumption_resumes_after_the_connection_is_lost() {
         .register(&job, move |ctx, work: Work| {
             let s = s.clone();
             if work.id == 0 {
-                c.record(ctx.attempt());
+                c.record(&ctx);
             }
             async move {
                 if work.id == 0 && ctx.attempt() == 1 {

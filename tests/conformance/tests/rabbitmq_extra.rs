@@ -8,11 +8,12 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use queue::{FailureKind, FailureRecord, Job, JobError, Registry, Settlement};
+use queue::{FailureKind, Job, JobError, Registry, Settlement};
+use queue_conformance::fixture::{Fixture, RabbitMq};
+use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
 use queue_conformance::{Backend, Harness};
 use queue_native::{Driver, ErrorKind, Outgoing, RabbitConfig, RabbitDriver};
@@ -28,94 +29,11 @@ fn url() -> String {
     std::env::var("RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
-/// Like the suite's backend, with a configurable bucket ladder.
-struct Rabbit {
-    buckets: Vec<Duration>,
-    drivers: Mutex<Vec<RabbitDriver>>,
-}
-
-impl Rabbit {
-    fn new(buckets_ms: &[u64]) -> Self {
-        Rabbit {
-            buckets: buckets_ms.iter().map(|ms| MS(*ms)).collect(),
-            drivers: Mutex::default(),
-        }
-    }
-
-    fn config(&self) -> RabbitConfig {
-        let mut config = RabbitConfig::new(url()).delay_buckets(self.buckets.clone());
-        config.connection_name = "conformance-extra".into();
-        config
-    }
-
-    async fn driver(&self) -> RabbitDriver {
-        self.driver_with(self.config()).await
-    }
-
-    async fn driver_with(&self, config: RabbitConfig) -> RabbitDriver {
-        let driver = RabbitDriver::connect(config)
-            .await
-            .expect("RabbitMQ is reachable at RABBITMQ_URL");
-        self.drivers.lock().unwrap().push(driver.clone());
-        driver
-    }
-}
-
-#[async_trait]
-impl Backend for Rabbit {
-    async fn connect(&self) -> Arc<dyn Driver> {
-        Arc::new(self.driver().await)
-    }
-
-    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
-        self.driver()
-            .await
-            .failure_records(queue)
-            .await
-            .expect("failure queue readable")
-    }
-}
-
-impl Drop for Rabbit {
-    fn drop(&mut self) {
-        let drivers = std::mem::take(&mut *self.drivers.lock().unwrap());
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let config = self.config();
-        tokio::task::block_in_place(|| {
-            handle.block_on(async {
-                for driver in &drivers {
-                    let _ = driver.stop().await;
-                }
-                if let Ok(cleaner) = RabbitDriver::connect(config).await {
-                    for driver in &drivers {
-                        let _ = cleaner.delete_queues(&driver.declared_queues()).await;
-                    }
-                    let _ = cleaner.stop().await;
-                }
-            })
-        });
-    }
-}
-
-/// Records (attempt, when) per execution.
-#[derive(Clone, Default)]
-struct Calls(Arc<Mutex<Vec<(u32, Instant)>>>);
-
-impl Calls {
-    fn record(&self, attempt: u32) -> usize {
-        let mut calls = self.0.lock().unwrap();
-        calls.push((attempt, Instant::now()));
-        calls.len()
-    }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|c| c.0).collect()
-    }
-    fn gaps(&self) -> Vec<Duration> {
-        let calls = self.0.lock().unwrap();
-        calls.windows(2).map(|w| w[1].1 - w[0].1).collect()
-    }
+/// A fixture with its own bucket ladder; queues are deleted when it is dropped.
+fn rabbit(buckets_ms: &[u64]) -> Fixture<RabbitMq> {
+    let mut config = RabbitConfig::new(url()).delay_buckets(buckets_ms.iter().map(|ms| MS(*ms)));
+    config.connection_name = "conformance-extra".into();
+    Fixture::new(config)
 }
 
 /// A retry-after of 3 s on a 1 s / 2 s / 5 s ladder waits in the 5 s hold
@@ -123,7 +41,7 @@ impl Calls {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_rounds_up_to_the_next_bucket() {
     let _broker = BROKER.read().await;
-    let backend = Rabbit::new(&[1000, 2000, 5000]);
+    let backend = rabbit(&[1000, 2000, 5000]);
     let h = Harness::new(&backend, "rmq-rounding").await;
     let driver = backend.driver().await;
     assert_eq!(driver.bucket_for(MS(3000)), Some(MS(5000)));
@@ -141,7 +59,7 @@ async fn delay_rounds_up_to_the_next_bucket() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            let n = c.record(ctx.attempt());
+            let n = c.record(&ctx);
             async move {
                 if n == 1 {
                     Err(JobError::retry_after("come back later", MS(3000)))
@@ -177,7 +95,7 @@ async fn delay_rounds_up_to_the_next_bucket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_message_leaves_exactly_one_failure_record() {
     let _broker = BROKER.read().await;
-    let backend = Rabbit::new(&[100, 1000]);
+    let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-poison").await;
     let job = Job::<Work>::builder("poison")
         .queue(h.queue.clone())
@@ -243,7 +161,7 @@ fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let _broker = BROKER.read().await;
-    let backend = Rabbit::new(&[100, 1000]);
+    let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-kill").await;
     let job = Job::<Work>::builder("crashy")
         .queue(h.queue.clone())
@@ -268,7 +186,7 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            c.record(ctx.attempt());
+            c.record(&ctx);
             async { Err(JobError::new("still crashing")) }
         })
         .unwrap();
@@ -317,7 +235,7 @@ async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumption_resumes_after_the_broker_closes_connections() {
     let _broker = BROKER.write().await;
-    let backend = Rabbit::new(&[100, 1000]);
+    let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-reconnect").await;
     let job = Job::<Work>::builder("steady")
         .queue(h.queue.clone())
@@ -332,7 +250,7 @@ async fn consumption_resumes_after_the_broker_closes_connections() {
         .register(&job, move |ctx, work: Work| {
             let s = s.clone();
             if work.id == 0 {
-                c.record(ctx.attempt());
+                c.record(&ctx);
             }
             async move {
                 if work.id == 0 && ctx.attempt() == 1 {
@@ -385,7 +303,7 @@ async fn consumption_resumes_after_the_broker_closes_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflicting_existing_queue_is_a_config_error() {
     let _broker = BROKER.read().await;
-    let backend = Rabbit::new(&[100, 1000]);
+    let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-conflict").await;
     // Someone declared the queue with a delivery limit this driver does not set.
     let mut other = backend.config();
@@ -444,7 +362,7 @@ async fn conflicting_existing_queue_is_a_config_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_above_the_largest_bucket_is_refused_and_the_message_kept() {
     let _broker = BROKER.read().await;
-    let backend = Rabbit::new(&[100, 250]);
+    let backend = rabbit(&[100, 250]);
     let h = Harness::new(&backend, "rmq-too-long").await;
     let driver = backend.driver().await;
     assert_eq!(driver.capabilities().max_retry_delay, Some(MS(250)));

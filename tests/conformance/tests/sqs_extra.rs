@@ -9,11 +9,11 @@
 //! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p queue-conformance --features sqs --test sqs_extra`.
 #![cfg(feature = "sqs")]
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use queue::{FailureKind, FailureRecord, Job, JobError, Registry, Settlement};
+use queue::{FailureKind, Job, JobError, Registry, Settlement};
+use queue_conformance::fixture::{Fixture, Sqs};
+use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
 use queue_conformance::{Backend, Harness};
 use queue_native::sqs::aws_sdk_sqs::types::QueueAttributeName;
@@ -37,82 +37,10 @@ fn config() -> SqsConfig {
         .wait_time(Duration::from_secs(1))
 }
 
-/// Like the suite's backend; also deletes queues made outside the driver.
-#[derive(Default)]
-struct Sqs {
-    drivers: Mutex<Vec<SqsDriver>>,
-    extra_queues: Mutex<Vec<String>>,
-}
-
-impl Sqs {
-    async fn driver(&self) -> SqsDriver {
-        self.driver_with(config()).await
-    }
-
-    async fn driver_with(&self, config: SqsConfig) -> SqsDriver {
-        let driver = SqsDriver::connect(config).await.unwrap_or_else(|e| {
-            panic!("the SQS emulator at SQS_ENDPOINT does not answer ({e}); start it with `tests/sqs-emulator`")
-        });
-        self.drivers.lock().unwrap().push(driver.clone());
-        driver
-    }
-}
-
-#[async_trait]
-impl Backend for Sqs {
-    async fn connect(&self) -> Arc<dyn Driver> {
-        Arc::new(self.driver().await)
-    }
-
-    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
-        self.driver()
-            .await
-            .failure_records(queue)
-            .await
-            .expect("failure queue readable")
-    }
-}
-
-impl Drop for Sqs {
-    fn drop(&mut self) {
-        let drivers = std::mem::take(&mut *self.drivers.lock().unwrap());
-        let extra = std::mem::take(&mut *self.extra_queues.lock().unwrap());
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        tokio::task::block_in_place(|| {
-            handle.block_on(async {
-                for driver in &drivers {
-                    let _ = driver.stop().await;
-                }
-                if let Ok(cleaner) = SqsDriver::connect(config()).await {
-                    for driver in &drivers {
-                        let _ = cleaner.delete_queues(&driver.created_queues()).await;
-                    }
-                    let _ = cleaner.delete_queues(&extra).await;
-                }
-            })
-        });
-    }
-}
-
-/// Records (attempt, when) per execution.
-#[derive(Clone, Default)]
-struct Calls(Arc<Mutex<Vec<(u32, Instant)>>>);
-
-impl Calls {
-    fn record(&self, attempt: u32) -> usize {
-        let mut calls = self.0.lock().unwrap();
-        calls.push((attempt, Instant::now()));
-        calls.len()
-    }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|c| c.0).collect()
-    }
-    fn gaps(&self) -> Vec<Duration> {
-        let calls = self.0.lock().unwrap();
-        calls.windows(2).map(|w| w[1].1 - w[0].1).collect()
-    }
+/// Queues created by its drivers (and those named with `delete_later`) are
+/// deleted when it is dropped.
+fn sqs() -> Fixture<Sqs> {
+    Fixture::new(config())
 }
 
 fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
@@ -160,7 +88,7 @@ async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
 /// waits at least 2 s, never 1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_delay_rounds_up_to_whole_seconds() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-rounding").await;
     let job = Job::<Work>::builder("rounding")
         .queue(h.queue.clone())
@@ -172,7 +100,7 @@ async fn retry_delay_rounds_up_to_whole_seconds() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            let n = c.record(ctx.attempt());
+            let n = c.record(&ctx);
             async move {
                 if n == 1 {
                     Err(JobError::retry_after("come back later", MS(1200)))
@@ -197,7 +125,7 @@ async fn retry_delay_rounds_up_to_whole_seconds() {
 /// unsupported; the message is kept and comes back after its visibility.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_beyond_twelve_hours_is_refused_and_the_message_kept() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-12h").await;
     let driver = backend.driver().await;
     assert_eq!(
@@ -238,7 +166,7 @@ async fn retry_beyond_twelve_hours_is_refused_and_the_message_kept() {
 /// timeout ends, with a higher attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejected_message_comes_back_after_the_visibility_timeout() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-reject").await;
     assert!(!h.driver.capabilities().reject_drops);
     assert_eq!(h.driver.capabilities().redelivery_hint, VISIBILITY);
@@ -252,7 +180,7 @@ async fn rejected_message_comes_back_after_the_visibility_timeout() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            let n = c.record(ctx.attempt());
+            let n = c.record(&ctx);
             async move {
                 if n == 1 {
                     Err(JobError::reject("not now"))
@@ -280,7 +208,7 @@ async fn rejected_message_comes_back_after_the_visibility_timeout() {
 /// driver keeps extending the message's visibility while it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_handler_is_delivered_once_thanks_to_visibility_renewal() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-lease").await;
     let job = Job::<Work>::builder("long")
         .queue(h.queue.clone())
@@ -292,7 +220,7 @@ async fn long_handler_is_delivered_once_thanks_to_visibility_renewal() {
     let mut registry = Registry::new();
     registry
         .register(&job, move |ctx, _: Work| {
-            c.record(ctx.attempt());
+            c.record(&ctx);
             async {
                 tokio::time::sleep(VISIBILITY * 3).await;
                 Ok(())
@@ -316,17 +244,15 @@ async fn long_handler_is_delivered_once_thanks_to_visibility_renewal() {
 /// cap is refused as a configuration error; one at the cap is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redrive_policy_below_the_cap_is_refused() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-redrive").await;
     let driver = backend.driver().await;
     let dlq = format!("{}-dlq", h.queue);
     let low = format!("{}-low", h.queue);
     let ok = format!("{}-ok", h.queue);
-    backend
-        .extra_queues
-        .lock()
-        .unwrap()
-        .extend([dlq.clone(), low.clone(), ok.clone()]);
+    for name in [&dlq, &low, &ok] {
+        backend.delete_later(name.clone());
+    }
     let client = driver.client();
     let dlq_url = client
         .create_queue()
@@ -385,7 +311,7 @@ async fn redrive_policy_below_the_cap_is_refused() {
 /// 900 s (and anything that rounds up to it) is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatch_delay_above_900_seconds_is_unsupported() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-delay-cap").await;
     let driver = backend.driver().await;
     let err = driver
@@ -417,7 +343,7 @@ async fn dispatch_delay_above_900_seconds_is_unsupported() {
 /// record on the failure queue; nothing stays on the work queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_message_leaves_exactly_one_failure_record() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-poison").await;
     let job = Job::<Work>::builder("poison")
         .queue(h.queue.clone())
@@ -452,7 +378,7 @@ async fn poison_message_leaves_exactly_one_failure_record() {
 /// A queue name SQS cannot have (`.`) is refused clearly, not mapped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dotted_queue_names_are_refused() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let driver = backend.driver().await;
     let err = driver
         .send("reports.daily", outgoing("m", None))
@@ -471,7 +397,7 @@ async fn dotted_queue_names_are_refused() {
 /// count has risen), and a `next()` dropped mid-poll loses nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_deliveries_and_polls_lose_nothing() {
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-drop").await;
     let driver = backend.driver().await;
     let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
@@ -617,7 +543,7 @@ async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
     assert_eq!(err.kind(), ErrorKind::Uncertain, "{err}");
 
     // SQS answered with an error (the queue was deleted behind the driver's back).
-    let backend = Sqs::default();
+    let backend = sqs();
     let h = Harness::new(&backend, "sqs-refused").await;
     let driver = backend.driver().await;
     driver.send(&h.queue, outgoing("m1", None)).await.unwrap();

@@ -400,6 +400,15 @@ pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
     assert_eq!(records.len(), 1);
     assert!(matches!(records[0].raw_body, Some(RawBody::Hex(_))));
     assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
+    // Nothing comes back once the backend's own redelivery timing has passed,
+    // and reading the records did not consume them.
+    tokio::time::sleep(h.driver.capabilities().redelivery_hint + MS(300)).await;
+    assert_eq!(
+        h.events.names(),
+        ["failed"],
+        "a failed message is not redelivered"
+    );
+    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
     consumer.shutdown().await.unwrap();
 }
 

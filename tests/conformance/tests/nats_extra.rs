@@ -1,7 +1,7 @@
 //! NATS-specific behaviour beyond the shared suite, against a real server
 //! with JetStream (`NATS_URL`, default `nats://127.0.0.1:4222`): a worker
 //! killed mid-job, lease renewal, conflicting topology, refused delayed
-//! dispatch, the failure stream, MaxDeliver below the cap, dropped
+//! dispatch, MaxDeliver below the cap, dropped
 //! deliveries, unreachable servers.
 //!
 //! Run with `cargo test -p queue-conformance --features nats --test nats_extra`.
@@ -270,44 +270,6 @@ async fn delayed_dispatch_is_refused_as_unsupported() {
         .await
         .unwrap();
     assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 1);
-}
-
-/// A poison message (not an envelope) fails at once and leaves exactly one
-/// record in the failure stream; reading it does not consume it, and the
-/// work stream is empty.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_message_leaves_exactly_one_failure_record() {
-    let backend = nats(Duration::from_secs(2));
-    let h = Harness::new(&backend, "nats-poison").await;
-    let job = Job::<Work>::builder("poison")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, |_, _: Work| async { Ok(()) })
-        .unwrap();
-    let consumer = h.start(registry, 2);
-    let body = b"\x00not an envelope".to_vec();
-    h.producer
-        .send_raw(&h.queue, "poison-1".into(), body.clone(), None)
-        .await
-        .unwrap();
-    h.events.wait_count(h.patience, "failed", 1).await;
-    // Longer than AckWait: the message does not come back.
-    tokio::time::sleep(MS(2500)).await;
-    consumer.shutdown().await.unwrap();
-
-    let records = backend.failure_records(&h.queue).await;
-    assert_eq!(records.len(), 1, "{records:?}");
-    assert_eq!(records[0].kind, FailureKind::MalformedEnvelope);
-    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
-    assert_eq!(records[0].attempt, 1);
-    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
-    let driver = backend.driver().await;
-    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
-    assert_eq!(h.events.names(), ["failed"]);
 }
 
 /// A MaxDeliver below the largest attempt cap is refused: the server would

@@ -1,6 +1,6 @@
 //! RabbitMQ-specific behaviour beyond the shared suite, against a real broker
 //! (`RABBITMQ_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`):
-//! delay buckets, the failure queue, a worker killed mid-job, connections
+//! delay buckets, a worker killed mid-job, connections
 //! closed by the broker, conflicting topology, refused delays.
 //!
 //! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq_extra`.
@@ -88,44 +88,6 @@ async fn delay_rounds_up_to_the_next_bucket() {
         driver.declared_queues()
     );
     consumer.shutdown().await.unwrap();
-}
-
-/// A poison message (not an envelope) fails at once and leaves exactly one
-/// record on the failure queue; nothing stays on the work queue.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_message_leaves_exactly_one_failure_record() {
-    let _broker = BROKER.read().await;
-    let backend = rabbit(&[100, 1000]);
-    let h = Harness::new(&backend, "rmq-poison").await;
-    let job = Job::<Work>::builder("poison")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, |_, _: Work| async { Ok(()) })
-        .unwrap();
-    let consumer = h.start(registry, 2);
-    let body = b"\x00not an envelope".to_vec();
-    h.producer
-        .send_raw(&h.queue, "poison-1".into(), body.clone(), None)
-        .await
-        .unwrap();
-    h.events.wait_count(h.patience, "failed", 1).await;
-    tokio::time::sleep(MS(500)).await;
-    consumer.shutdown().await.unwrap();
-
-    let records = backend.failure_records(&h.queue).await;
-    assert_eq!(records.len(), 1, "{records:?}");
-    assert_eq!(records[0].kind, FailureKind::MalformedEnvelope);
-    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
-    assert_eq!(records[0].attempt, 1);
-    // Reading the records does not consume them.
-    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
-    let driver = backend.driver().await;
-    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
-    assert_eq!(h.events.names(), ["failed"]);
 }
 
 /// Spawns the kill worker and waits for its handler to report an attempt.

@@ -2,7 +2,7 @@
 //! `SQS_ENDPOINT` (start it with `tests/sqs-emulator`): delays rounded up to
 //! seconds, the 12-hour visibility cap, reject leaving the message to its
 //! visibility timeout, visibility renewal for long handlers, redrive policies
-//! below the attempt cap, the 900 s dispatch limit, poison messages, released
+//! below the attempt cap, the 900 s dispatch limit, released
 //! and cancel-safe deliveries.
 //!
 //! Run with
@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use queue::{FailureKind, Job, JobError, Registry, Settlement};
+use queue::{Job, JobError, Registry, Settlement};
 use queue_conformance::fixture::{Fixture, Sqs};
 use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
@@ -337,42 +337,6 @@ async fn dispatch_delay_above_900_seconds_is_unsupported() {
         .await
         .unwrap();
     assert_eq!(messages_on(&driver, &h.queue).await, 2);
-}
-
-/// A poison message (not an envelope) fails at once and leaves exactly one
-/// record on the failure queue; nothing stays on the work queue.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_message_leaves_exactly_one_failure_record() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-poison").await;
-    let job = Job::<Work>::builder("poison")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, |_, _: Work| async { Ok(()) })
-        .unwrap();
-    let consumer = h.start(registry, 2);
-    let body = b"\x00not an envelope".to_vec();
-    h.producer
-        .send_raw(&h.queue, "poison-1".into(), body.clone(), None)
-        .await
-        .unwrap();
-    h.events.wait_count(h.patience, "failed", 1).await;
-    tokio::time::sleep(VISIBILITY + MS(1500)).await;
-    consumer.shutdown().await.unwrap();
-
-    let records = backend.failure_records(&h.queue).await;
-    assert_eq!(records.len(), 1, "{records:?}");
-    assert_eq!(records[0].kind, FailureKind::MalformedEnvelope);
-    assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
-    assert_eq!(records[0].attempt, 1);
-    // Reading the records does not consume them.
-    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
-    assert_eq!(messages_on(&backend.driver().await, &h.queue).await, 0);
-    assert_eq!(h.events.names(), ["failed"]);
 }
 
 /// A queue name SQS cannot have (`.`) is refused clearly, not mapped.

@@ -2,10 +2,12 @@
 //!
 //! One pump task per queue takes deliveries while a concurrency permit is
 //! free, and spawns one task per delivery. Shutdown follows the rules' order:
-//! cancel the token (handlers see it in their context), stop taking new
-//! deliveries (what was not taken stays with the backend), join every active
-//! delivery, each of which settles with a fresh 30-second budget that shutdown
-//! does not cut short. Only then may the application stop the driver.
+//! stop taking new deliveries and close the subscriptions (what was not taken
+//! stays with the backend, and a broker that pushes stops pushing before any
+//! settlement frees a prefetch slot), cancel the handlers' contexts, then join
+//! every active delivery, each of which settles with a fresh 30-second budget
+//! that shutdown does not cut short. Only then may the application stop the
+//! driver.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +19,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
 
-use crate::driver::{Delivery, Driver, DriverError, ErrorKind};
+use crate::driver::{Delivery, Driver, DriverError, ErrorKind, Subscription};
 use crate::runtime::TokioRuntime;
 
 /// Builder for a [`Consumer`].
@@ -120,10 +122,14 @@ impl Consumer {
         }
     }
 
-    /// Runs until `cancel` is cancelled, then joins every active delivery.
+    /// Runs until `cancel` is cancelled, then shuts down in order: stop
+    /// taking deliveries (each subscription is closed, so the backend sends
+    /// no more), cancel the active handlers' contexts, and join every active
+    /// delivery (each settles with its own fresh budget).
     /// Fails at once if a queue cannot be subscribed.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
         let permits = Arc::new(Semaphore::new(self.concurrency));
+        let handlers = CancelToken::new();
         let mut pumps = JoinSet::new();
         for queue in self.registry.queues() {
             let subscription = self.driver.subscribe(&queue, self.concurrency).await?;
@@ -131,17 +137,25 @@ impl Consumer {
                 driver: self.driver.clone(),
                 registry: self.registry.clone(),
                 runtime: self.runtime.clone(),
-                cancel: cancel.clone(),
+                intake: cancel.clone(),
+                handlers: handlers.clone(),
                 permits: permits.clone(),
                 prefetch: self.concurrency,
                 queue,
             };
             pumps.spawn(pump.run(subscription));
         }
+        let mut stopped = Vec::new();
         while let Some(joined) = pumps.join_next().await {
-            if let Err(e) = joined {
-                error!("consumer pump task failed: {e}");
+            match joined {
+                Ok(pump) => stopped.push(pump),
+                Err(e) => error!("consumer pump task failed: {e}"),
             }
+        }
+        handlers.cancel();
+        for (mut active, subscription) in stopped {
+            while active.join_next().await.is_some() {}
+            drop(subscription);
         }
         Ok(())
     }
@@ -151,20 +165,28 @@ struct Pump {
     driver: Arc<dyn Driver>,
     registry: Arc<Registry>,
     runtime: Arc<dyn Runtime>,
-    cancel: CancelToken,
+    /// Stops taking deliveries.
+    intake: CancelToken,
+    /// Cancels the handlers' contexts (after intake has stopped).
+    handlers: CancelToken,
     permits: Arc<Semaphore>,
     prefetch: usize,
     queue: String,
 }
 
 impl Pump {
-    async fn run(self, mut subscription: Box<dyn crate::driver::Subscription>) {
+    /// Takes deliveries until intake stops; returns the deliveries still
+    /// being handled and the closed subscription.
+    async fn run(
+        self,
+        mut subscription: Box<dyn Subscription>,
+    ) -> (JoinSet<()>, Box<dyn Subscription>) {
         let mut active = JoinSet::new();
         let mut reconnect_wait = Duration::from_millis(100);
         loop {
             let permit = tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => break,
+                _ = self.intake.cancelled() => break,
                 permit = self.permits.clone().acquire_owned() => match permit {
                     Ok(permit) => permit,
                     Err(_) => break,
@@ -172,7 +194,7 @@ impl Pump {
             };
             let next = tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => break,
+                _ = self.intake.cancelled() => break,
                 next = subscription.next() => next,
             };
             match next {
@@ -181,7 +203,7 @@ impl Pump {
                     reconnect_wait = Duration::from_millis(100);
                     let registry = self.registry.clone();
                     let runtime = self.runtime.clone();
-                    let cancel = self.cancel.clone();
+                    let cancel = self.handlers.clone();
                     let queue = self.queue.clone();
                     active.spawn(async move {
                         handle(&registry, &runtime, &cancel, &queue, delivery).await;
@@ -192,7 +214,7 @@ impl Pump {
                     drop(permit);
                     warn!(queue = %self.queue, "subscription failed, resubscribing in {reconnect_wait:?}: {e}");
                     tokio::select! {
-                        _ = self.cancel.cancelled() => break,
+                        _ = self.intake.cancelled() => break,
                         _ = tokio::time::sleep(reconnect_wait) => {}
                     }
                     reconnect_wait = (reconnect_wait * 2).min(Duration::from_secs(30));
@@ -204,8 +226,8 @@ impl Pump {
             }
             while active.try_join_next().is_some() {}
         }
-        drop(subscription);
-        while active.join_next().await.is_some() {}
+        subscription.close().await;
+        (active, subscription)
     }
 }
 

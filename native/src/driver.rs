@@ -87,6 +87,12 @@ pub trait Subscription: Send {
     /// (the driver stopped). Must be cancel-safe: dropping the future before
     /// it completes must not lose a message.
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>>;
+
+    /// Stops receiving: the backend sends this subscription nothing more.
+    /// Deliveries already handed out must stay settleable. The consumer calls
+    /// it on shutdown before cancelling handlers. The default does nothing,
+    /// which suits backends that only deliver when `next` asks.
+    async fn close(&mut self) {}
 }
 
 /// One message reserved for this consumer.

@@ -5,7 +5,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    BasicRejectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
@@ -72,6 +73,23 @@ impl RabbitSubscription {
 
 #[async_trait]
 impl Subscription for RabbitSubscription {
+    /// `basic.cancel`, awaited: the broker pushes nothing more to this
+    /// channel, so a settlement that frees a prefetch slot during shutdown
+    /// cannot draw a message that nobody will handle. The channel stays open
+    /// for the deliveries still being settled. Messages the broker had
+    /// already pushed but the consumer never took return to the queue when
+    /// the channel closes, and the broker counts that as a delivery.
+    async fn close(&mut self) {
+        if let Some((channel, consumer)) = self.current.take() {
+            let limit = self.driver.inner.config.operation_timeout;
+            let tag = consumer.tag();
+            let cancel = channel.basic_cancel(tag.as_str(), BasicCancelOptions::default());
+            if let Err(e) = bounded(limit, "basic.cancel", ErrorKind::Connection, cancel).await {
+                warn!(queue = %self.queue, "could not cancel the consumer: {e}");
+            }
+        }
+    }
+
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
         let mut stopped = self.driver.inner.stopped.subscribe();
         loop {

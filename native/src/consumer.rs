@@ -122,6 +122,16 @@ impl Consumer {
         }
     }
 
+    /// Runs until the process receives SIGINT or SIGTERM (Ctrl-C on other
+    /// platforms), then shuts down gracefully: what a deployed worker's
+    /// `main` usually ends with. Stop the driver afterwards.
+    pub async fn run_until_signal(self) -> Result<(), DriverError> {
+        let handle = self.spawn();
+        shutdown_signal().await;
+        info!("shutdown signal received: finishing active deliveries");
+        handle.shutdown().await
+    }
+
     /// Runs until `cancel` is cancelled, then shuts down in order: stop
     /// taking deliveries (each subscription is closed, so the backend sends
     /// no more), cancel the active handlers' contexts, and join every active
@@ -302,5 +312,30 @@ fn log_outcome(processed: &queue::Processed) {
         EventKind::Failed { failure } => {
             error!(kind = ?failure.kind, executions, "failed: {}", failure.message)
         }
+    }
+}
+
+/// Completes when the process receives SIGINT or SIGTERM (Ctrl-C where
+/// there are no Unix signals).
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                warn!("cannot listen for SIGTERM ({e}); waiting for Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }

@@ -63,7 +63,7 @@ pub mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 
-pub use consumer::{Consumer, ConsumerBuilder, ConsumerHandle};
+pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};

@@ -1,6 +1,6 @@
 //! RabbitMQ-specific behaviour beyond the shared suite, against a real broker
 //! (`RABBITMQ_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`):
-//! delay buckets, a worker killed mid-job, connections
+//! delay buckets, a worker killed mid-job, a worker stopped by SIGTERM, connections
 //! closed by the broker, conflicting topology, refused delays.
 //!
 //! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq_extra`.
@@ -163,6 +163,87 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
         (records[0].kind, records[0].attempt),
         (FailureKind::AttemptsExhausted, 3)
     );
+}
+
+/// Runs the worker until its handler starts, sends it SIGTERM, and returns
+/// everything it printed and whether it exited successfully.
+fn run_worker_and_terminate(queue: &str, job: &str, cap: u32) -> (Vec<String>, bool) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rabbitmq_kill_worker"))
+        .args([queue, job, &cap.to_string()])
+        .env("RABBITMQ_URL", url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the worker");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = vec![];
+    let first = rx.recv_timeout(Duration::from_secs(20));
+    if let Ok(line) = first {
+        lines.push(line);
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed");
+        while let Ok(line) = rx.recv_timeout(Duration::from_secs(40)) {
+            lines.push(line);
+        }
+    }
+    let _ = child.kill();
+    let success = child.wait().expect("reap the worker").success();
+    (lines, success)
+}
+
+/// SIGTERM mid-job: the worker stops taking work, cancels the handler,
+/// settles the interrupted delivery as a zero-delay retry, stops its driver
+/// and exits 0; the next worker gets the message as attempt 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_shuts_a_worker_down_gracefully() {
+    let _broker = BROKER.read().await;
+    let backend = rabbit(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-sigterm").await;
+    let job = Job::<Work>::builder("graceful")
+        .queue(h.queue.clone())
+        .retry(3)
+        .build()
+        .unwrap();
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let queue = h.queue.clone();
+    let (lines, success) =
+        tokio::task::spawn_blocking(move || run_worker_and_terminate(&queue, "graceful", 3))
+            .await
+            .unwrap();
+    assert_eq!(
+        lines,
+        ["attempt 1", "event retried shutdown=true", "stopped"]
+    );
+    assert!(
+        success,
+        "the worker exits successfully after a graceful shutdown"
+    );
+
+    let calls = Calls::default();
+    let c = calls.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            c.record(&ctx);
+            async { Ok(()) }
+        })
+        .unwrap();
+    let consumer = h.start_on(backend.connect().await, registry).await;
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    assert_eq!(calls.attempts(), [2], "the interrupted delivery counted");
+    consumer.shutdown().await.unwrap();
 }
 
 fn close_all_connections() {

@@ -1,8 +1,10 @@
 //! A worker for the RabbitMQ crash test (`tests/rabbitmq_extra.rs`).
 //!
 //! `rabbitmq_kill_worker <queue> <job> <attempt cap>` consumes `<queue>` from
-//! `RABBITMQ_URL`; its handler prints `attempt N` on stdout and then hangs,
-//! so the test can SIGKILL the process while the job runs.
+//! `RABBITMQ_URL`; its handler prints `attempt N` on stdout and then waits
+//! for shutdown, so the test can SIGKILL the process while the job runs, or
+//! send SIGTERM and watch it shut down gracefully: each accepted outcome is
+//! printed as `event <name> shutdown=<bool>`, and `stopped` at the end.
 
 #[cfg(not(feature = "rabbitmq"))]
 fn main() {
@@ -18,7 +20,7 @@ async fn main() {
 
     use queue::{Job, JobContext, Registry};
     use queue_conformance::scenarios::Work;
-    use queue_native::{Consumer, RabbitConfig, RabbitDriver};
+    use queue_native::{Consumer, Driver, RabbitConfig, RabbitDriver};
 
     let mut args = std::env::args().skip(1);
     let (Some(queue), Some(name), Some(cap)) = (args.next(), args.next(), args.next()) else {
@@ -44,15 +46,32 @@ async fn main() {
                 writeln!(out, "attempt {}", ctx.attempt()).expect("stdout");
                 out.flush().expect("stdout");
             }
-            // Hang until the test kills the process.
-            std::future::pending::<()>().await;
-            Ok(())
+            // Until the test kills the process, or shutdown cancels the job.
+            Err(ctx.cancelled().await.into())
         })
         .expect("register");
-    let consumer = Consumer::builder(Arc::new(driver), registry)
+    registry.event_sink(Arc::new(PrintEvents));
+    Consumer::builder(Arc::new(driver.clone()), registry)
         .concurrency(1)
         .build()
-        .spawn();
-    std::future::pending::<()>().await;
-    drop(consumer);
+        .run_until_signal()
+        .await
+        .expect("graceful shutdown");
+    driver.stop().await.expect("stop the driver");
+    println!("stopped");
+}
+
+/// Prints each accepted outcome for the parent test.
+#[cfg(feature = "rabbitmq")]
+struct PrintEvents;
+
+#[cfg(feature = "rabbitmq")]
+impl queue::EventSink for PrintEvents {
+    fn emit(&self, event: &queue::Event) {
+        use std::io::Write;
+        let shutdown = matches!(event.kind, queue::EventKind::Retried { shutdown: true, .. });
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "event {} shutdown={shutdown}", event.kind.name());
+        let _ = out.flush();
+    }
 }

@@ -9,6 +9,8 @@ use queue_native::{Consumer, ConsumerHandle, Driver, Producer};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::scenarios::Work;
+
 /// A backend under test.
 #[async_trait]
 pub trait Backend: Send + Sync {
@@ -168,6 +170,11 @@ impl Harness {
         }
     }
 
+    /// A job declaration for the scenario payload on this harness's queue.
+    pub fn job(&self, name: &str) -> queue::JobBuilder<Work> {
+        queue::Job::<Work>::builder(name).queue(self.queue.clone())
+    }
+
     /// Starts a consumer of `registry` (its events go to [`Harness::events`]).
     pub fn start(&self, mut registry: Registry, concurrency: usize) -> ConsumerHandle {
         registry.event_sink(Arc::new(self.events.clone()));
@@ -228,5 +235,24 @@ impl Calls {
     pub fn gaps(&self) -> Vec<Duration> {
         let times = self.times();
         times.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    /// A handler that records each execution here and returns
+    /// `outcome(ctx, n)`, where `n` counts executions so far (first = 1).
+    pub fn handler<F>(
+        &self,
+        outcome: F,
+    ) -> impl Fn(queue::JobContext, Work) -> std::future::Ready<Result<(), queue::JobError>>
+           + Send
+           + Sync
+           + 'static
+    where
+        F: Fn(&queue::JobContext, usize) -> Result<(), queue::JobError> + Send + Sync + 'static,
+    {
+        let calls = self.clone();
+        move |ctx, _| {
+            let n = calls.record(&ctx);
+            std::future::ready(outcome(&ctx, n))
+        }
     }
 }

@@ -25,26 +25,6 @@ pub struct Work {
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 
-fn job(h: &Harness, name: &str) -> JobBuilder<Work> {
-    Job::<Work>::builder(name).queue(h.queue.clone())
-}
-
-/// A handler that records each execution and returns `outcome(ctx, n)`,
-/// where `n` counts executions so far (first = 1).
-fn recorded<F>(
-    calls: &Calls,
-    outcome: F,
-) -> impl Fn(JobContext, Work) -> std::future::Ready<Result<(), JobError>> + Send + Sync + 'static
-where
-    F: Fn(&JobContext, usize) -> Result<(), JobError> + Send + Sync + 'static,
-{
-    let calls = calls.clone();
-    move |ctx, _| {
-        let n = calls.record(&ctx);
-        std::future::ready(outcome(&ctx, n))
-    }
-}
-
 fn registry_with<F, Fut>(job: &Job<Work>, handler: F) -> Registry
 where
     F: Fn(JobContext, Work) -> Fut + Send + Sync + 'static,
@@ -69,9 +49,9 @@ fn last(events: &[Event]) -> &Event {
 /// `Ok(())` is acknowledged; the success is counted as a first-attempt resolution.
 pub async fn ack_on_success(backend: &dyn Backend) {
     let h = Harness::new(backend, "ack").await;
-    let job = job(&h, "ack").retry(3).build().unwrap();
+    let job = h.job("ack").retry(3).build().unwrap();
     let calls = Calls::default();
-    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 2);
+    let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
     let id = h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(events.len(), 1, "{events:?}");
@@ -96,12 +76,12 @@ pub async fn ack_on_success(backend: &dyn Backend) {
 /// An ordinary error is retried; attempts rise by one per delivery.
 pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
     let h = Harness::new(backend, "ordinary").await;
-    let job = job(&h, "ordinary").retry(5).build().unwrap();
+    let job = h.job("ordinary").retry(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, |ctx, _| match ctx.attempt() {
+            calls.handler(|ctx, _| match ctx.attempt() {
                 1 | 2 => Err(JobError::new("transient")),
                 _ => Ok(()),
             }),
@@ -132,7 +112,8 @@ pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
 /// At the attempt cap an ordinary error becomes a terminal failure with a record.
 pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
     let h = Harness::new(backend, "cap").await;
-    let job = job(&h, "cap")
+    let job = h
+        .job("cap")
         .retry(3)
         .backoff(MS(20), 1.0, MS(20))
         .build()
@@ -141,7 +122,7 @@ pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, |_, _| Err(JobError::new("always broken"))),
+            calls.handler(|_, _| Err(JobError::new("always broken"))),
         ),
         // One at a time, so events arrive in delivery order.
         1,
@@ -178,7 +159,7 @@ async fn observe_schedule(
         .unwrap();
     let calls = Calls::default();
     let consumer = h.start(
-        registry_with(&job, recorded(&calls, |_, _| Err(JobError::new("fails")))),
+        registry_with(&job, calls.handler(|_, _| Err(JobError::new("fails")))),
         1,
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -219,7 +200,8 @@ pub async fn custom_backoff_delays_are_lower_bounds(backend: &dyn Backend) {
 /// A retry-after delay replaces the backoff.
 pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
     let h = Harness::new(backend, "retry-after").await;
-    let job = job(&h, "retry-after")
+    let job = h
+        .job("retry-after")
         .retry(3)
         .backoff(MS(10), 1.0, MS(10))
         .build()
@@ -228,7 +210,7 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, |ctx, _| match ctx.attempt() {
+            calls.handler(|ctx, _| match ctx.attempt() {
                 1 => Err(JobError::retry_after("rate limited", MS(400))),
                 _ => Ok(()),
             }),
@@ -256,7 +238,7 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
 /// A retry-after is still subject to the attempt cap.
 pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "retry-after-cap").await;
-    let job = job(&h, "retry-after-cap").retry(2).build().unwrap();
+    let job = h.job("retry-after-cap").retry(2).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async {
             Err(JobError::retry_after("busy", MS(20)))
@@ -274,14 +256,12 @@ pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
 /// A permanent error fails at once, whatever attempts remain; the cause is kept.
 pub async fn permanent_fails_at_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent").await;
-    let job = job(&h, "permanent").retry(5).build().unwrap();
+    let job = h.job("permanent").retry(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, |_, _| {
-                Err(JobError::permanent("report source deleted"))
-            }),
+            calls.handler(|_, _| Err(JobError::permanent("report source deleted"))),
         ),
         1,
     );
@@ -303,7 +283,7 @@ pub async fn permanent_fails_at_once(backend: &dyn Backend) {
 /// `Permanent` with no cause is a terminal failure, not a success.
 pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent-bare").await;
-    let job = job(&h, "permanent-bare").retry(5).build().unwrap();
+    let job = h.job("permanent-bare").retry(5).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async {
             Err(Permanent::without_cause().into())
@@ -327,12 +307,12 @@ pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
 /// Reject: no facade retry; the backend's own policy decides.
 pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
     let h = Harness::new(backend, "reject").await;
-    let job = job(&h, "reject").retry(5).build().unwrap();
+    let job = h.job("reject").retry(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, |_, _| Err(JobError::reject("not for us"))),
+            calls.handler(|_, _| Err(JobError::reject("not for us"))),
         ),
         1,
     );
@@ -363,9 +343,9 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
 /// A payload that does not decode fails at once, with the raw body kept and no execution.
 pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backend) {
     let h = Harness::new(backend, "poison").await;
-    let job = job(&h, "poison").retry(5).build().unwrap();
+    let job = h.job("poison").retry(5).build().unwrap();
     let calls = Calls::default();
-    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 1);
+    let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let envelope = Envelope::new("poison", serde_json::json!({"id": "not a number"}));
     h.producer
         .send_envelope(&h.queue, &envelope, None)
@@ -388,7 +368,7 @@ pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backe
 /// A body that is not an envelope fails with the exact bytes kept.
 pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
     let h = Harness::new(backend, "malformed").await;
-    let job = job(&h, "malformed").retry(5).build().unwrap();
+    let job = h.job("malformed").retry(5).build().unwrap();
     let consumer = h.start(registry_with(&job, |_, _| async { Ok(()) }), 1);
     let body = vec![0xff, b'{', b'x', 0x00];
     h.producer
@@ -416,7 +396,7 @@ pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
 /// An unknown job name is retried until the delivery count reaches the cap, then fails.
 pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
     let h = Harness::new(backend, "unknown").await;
-    let job = job(&h, "known").build().unwrap();
+    let job = h.job("known").build().unwrap();
     let mut registry = registry_with(&job, |_, _| async { Ok(()) });
     registry
         .unknown_name_attempts(UnknownNameAttempts::limited(3))
@@ -441,7 +421,7 @@ pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
 /// A panic is an ordinary error carrying the panic message; the worker survives.
 pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
     let h = Harness::new(backend, "panic").await;
-    let job = job(&h, "panic").retry(3).build().unwrap();
+    let job = h.job("panic").retry(3).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |ctx, _| async move {
             if ctx.attempt() == 1 {
@@ -466,11 +446,7 @@ pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
 /// The timeout is visible as a deadline; returning `Ok` after it still acknowledges.
 pub async fn timeout_deadline_is_visible_and_late_success_acks(backend: &dyn Backend) {
     let h = Harness::new(backend, "timeout").await;
-    let job = job(&h, "timeout")
-        .retry(2)
-        .timeout(MS(150))
-        .build()
-        .unwrap();
+    let job = h.job("timeout").retry(2).timeout(MS(150)).build().unwrap();
     let seen = Arc::new(Mutex::new(None));
     let s = seen.clone();
     let consumer = h.start(
@@ -519,7 +495,8 @@ mod futures_like {
 /// and the message is handled by the next worker, attempt count not discounted.
 pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown").await;
-    let job = job(&h, "shutdown")
+    let job = h
+        .job("shutdown")
         .retry(5)
         .backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
         .build()
@@ -546,7 +523,7 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
     let next = h
         .start_on(
             backend.connect().await,
-            registry_with(&job, recorded(&calls, |_, _| Ok(()))),
+            registry_with(&job, calls.handler(|_, _| Ok(()))),
         )
         .await;
     h.events.wait_count(h.patience, "succeeded", 1).await;
@@ -562,7 +539,7 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
 /// ordinary failure exhausts it.
 pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown-cap").await;
-    let job = job(&h, "shutdown-cap").retry(1).build().unwrap();
+    let job = h.job("shutdown-cap").retry(1).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -598,13 +575,13 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
         );
         return;
     };
-    let job = job(&h, "settle-fail").retry(5).build().unwrap();
+    let job = h.job("settle-fail").retry(5).build().unwrap();
     let too_long = max + Duration::from_secs(1);
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, move |_, n| match n {
+            calls.handler(move |_, n| match n {
                 1 => Err(JobError::retry_after("wait too long", too_long)),
                 _ => Ok(()),
             }),
@@ -640,7 +617,7 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
 /// `failed` is emitted only once the failure record has been transferred.
 pub async fn failed_event_follows_the_record(backend: &dyn Backend) {
     let h = Harness::new(backend, "failed-order").await;
-    let job = job(&h, "failed-order").retry(2).build().unwrap();
+    let job = h.job("failed-order").retry(2).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async { Err(JobError::new("nope")) }),
         1,
@@ -656,7 +633,7 @@ pub async fn failed_event_follows_the_record(backend: &dyn Backend) {
 /// A delayed dispatch is not delivered before its delay, or is refused clearly.
 pub async fn delayed_dispatch(backend: &dyn Backend) {
     let h = Harness::new(backend, "delayed").await;
-    let job = job(&h, "delayed").build().unwrap();
+    let job = h.job("delayed").build().unwrap();
     let options = DispatchOptions {
         delay: Some(MS(300)),
         ..Default::default()
@@ -671,7 +648,7 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
         return;
     }
     let calls = Calls::default();
-    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 1);
+    let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let sent = Instant::now();
     h.producer
         .dispatch_with(&job, &Work { id: 1 }, options)
@@ -686,7 +663,7 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
 /// No more than `concurrency` handlers run at once, and that many do.
 pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
     let h = Harness::new(backend, "concurrency").await;
-    let job = job(&h, "concurrency").build().unwrap();
+    let job = h.job("concurrency").build().unwrap();
     let active = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
     let (a, p) = (active.clone(), peak.clone());
@@ -714,7 +691,7 @@ pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
 /// Many messages with transient failures: every one ends acknowledged.
 pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
     let h = Harness::new(backend, "many").await;
-    let job = job(&h, "many").retry(3).build().unwrap();
+    let job = h.job("many").retry(3).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |ctx, work| async move {
             if work.id % 3 == 0 && ctx.attempt() == 1 {
@@ -761,7 +738,8 @@ pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
 /// An always-failing handler runs exactly N x M times: 3 in-process x 3 deliveries = 9.
 pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
     let h = Harness::new(backend, "tiers").await;
-    let job = job(&h, "tiers")
+    let job = h
+        .job("tiers")
         .retry(3)
         .tier_one(3)
         .tier_one_backoff(MS(1), 1.0, MS(1))
@@ -771,7 +749,7 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
     let consumer = h.start(
         registry_with(
             &job,
-            recorded(&calls, |_, _| Err(JobError::new("model unavailable"))),
+            calls.handler(|_, _| Err(JobError::new("model unavailable"))),
         ),
         1,
     );
@@ -803,7 +781,8 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
 /// A success on in-process attempt 2 is acknowledged on the first delivery and counted as tier one.
 pub async fn tier_one_success_is_acked_on_first_delivery(backend: &dyn Backend) {
     let h = Harness::new(backend, "tier-one").await;
-    let job = job(&h, "tier-one")
+    let job = h
+        .job("tier-one")
         .retry(3)
         .tier_one(3)
         .tier_one_backoff(MS(5), 1.0, MS(5))
@@ -850,7 +829,8 @@ pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
         },
     )
     .unwrap();
-    let job = job(&h, "breaker")
+    let job = h
+        .job("breaker")
         .retry(3)
         .tier_one(3)
         .tier_one_backoff(MS(1), 1.0, MS(1))
@@ -886,7 +866,8 @@ pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
 /// A validation failure is permanent at once and costs no execution.
 pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
     let h = Harness::new(backend, "validate").await;
-    let job = job(&h, "validate")
+    let job = h
+        .job("validate")
         .retry(3)
         .tier_one(3)
         .validate(|w: &Work| {
@@ -899,7 +880,7 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
         .build()
         .unwrap();
     let calls = Calls::default();
-    let consumer = h.start(registry_with(&job, recorded(&calls, |_, _| Ok(()))), 1);
+    let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(&events[0]), FailureKind::InvalidPayload);
@@ -913,7 +894,8 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
 /// Shutdown during a tier-one backoff settles as a zero-delay retry.
 pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "tier-one-shutdown").await;
-    let job = job(&h, "tier-one-shutdown")
+    let job = h
+        .job("tier-one-shutdown")
         .retry(2)
         .tier_one(3)
         .tier_one_backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
@@ -961,7 +943,7 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
 /// for the next consumer.
 pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     let h = Harness::new(backend, "backlog").await;
-    let job = job(&h, "backlog").retry(5).build().unwrap();
+    let job = h.job("backlog").retry(5).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
     for id in 0..5 {
@@ -981,7 +963,7 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     let next = h
         .start_on(
             backend.connect().await,
-            registry_with(&job, recorded(&calls, |_, _| Ok(()))),
+            registry_with(&job, calls.handler(|_, _| Ok(()))),
         )
         .await;
     h.events.wait_count(h.patience, "succeeded", 5).await;

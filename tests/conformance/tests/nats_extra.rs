@@ -96,11 +96,7 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let ack_wait = Duration::from_secs(2);
     let backend = nats(ack_wait);
     let h = Harness::new(&backend, "nats-kill").await;
-    let job = Job::<Work>::builder("crashy")
-        .queue(h.queue.clone())
-        .retry(3)
-        .build()
-        .unwrap();
+    let job = h.job("crashy").retry(3).build().unwrap();
     let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
 
     let queue = h.queue.clone();
@@ -115,13 +111,12 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
 
     // The message is still there, and the next delivery is attempt 3.
     let calls = Calls::default();
-    let c = calls.clone();
     let mut registry = Registry::new();
     registry
-        .register(&job, move |ctx, _: Work| {
-            c.record(&ctx);
-            async { Err(JobError::new("still crashing")) }
-        })
+        .register(
+            &job,
+            calls.handler(|_, _| Err(JobError::new("still crashing"))),
+        )
         .unwrap();
     let consumer = h.start_on(backend.connect().await, registry).await;
     let events = h.events.wait_count(h.patience, "failed", 1).await;
@@ -145,11 +140,7 @@ async fn progress_keeps_a_long_handler_from_redelivery() {
     let ack_wait = Duration::from_secs(1);
     let backend = nats(ack_wait);
     let h = Harness::new(&backend, "nats-lease").await;
-    let job = Job::<Work>::builder("slow")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
+    let job = h.job("slow").retry(5).build().unwrap();
     let calls = Calls::default();
     let c = calls.clone();
     let mut registry = Registry::new();
@@ -247,10 +238,7 @@ async fn delayed_dispatch_is_refused_as_unsupported() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
     assert!(err.to_string().contains("delayed dispatch"), "{err}");
-    let job = Job::<Work>::builder("delayed")
-        .queue(h.queue.clone())
-        .build()
-        .unwrap();
+    let job = h.job("delayed").build().unwrap();
     let err = h
         .producer
         .dispatch_with(
@@ -414,11 +402,7 @@ async fn consumption_resumes_after_the_connection_is_lost() {
     let proxy = Proxy::start().await;
     let backend = nats_via(proxy.url.clone(), Duration::from_secs(2));
     let h = Harness::new(&backend, "nats-reconnect").await;
-    let job = Job::<Work>::builder("steady")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
+    let job = h.job("steady").retry(5).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let calls = Calls::default();
     let (s, c) = (started.clone(), calls.clone());

@@ -49,25 +49,17 @@ async fn delay_rounds_up_to_the_next_bucket() {
     assert_eq!(driver.bucket_for(MS(1)), Some(MS(1000)));
     assert_eq!(driver.bucket_for(MS(5001)), None);
 
-    let job = Job::<Work>::builder("rounding")
-        .queue(h.queue.clone())
-        .retry(3)
-        .build()
-        .unwrap();
+    let job = h.job("rounding").retry(3).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let mut registry = Registry::new();
     registry
-        .register(&job, move |ctx, _: Work| {
-            let n = c.record(&ctx);
-            async move {
-                if n == 1 {
-                    Err(JobError::retry_after("come back later", MS(3000)))
-                } else {
-                    Ok(())
-                }
-            }
-        })
+        .register(
+            &job,
+            calls.handler(|_, n| match n {
+                1 => Err(JobError::retry_after("come back later", MS(3000))),
+                _ => Ok(()),
+            }),
+        )
         .unwrap();
     let consumer = h.start_on(Arc::new(driver.clone()), registry).await;
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -125,11 +117,7 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let _broker = BROKER.read().await;
     let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-kill").await;
-    let job = Job::<Work>::builder("crashy")
-        .queue(h.queue.clone())
-        .retry(3)
-        .build()
-        .unwrap();
+    let job = h.job("crashy").retry(3).build().unwrap();
     let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
 
     let queue = h.queue.clone();
@@ -144,13 +132,12 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
 
     // The message is still there, and the next delivery is attempt 3.
     let calls = Calls::default();
-    let c = calls.clone();
     let mut registry = Registry::new();
     registry
-        .register(&job, move |ctx, _: Work| {
-            c.record(&ctx);
-            async { Err(JobError::new("still crashing")) }
-        })
+        .register(
+            &job,
+            calls.handler(|_, _| Err(JobError::new("still crashing"))),
+        )
         .unwrap();
     let consumer = h.start_on(backend.connect().await, registry).await;
     let events = h.events.wait_count(h.patience, "failed", 1).await;
@@ -211,11 +198,7 @@ async fn sigterm_shuts_a_worker_down_gracefully() {
     let _broker = BROKER.read().await;
     let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-sigterm").await;
-    let job = Job::<Work>::builder("graceful")
-        .queue(h.queue.clone())
-        .retry(3)
-        .build()
-        .unwrap();
+    let job = h.job("graceful").retry(3).build().unwrap();
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let queue = h.queue.clone();
     let (lines, success) =
@@ -232,13 +215,9 @@ async fn sigterm_shuts_a_worker_down_gracefully() {
     );
 
     let calls = Calls::default();
-    let c = calls.clone();
     let mut registry = Registry::new();
     registry
-        .register(&job, move |ctx, _: Work| {
-            c.record(&ctx);
-            async { Ok(()) }
-        })
+        .register(&job, calls.handler(|_, _| Ok(())))
         .unwrap();
     let consumer = h.start_on(backend.connect().await, registry).await;
     h.events.wait_count(h.patience, "succeeded", 1).await;
@@ -280,11 +259,7 @@ async fn consumption_resumes_after_the_broker_closes_connections() {
     let _broker = BROKER.write().await;
     let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-reconnect").await;
-    let job = Job::<Work>::builder("steady")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
+    let job = h.job("steady").retry(5).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let calls = Calls::default();
     let (s, c) = (started.clone(), calls.clone());

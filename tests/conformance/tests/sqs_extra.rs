@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use queue::{Job, JobError, Registry, Settlement};
+use queue::{JobError, Registry, Settlement};
 use queue_conformance::fixture::{Fixture, Sqs};
 use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
@@ -90,25 +90,17 @@ async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
 async fn retry_delay_rounds_up_to_whole_seconds() {
     let backend = sqs();
     let h = Harness::new(&backend, "sqs-rounding").await;
-    let job = Job::<Work>::builder("rounding")
-        .queue(h.queue.clone())
-        .retry(3)
-        .build()
-        .unwrap();
+    let job = h.job("rounding").retry(3).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let mut registry = Registry::new();
     registry
-        .register(&job, move |ctx, _: Work| {
-            let n = c.record(&ctx);
-            async move {
-                if n == 1 {
-                    Err(JobError::retry_after("come back later", MS(1200)))
-                } else {
-                    Ok(())
-                }
-            }
-        })
+        .register(
+            &job,
+            calls.handler(|_, n| match n {
+                1 => Err(JobError::retry_after("come back later", MS(1200))),
+                _ => Ok(()),
+            }),
+        )
         .unwrap();
     let consumer = h.start(registry, 1);
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -170,25 +162,17 @@ async fn rejected_message_comes_back_after_the_visibility_timeout() {
     let h = Harness::new(&backend, "sqs-reject").await;
     assert!(!h.driver.capabilities().reject_drops);
     assert_eq!(h.driver.capabilities().redelivery_hint, VISIBILITY);
-    let job = Job::<Work>::builder("reject")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
+    let job = h.job("reject").retry(5).build().unwrap();
     let calls = Calls::default();
-    let c = calls.clone();
     let mut registry = Registry::new();
     registry
-        .register(&job, move |ctx, _: Work| {
-            let n = c.record(&ctx);
-            async move {
-                if n == 1 {
-                    Err(JobError::reject("not now"))
-                } else {
-                    Ok(())
-                }
-            }
-        })
+        .register(
+            &job,
+            calls.handler(|_, n| match n {
+                1 => Err(JobError::reject("not now")),
+                _ => Ok(()),
+            }),
+        )
         .unwrap();
     let consumer = h.start(registry, 1);
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
@@ -210,11 +194,7 @@ async fn rejected_message_comes_back_after_the_visibility_timeout() {
 async fn long_handler_is_delivered_once_thanks_to_visibility_renewal() {
     let backend = sqs();
     let h = Harness::new(&backend, "sqs-lease").await;
-    let job = Job::<Work>::builder("long")
-        .queue(h.queue.clone())
-        .retry(5)
-        .build()
-        .unwrap();
+    let job = h.job("long").retry(5).build().unwrap();
     let calls = Calls::default();
     let c = calls.clone();
     let mut registry = Registry::new();

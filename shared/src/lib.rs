@@ -91,7 +91,7 @@ pub use record::{FailureRecord, RawBody};
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
-    settle, settle_unknown_name, Failure, FailureKind, Settlement, UnknownNameAttempts,
-    SETTLEMENT_BUDGET,
+    is_shutdown, settle, settle_unknown_name, Failure, FailureKind, Settlement,
+    UnknownNameAttempts, SETTLEMENT_BUDGET,
 };
 pub use stats::{JobStats, Resolution, Stats};

@@ -27,8 +27,8 @@ use crate::policy::PolicyError;
 use crate::record::FailureRecord;
 use crate::runtime::{Instant, Runtime};
 use crate::settle::{
-    settle, settle_unknown_name, Failure, FailureKind, Settlement, UnknownNameAttempts,
-    UNKNOWN_NAME_RETRY_DELAY,
+    is_shutdown, settle, settle_unknown_name, Failure, FailureKind, Settlement,
+    UnknownNameAttempts, UNKNOWN_NAME_RETRY_DELAY,
 };
 use crate::stats::{Resolution, Stats};
 
@@ -99,6 +99,15 @@ pub enum RegistryError {
     /// A policy is invalid.
     #[error(transparent)]
     Policy(#[from] PolicyError),
+}
+
+/// What running the handler produced, for the event.
+#[derive(Default)]
+struct RunSummary {
+    executions: u32,
+    resolution: Option<Resolution>,
+    error: Option<String>,
+    shutdown: bool,
 }
 
 /// Handlers by job name, plus consumer-wide settings and counters.
@@ -290,7 +299,7 @@ impl Registry {
                 self.unknown_name_attempts,
                 self.unknown_name_delay,
             );
-            return self.finish(delivery, &envelope, settlement, 0, None, None);
+            return self.finish(delivery, &envelope, settlement, RunSummary::default());
         };
         if let Err(failure) = job.prepare(&envelope.payload) {
             return self.fail_early(delivery, Some(&envelope), failure);
@@ -312,9 +321,7 @@ impl Registry {
                 delivery,
                 &envelope,
                 Settlement::Fail { failure },
-                0,
-                None,
-                None,
+                RunSummary::default(),
             );
         }
         let parts = ContextParts {
@@ -348,15 +355,13 @@ impl Registry {
             run.in_process,
             spec.tier_one.attempts,
         );
-        let error = run.result.as_ref().err().map(JobError::chain_text);
-        self.finish(
-            delivery,
-            &envelope,
-            settlement,
-            run.executions,
-            Some(resolution),
-            error,
-        )
+        let summary = RunSummary {
+            executions: run.executions,
+            resolution: Some(resolution),
+            error: run.result.as_ref().err().map(JobError::chain_text),
+            shutdown: is_shutdown(&run.result, cancel.is_cancelled()),
+        };
+        self.finish(delivery, &envelope, settlement, summary)
     }
 
     /// A delivery the consumer will not run now (the edge's invocation budget
@@ -411,10 +416,14 @@ impl Registry {
         delivery: Delivery<'_>,
         envelope: &Envelope,
         settlement: Settlement,
-        executions: u32,
-        resolution: Option<Resolution>,
-        error: Option<String>,
+        run: RunSummary,
     ) -> Processed {
+        let RunSummary {
+            executions,
+            resolution,
+            error,
+            shutdown,
+        } = run;
         let error = error.unwrap_or_else(|| format!("unknown job name `{}`", envelope.job));
         let (kind, record) = match &settlement {
             Settlement::Ack => (
@@ -423,17 +432,14 @@ impl Registry {
                 },
                 None,
             ),
-            Settlement::Retry { delay } => {
-                let shutdown = *delay == Some(std::time::Duration::ZERO);
-                (
-                    EventKind::Retried {
-                        delay: *delay,
-                        error,
-                        shutdown,
-                    },
-                    None,
-                )
-            }
+            Settlement::Retry { delay } => (
+                EventKind::Retried {
+                    delay: *delay,
+                    error,
+                    shutdown,
+                },
+                None,
+            ),
             Settlement::Reject => (EventKind::Rejected { error }, None),
             Settlement::Fail { failure } => (
                 EventKind::Failed {

@@ -114,7 +114,7 @@ pub fn settle(
         },
     };
     match err.outcome() {
-        Outcome::Cancelled if cancelled => Settlement::Retry {
+        _ if is_shutdown(result, cancelled) => Settlement::Retry {
             delay: Some(Duration::ZERO),
         },
         Outcome::Permanent => Settlement::Fail {
@@ -135,6 +135,16 @@ pub fn settle(
                 .map(|b| b.delay(attempt.saturating_add(1))),
         },
     }
+}
+
+/// Whether the shutdown rule applies: the consumer is shutting down and the
+/// handler's error is (or wraps) the cancellation.
+pub fn is_shutdown(result: &Result<(), JobError>, cancelled: bool) -> bool {
+    cancelled
+        && result
+            .as_ref()
+            .err()
+            .is_some_and(|e| e.outcome() == Outcome::Cancelled)
 }
 
 /// Decides the settlement for a message whose job name has no handler.

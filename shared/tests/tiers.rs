@@ -412,3 +412,29 @@ fn a_delivery_past_the_cap_fails_without_running() {
         "the last allowed delivery still runs"
     );
 }
+
+#[test]
+fn a_zero_backoff_retry_is_not_reported_as_shutdown() {
+    let builder = Job::<Work>::builder("work")
+        .retry(3)
+        .backoff_fn(|_| Duration::ZERO);
+    let s = setup(builder, |_, _| Err(JobError::new("x")));
+    let p = s.deliver(&body(1), 1);
+    assert_eq!(
+        p.settlement,
+        Settlement::Retry {
+            delay: Some(Duration::ZERO)
+        }
+    );
+    assert!(
+        matches!(
+            p.event.kind,
+            queue::EventKind::Retried {
+                shutdown: false,
+                ..
+            }
+        ),
+        "{:?}",
+        p.event.kind
+    );
+}

@@ -42,7 +42,7 @@ impl RabbitSubscription {
     /// Cancel-safe: if dropped midway, the channel (and any consumer on it)
     /// is dropped, which closes it, and the broker requeues whatever it sent.
     pub(super) async fn open(&mut self) -> Result<(), DriverError> {
-        self.current = None;
+        self.release();
         let driver = &self.driver;
         driver.declare_work(&self.queue).await?;
         let limit = driver.inner.config.operation_timeout;
@@ -69,6 +69,19 @@ impl RabbitSubscription {
         self.current = Some((channel, consumer));
         Ok(())
     }
+
+    /// Lets go of the current channel (see [`RabbitDriver::release`]).
+    fn release(&mut self) {
+        if let Some((channel, _)) = self.current.take() {
+            self.driver.release(&channel);
+        }
+    }
+}
+
+impl Drop for RabbitSubscription {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 #[async_trait]
@@ -80,7 +93,7 @@ impl Subscription for RabbitSubscription {
     /// already pushed but the consumer never took return to the queue when
     /// the channel closes, and the broker counts that as a delivery.
     async fn close(&mut self) {
-        if let Some((channel, consumer)) = self.current.take() {
+        if let Some((channel, consumer)) = &self.current {
             let limit = self.driver.inner.config.operation_timeout;
             let tag = consumer.tag();
             let cancel = channel.basic_cancel(tag.as_str(), BasicCancelOptions::default());
@@ -88,13 +101,14 @@ impl Subscription for RabbitSubscription {
                 warn!(queue = %self.queue, "could not cancel the consumer: {e}");
             }
         }
+        self.release();
     }
 
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
         let mut stopped = self.driver.inner.stopped.subscribe();
         loop {
             if *stopped.borrow_and_update() {
-                self.current = None;
+                self.release();
                 return None;
             }
             let Some((channel, consumer)) = self.current.as_mut() else {
@@ -151,11 +165,11 @@ impl Subscription for RabbitSubscription {
                 }
                 Some(Err(e)) => {
                     warn!(queue = %self.queue, "consumer failed, reconnecting: {e}");
-                    self.current = None;
+                    self.release();
                 }
                 None => {
                     warn!(queue = %self.queue, "consumer ended (channel closed or consumer cancelled), reconnecting");
-                    self.current = None;
+                    self.release();
                 }
             }
         }

@@ -132,7 +132,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use queue::FailureRecord;
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 pub use config::RabbitConfig;
 use delivery::RabbitSubscription;
@@ -140,6 +140,8 @@ use delivery::RabbitSubscription;
 use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 
 const NAME: &str = "rabbitmq";
+/// How long [`Driver::stop`] waits at most for released channels to close.
+const RELEASED_CHANNELS_WAIT: Duration = Duration::from_secs(2);
 
 /// The header carrying the deliveries a message consumed before its latest
 /// publish.
@@ -184,6 +186,14 @@ async fn bounded<T>(
     }
 }
 
+/// Whether a released channel may still have a close in flight.
+fn closing(status: &lapin::ChannelStatus) -> bool {
+    matches!(
+        status.state(),
+        lapin::ChannelState::Connected | lapin::ChannelState::Closing
+    )
+}
+
 struct Link {
     connection: Arc<Connection>,
     publisher: Option<Channel>,
@@ -195,6 +205,12 @@ pub(crate) struct Inner {
     declared: Mutex<HashSet<String>>,
     known: Mutex<HashSet<String>>,
     stopped: watch::Sender<bool>,
+    /// Channels a subscription let go of. lapin closes a channel in the
+    /// background when its last handle drops; [`Driver::stop`] waits for
+    /// those closes before closing the connection, because a background
+    /// close that starts after the connection began closing fails and takes
+    /// the connection down with an error instead of a clean close.
+    released: Mutex<Vec<lapin::ChannelStatus>>,
 }
 
 /// The RabbitMQ driver. Clones share one connection.
@@ -234,6 +250,7 @@ impl RabbitDriver {
                 declared: Mutex::default(),
                 known: Mutex::default(),
                 stopped,
+                released: Mutex::default(),
             }),
         })
     }
@@ -420,6 +437,42 @@ impl RabbitDriver {
     }
 
     /// Opens a channel on the (re-established if needed) connection.
+    /// Records that the caller dropped its handle on `channel`: lapin closes
+    /// it in the background once no delivery holds it any more.
+    pub(crate) fn release(&self, channel: &Channel) {
+        let mut released = self
+            .inner
+            .released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        released.retain(closing);
+        released.push(channel.status().clone());
+    }
+
+    /// Waits until every released channel finished closing, or `limit`.
+    async fn await_released_channels(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let pending = {
+                let mut released = self
+                    .inner
+                    .released
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                released.retain(closing);
+                released.len()
+            };
+            if pending == 0 {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                debug!("{pending} released channel(s) still open; closing the connection anyway");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     pub(crate) async fn open_channel(&self) -> Result<Channel, DriverError> {
         let connection = self.connection().await?;
         bounded(
@@ -740,15 +793,38 @@ impl Driver for RabbitDriver {
         self.inner.stopped.send_replace(true);
         let link = self.inner.link.lock().await.take();
         if let Some(link) = link {
+            let limit = self.inner.config.operation_timeout;
+            self.await_released_channels(limit.min(RELEASED_CHANNELS_WAIT))
+                .await;
             if link.connection.status().connected() {
-                let limit = self.inner.config.operation_timeout;
-                bounded(
-                    limit,
-                    "closing the connection",
-                    ErrorKind::Connection,
-                    link.connection.close(200, "driver stopped"),
-                )
-                .await?;
+                match tokio::time::timeout(limit, link.connection.close(200, "driver stopped"))
+                    .await
+                {
+                    Ok(Ok(())) => {}
+                    // A channel whose last handle dropped just now (a delivery
+                    // settled by a task still running) was being closed in the
+                    // background when the connection began closing; lapin then
+                    // ends the connection with that error instead of a clean
+                    // close. The connection is gone either way and everything
+                    // settled before `stop` was already on the wire.
+                    Ok(Err(lapin::Error::InvalidChannelState(state)))
+                        if !link.connection.status().connected() =>
+                    {
+                        debug!("connection ended without a clean close (a channel was {state:?})");
+                    }
+                    Ok(Err(e)) => {
+                        return Err(error(
+                            ErrorKind::Connection,
+                            format!("closing the connection: {e}"),
+                        ))
+                    }
+                    Err(_) => {
+                        return Err(error(
+                            ErrorKind::Connection,
+                            format!("closing the connection: no answer within {limit:?}"),
+                        ))
+                    }
+                }
             }
         }
         Ok(())

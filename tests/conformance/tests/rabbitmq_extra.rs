@@ -225,6 +225,57 @@ async fn sigterm_shuts_a_worker_down_gracefully() {
     consumer.shutdown().await.unwrap();
 }
 
+/// Stopping the driver right after the last subscription and delivery
+/// are dropped closes the connection cleanly. lapin closes a dropped
+/// channel in the background; when that background close ran after the
+/// connection began closing, it failed and took the connection down, and
+/// `stop` returned "invalid channel state: Closing" (seen in CI under load).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn stop_right_after_dropping_a_subscription_succeeds() {
+    let _broker = BROKER.read().await;
+    let backend = rabbit(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-stop-race").await;
+    for round in 0..5 {
+        let driver = backend.driver().await;
+        let queue = h.queue.clone();
+        // On the runtime's only worker, lapin's background close cannot run
+        // between the drop and `stop`: without the driver waiting for it,
+        // it would run only once the connection is already closing.
+        tokio::spawn(async move {
+            driver
+                .send(
+                    &queue,
+                    Outgoing {
+                        id: format!("m{round}"),
+                        body: b"{}".to_vec(),
+                        delay: None,
+                    },
+                )
+                .await
+                .unwrap();
+            let mut subscription = driver.subscribe(&queue, 1).await.unwrap();
+            let delivery = subscription
+                .next()
+                .await
+                .expect("a delivery")
+                .expect("no error");
+            // As a consumer shuts down: stop taking work, then settle what
+            // is in flight; the delivery holds the channel's last handle.
+            subscription.close().await;
+            drop(subscription);
+            delivery.settle(&Settlement::Ack, None).await.unwrap();
+            driver
+                .stop()
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: stop failed: {e}"));
+        })
+        .await
+        .unwrap();
+    }
+    let driver = backend.driver().await;
+    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+}
+
 fn close_all_connections() {
     let status = Command::new("rabbitmqctl")
         .args(["close_all_connections", "test"])

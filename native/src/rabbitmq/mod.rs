@@ -107,6 +107,10 @@
 //! (the broker has already requeued it). Dropping a delivery unsettled
 //! returns it to the queue (`basic.nack` with requeue).
 //!
+//! [`Driver::stop`] closes the connection cleanly: it first waits (up to 2 s)
+//! for the channels of dropped subscriptions to finish closing, so stopping
+//! right after a consumer's shutdown does not race those closes.
+//!
 //! # Connection settings
 //!
 //! One connection per driver (re-established on demand), from

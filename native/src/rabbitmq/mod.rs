@@ -183,7 +183,17 @@ async fn bounded<T>(
     kind: ErrorKind,
     fut: impl Future<Output = lapin::Result<T>>,
 ) -> Result<T, DriverError> {
-    match tokio::time::timeout(limit, fut).await {
+    answer(limit, what, kind, tokio::time::timeout(limit, fut).await)
+}
+
+/// The result of an operation bounded by `limit`, as a driver error.
+fn answer<T>(
+    limit: Duration,
+    what: &str,
+    kind: ErrorKind,
+    outcome: Result<lapin::Result<T>, tokio::time::error::Elapsed>,
+) -> Result<T, DriverError> {
+    match outcome {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(e)) => Err(error(kind, format!("{what}: {e}"))),
         Err(_) => Err(error(kind, format!("{what}: no answer within {limit:?}"))),
@@ -801,34 +811,26 @@ impl Driver for RabbitDriver {
             self.await_released_channels(limit.min(RELEASED_CHANNELS_WAIT))
                 .await;
             if link.connection.status().connected() {
-                match tokio::time::timeout(limit, link.connection.close(200, "driver stopped"))
-                    .await
-                {
-                    Ok(Ok(())) => {}
-                    // A channel whose last handle dropped just now (a delivery
-                    // settled by a task still running) was being closed in the
-                    // background when the connection began closing; lapin then
-                    // ends the connection with that error instead of a clean
-                    // close. The connection is gone either way and everything
-                    // settled before `stop` was already on the wire.
-                    Ok(Err(lapin::Error::InvalidChannelState(state)))
-                        if !link.connection.status().connected() =>
-                    {
+                let outcome =
+                    tokio::time::timeout(limit, link.connection.close(200, "driver stopped")).await;
+                // A channel whose last handle dropped just now (a delivery
+                // settled by a task still running) was being closed in the
+                // background when the connection began closing; lapin then
+                // ends the connection with that error instead of a clean
+                // close. The connection is gone either way and everything
+                // settled before `stop` was already on the wire.
+                if let Ok(Err(lapin::Error::InvalidChannelState(state))) = &outcome {
+                    if !link.connection.status().connected() {
                         debug!("connection ended without a clean close (a channel was {state:?})");
-                    }
-                    Ok(Err(e)) => {
-                        return Err(error(
-                            ErrorKind::Connection,
-                            format!("closing the connection: {e}"),
-                        ))
-                    }
-                    Err(_) => {
-                        return Err(error(
-                            ErrorKind::Connection,
-                            format!("closing the connection: no answer within {limit:?}"),
-                        ))
+                        return Ok(());
                     }
                 }
+                answer(
+                    limit,
+                    "closing the connection",
+                    ErrorKind::Connection,
+                    outcome,
+                )?;
             }
         }
         Ok(())

@@ -16,6 +16,7 @@
 //! queue_conformance::conformance_suite!(MyBackend);
 //! ```
 
+pub mod crash;
 pub mod fixture;
 pub mod harness;
 pub mod scenarios;

@@ -7,16 +7,16 @@
 //! Run with `cargo test -p queue-conformance --features nats --test nats_extra`.
 #![cfg(feature = "nats")]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{FailureKind, Job, JobError, Registry};
+use queue::{Job, Registry};
+use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, Nats};
 use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
-use queue_conformance::{Backend, Harness};
+use queue_conformance::Harness;
 use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
 use tokio::time::Instant;
 
@@ -53,10 +53,10 @@ fn nats(ack_wait: Duration) -> Fixture<Nats> {
     nats_via(url(), ack_wait)
 }
 
-/// Spawns the kill worker and waits for its handler to report an attempt,
-/// then SIGKILLs it.
-fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32, ack_wait: Duration) -> u32 {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nats_kill_worker"))
+/// The kill worker's command for `queue` (see `src/bin/nats_kill_worker.rs`).
+fn kill_worker(queue: &str, job: &str, cap: u32, ack_wait: Duration) -> Command {
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_nats_kill_worker"));
+    worker
         .args([
             queue,
             job,
@@ -65,72 +65,26 @@ fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32, ack_wait: D
             SUBJECT_PREFIX,
             &ack_wait.as_millis().to_string(),
         ])
-        .env("NATS_URL", url())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn the kill worker");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(n) = line.strip_prefix("attempt ") {
-                let _ = tx.send(n.trim().parse::<u32>().unwrap());
-                break;
-            }
-        }
-    });
-    let attempt = rx.recv_timeout(Duration::from_secs(20));
-    // SIGKILL while the handler runs: no settlement, no clean close.
-    child.kill().expect("kill the worker");
-    child.wait().expect("reap the worker");
-    attempt.expect("the worker's handler started")
+        .env("NATS_URL", url());
+    worker
 }
 
 /// A worker SIGKILLed mid-job loses nothing: once AckWait passes without a
 /// lease renewal the server redelivers the message with a higher delivery
-/// count, until the cap turns an ordinary error into a terminal failure.
+/// count, until the cap turns an ordinary error into a terminal failure;
+/// the failed message leaves the stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let ack_wait = Duration::from_secs(2);
     let backend = nats(ack_wait);
-    let h = Harness::new(&backend, "nats-kill").await;
-    let job = h.job("crashy").retry(3).build().unwrap();
-    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
-
-    let queue = h.queue.clone();
-    let seen = tokio::task::spawn_blocking(move || {
-        let first = run_worker_until_handler_starts(&queue, "crashy", 3, ack_wait);
-        let second = run_worker_until_handler_starts(&queue, "crashy", 3, ack_wait);
-        (first, second)
-    })
-    .await
-    .unwrap();
-    assert_eq!(seen, (1, 2), "each killed delivery counts");
-
-    // The message is still there, and the next delivery is attempt 3.
-    let calls = Calls::default();
-    let mut registry = Registry::new();
-    registry
-        .register(
-            &job,
-            calls.handler(|_, _| Err(JobError::new("still crashing"))),
-        )
-        .unwrap();
-    let consumer = h.start_on(backend.connect().await, registry).await;
-    let events = h.events.wait_count(h.patience, "failed", 1).await;
-    assert_eq!(calls.attempts(), [3]);
-    assert_eq!(events.last().unwrap().message_id, id);
-    consumer.shutdown().await.unwrap();
-    let records = backend.failure_records(&h.queue).await;
-    assert_eq!(records.len(), 1);
-    assert_eq!(
-        (records[0].kind, records[0].attempt),
-        (FailureKind::AttemptsExhausted, 3)
-    );
+    let queue = crash::killed_worker_loses_nothing_and_counts_the_attempt(
+        &backend,
+        "nats-kill",
+        move |queue, job, cap| kill_worker(queue, job, cap, ack_wait),
+    )
+    .await;
     let driver = backend.driver().await;
-    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
+    assert_eq!(driver.stored_count(&queue).await.unwrap(), 0);
 }
 
 /// `Progress` every half AckWait keeps a handler running for 3 x AckWait

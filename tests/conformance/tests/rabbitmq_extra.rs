@@ -6,12 +6,12 @@
 //! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq_extra`.
 #![cfg(feature = "rabbitmq")]
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{FailureKind, Job, JobError, Registry, Settlement};
+use queue::{Job, JobError, Registry, Settlement};
+use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, RabbitMq};
 use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
@@ -82,31 +82,13 @@ async fn delay_rounds_up_to_the_next_bucket() {
     consumer.shutdown().await.unwrap();
 }
 
-/// Spawns the kill worker and waits for its handler to report an attempt.
-fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32) -> u32 {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rabbitmq_kill_worker"))
+/// The kill worker's command for `queue` (see `src/bin/rabbitmq_kill_worker.rs`).
+fn kill_worker(queue: &str, job: &str, cap: u32) -> Command {
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_rabbitmq_kill_worker"));
+    worker
         .args([queue, job, &cap.to_string()])
-        .env("RABBITMQ_URL", url())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn the kill worker");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(n) = line.strip_prefix("attempt ") {
-                let _ = tx.send(n.trim().parse::<u32>().unwrap());
-                break;
-            }
-        }
-    });
-    let attempt = rx.recv_timeout(Duration::from_secs(20));
-    // SIGKILL while the handler runs: no settlement, no clean close.
-    child.kill().expect("kill the worker");
-    child.wait().expect("reap the worker");
-    attempt.expect("the worker's handler started")
+        .env("RABBITMQ_URL", url());
+    worker
 }
 
 /// A worker SIGKILLed mid-job loses nothing: the broker redelivers the
@@ -116,78 +98,8 @@ fn run_worker_until_handler_starts(queue: &str, job: &str, cap: u32) -> u32 {
 async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     let _broker = BROKER.read().await;
     let backend = rabbit(&[100, 1000]);
-    let h = Harness::new(&backend, "rmq-kill").await;
-    let job = h.job("crashy").retry(3).build().unwrap();
-    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
-
-    let queue = h.queue.clone();
-    let seen = tokio::task::spawn_blocking(move || {
-        let first = run_worker_until_handler_starts(&queue, "crashy", 3);
-        let second = run_worker_until_handler_starts(&queue, "crashy", 3);
-        (first, second)
-    })
-    .await
-    .unwrap();
-    assert_eq!(seen, (1, 2), "each killed delivery counts");
-
-    // The message is still there, and the next delivery is attempt 3.
-    let calls = Calls::default();
-    let mut registry = Registry::new();
-    registry
-        .register(
-            &job,
-            calls.handler(|_, _| Err(JobError::new("still crashing"))),
-        )
-        .unwrap();
-    let consumer = h.start_on(backend.connect().await, registry).await;
-    let events = h.events.wait_count(h.patience, "failed", 1).await;
-    assert_eq!(calls.attempts(), [3]);
-    assert_eq!(events.last().unwrap().message_id, id);
-    consumer.shutdown().await.unwrap();
-    let records = backend.failure_records(&h.queue).await;
-    assert_eq!(records.len(), 1);
-    assert_eq!(
-        (records[0].kind, records[0].attempt),
-        (FailureKind::AttemptsExhausted, 3)
-    );
-}
-
-/// Runs the worker until its handler starts, sends it SIGTERM, and returns
-/// everything it printed and whether it exited successfully.
-fn run_worker_and_terminate(queue: &str, job: &str, cap: u32) -> (Vec<String>, bool) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rabbitmq_kill_worker"))
-        .args([queue, job, &cap.to_string()])
-        .env("RABBITMQ_URL", url())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn the worker");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut lines = vec![];
-    let first = rx.recv_timeout(Duration::from_secs(20));
-    if let Ok(line) = first {
-        lines.push(line);
-        let status = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM failed");
-        while let Ok(line) = rx.recv_timeout(Duration::from_secs(40)) {
-            lines.push(line);
-        }
-    }
-    let _ = child.kill();
-    let success = child.wait().expect("reap the worker").success();
-    (lines, success)
+    crash::killed_worker_loses_nothing_and_counts_the_attempt(&backend, "rmq-kill", kill_worker)
+        .await;
 }
 
 /// SIGTERM mid-job: the worker stops taking work, cancels the handler,
@@ -201,10 +113,11 @@ async fn sigterm_shuts_a_worker_down_gracefully() {
     let job = h.job("graceful").retry(3).build().unwrap();
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let queue = h.queue.clone();
-    let (lines, success) =
-        tokio::task::spawn_blocking(move || run_worker_and_terminate(&queue, "graceful", 3))
-            .await
-            .unwrap();
+    let (lines, success) = tokio::task::spawn_blocking(move || {
+        crash::lines_after_sigterm(kill_worker(&queue, "graceful", 3))
+    })
+    .await
+    .unwrap();
     assert_eq!(
         lines,
         ["attempt 1", "event retried shutdown=true", "stopped"]

@@ -1,0 +1,121 @@
+//! Crash scenarios: a worker process killed mid-job.
+//!
+//! They need a backend that keeps a delivery when its consumer dies and
+//! counts it (RabbitMQ, NATS), and a worker binary for it
+//! (`src/bin/*_kill_worker.rs`) that consumes one queue and prints
+//! `attempt N` when its handler starts and one line per accepted outcome.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Receiver;
+use std::time::Duration;
+
+use queue::{FailureKind, JobError, Registry};
+
+use crate::harness::{Backend, Calls, Harness};
+use crate::scenarios::Work;
+
+/// How long a worker may take to start its handler.
+const START: Duration = Duration::from_secs(20);
+
+/// Spawns `worker` with its standard output read line by line on a thread.
+fn spawn(mut worker: Command) -> (Child, Receiver<String>) {
+    let mut child = worker
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the worker");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Runs `worker` until its handler reports an attempt, SIGKILLs it (no
+/// settlement, no clean close) and returns that attempt.
+pub fn attempt_before_sigkill(worker: Command) -> u32 {
+    let (mut child, lines) = spawn(worker);
+    let attempt = lines.recv_timeout(START);
+    child.kill().expect("kill the worker");
+    child.wait().expect("reap the worker");
+    let line = attempt.expect("the worker's handler started");
+    line.strip_prefix("attempt ")
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("the worker's first line is not `attempt N`: {line}"))
+}
+
+/// Runs `worker` until its handler reports an attempt, sends it SIGTERM,
+/// and returns every line it printed and whether it exited successfully.
+pub fn lines_after_sigterm(worker: Command) -> (Vec<String>, bool) {
+    let (mut child, rx) = spawn(worker);
+    let mut lines = vec![];
+    if let Ok(line) = rx.recv_timeout(START) {
+        lines.push(line);
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed");
+        while let Ok(line) = rx.recv_timeout(Duration::from_secs(40)) {
+            lines.push(line);
+        }
+    }
+    let _ = child.kill();
+    let success = child.wait().expect("reap the worker").success();
+    (lines, success)
+}
+
+/// A worker SIGKILLed mid-job loses nothing: the backend redelivers the
+/// message and the attempt count rises with each abandoned delivery, until
+/// the cap turns an ordinary error into a terminal failure with one record.
+///
+/// `worker(queue, job, cap)` builds the command of a worker process for the
+/// job `job` with cap `cap` on `queue`. Returns the queue the scenario used.
+pub async fn killed_worker_loses_nothing_and_counts_the_attempt(
+    backend: &dyn Backend,
+    scenario: &str,
+    worker: impl Fn(&str, &str, u32) -> Command + Send + 'static,
+) -> String {
+    let h = Harness::new(backend, scenario).await;
+    let job = h.job("crashy").retry(3).build().unwrap();
+    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
+
+    let queue = h.queue.clone();
+    let seen = tokio::task::spawn_blocking(move || {
+        let first = attempt_before_sigkill(worker(&queue, "crashy", 3));
+        let second = attempt_before_sigkill(worker(&queue, "crashy", 3));
+        (first, second)
+    })
+    .await
+    .unwrap();
+    assert_eq!(seen, (1, 2), "each killed delivery counts");
+
+    // The message is still there, and the next delivery is attempt 3.
+    let calls = Calls::default();
+    let mut registry = Registry::new();
+    registry
+        .register(
+            &job,
+            calls.handler(|_, _| Err(JobError::new("still crashing"))),
+        )
+        .unwrap();
+    let consumer = h.start_on(backend.connect().await, registry).await;
+    let events = h.events.wait_count(h.patience, "failed", 1).await;
+    assert_eq!(calls.attempts(), [3]);
+    assert_eq!(events.last().unwrap().message_id, id);
+    consumer.shutdown().await.unwrap();
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        (records[0].kind, records[0].attempt),
+        (FailureKind::AttemptsExhausted, 3)
+    );
+    h.queue.clone()
+}

@@ -1,16 +1,23 @@
-//! Crash scenarios: a worker process killed mid-job.
+//! Crash scenarios: a worker process killed mid-job, a connection lost
+//! mid-job.
 //!
-//! They need a backend that keeps a delivery when its consumer dies and
-//! counts it (RabbitMQ, NATS), and a worker binary for it
+//! The killed-worker scenarios need a backend that keeps a delivery when its
+//! consumer dies and counts it (RabbitMQ, NATS), and a worker binary for it
 //! (`src/bin/*_kill_worker.rs`) that consumes one queue and prints
 //! `attempt N` when its handler starts and one line per accepted outcome.
+//! The connection-loss scenario needs a way to cut the connection (a broker
+//! command, a proxy).
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Receiver;
+use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{FailureKind, JobError, Registry};
+use queue::{FailureKind, Job, JobError, Registry};
+use queue_native::{ConsumerHandle, ErrorKind};
+use tokio::time::Instant;
 
 use crate::harness::{Backend, Calls, Harness};
 use crate::scenarios::Work;
@@ -118,4 +125,107 @@ pub async fn killed_worker_loses_nothing_and_counts_the_attempt(
         (FailureKind::AttemptsExhausted, 3)
     );
     h.queue.clone()
+}
+
+/// A consumer (concurrency 2) whose first message, `Work { id: 0 }`, is
+/// still running its first attempt (a 1.5 s handler): the moment to cut the
+/// connection.
+pub struct InterruptedJob {
+    /// The scenario's harness.
+    pub harness: Harness,
+    /// The executions of the interrupted message.
+    pub calls: Calls,
+    job: Job<Work>,
+    consumer: ConsumerHandle,
+}
+
+impl InterruptedJob {
+    /// Starts the consumer, dispatches the slow message and returns once its
+    /// handler runs.
+    pub async fn start(backend: &dyn Backend, scenario: &str) -> Self {
+        let harness = Harness::new(backend, scenario).await;
+        let job = harness.job("steady").retry(5).build().unwrap();
+        let started = Arc::new(tokio::sync::Notify::new());
+        let calls = Calls::default();
+        let (s, c) = (started.clone(), calls.clone());
+        let mut registry = Registry::new();
+        registry
+            .register(&job, move |ctx, work: Work| {
+                let s = s.clone();
+                if work.id == 0 {
+                    c.record(&ctx);
+                }
+                async move {
+                    if work.id == 0 && ctx.attempt() == 1 {
+                        s.notify_one();
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                    }
+                    Ok(())
+                }
+            })
+            .unwrap();
+        let consumer = harness.start(registry, 2);
+        harness
+            .producer
+            .dispatch(&job, &Work { id: 0 })
+            .await
+            .unwrap();
+        tokio::time::timeout(harness.patience, started.notified())
+            .await
+            .expect("slow handler started");
+        InterruptedJob {
+            harness,
+            calls,
+            job,
+            consumer,
+        }
+    }
+
+    /// After the cut: five new messages (dispatch retried while the backend
+    /// does not take it) all succeed, as does the interrupted one.
+    pub async fn consumption_resumes(&self) {
+        let h = &self.harness;
+        let mut ids = BTreeSet::new();
+        for id in 1..=5 {
+            ids.insert(self.dispatch_retrying(id).await);
+        }
+        let events = h
+            .events
+            .wait_count(Duration::from_secs(30), "succeeded", 6)
+            .await;
+        let done: BTreeSet<_> = events
+            .iter()
+            .filter(|e| e.kind.name() == "succeeded")
+            .map(|e| e.message_id.clone())
+            .collect();
+        assert!(ids.is_subset(&done), "{ids:?} vs {done:?}");
+    }
+
+    /// Dispatches `Work { id }`, retrying for up to 20 s while the backend
+    /// did not take it or may not have: the connection was just cut.
+    async fn dispatch_retrying(&self, id: u32) -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match self
+                .harness
+                .producer
+                .dispatch(&self.job, &Work { id })
+                .await
+            {
+                Ok(id) => return id,
+                Err(e)
+                    if Instant::now() < deadline
+                        && matches!(e.kind(), ErrorKind::NotAccepted | ErrorKind::Uncertain) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("dispatch failed: {e}"),
+            }
+        }
+    }
+
+    /// Shuts the consumer down.
+    pub async fn finish(self) {
+        self.consumer.shutdown().await.unwrap();
+    }
 }

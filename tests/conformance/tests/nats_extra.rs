@@ -8,17 +8,15 @@
 #![cfg(feature = "nats")]
 
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Job, Registry};
+use queue::Registry;
 use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, Nats};
 use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
 use queue_conformance::Harness;
 use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
-use tokio::time::Instant;
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 const STREAM_PREFIX: &str = "EXTRA";
@@ -328,25 +326,6 @@ impl Proxy {
     }
 }
 
-/// Retries a dispatch while the connection is being re-established: one
-/// sent just as the connection dropped is uncertain (it may be stored; its
-/// copy then runs too), one sent while reconnecting is not accepted.
-async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match h.producer.dispatch(job, &Work { id }).await {
-            Ok(id) => return id,
-            Err(e)
-                if Instant::now() < deadline
-                    && matches!(e.kind(), ErrorKind::NotAccepted | ErrorKind::Uncertain) =>
-            {
-                tokio::time::sleep(MS(200)).await;
-            }
-            Err(e) => panic!("dispatch failed: {e}"),
-        }
-    }
-}
-
 /// The connection is lost mid-job: async-nats reconnects, the subscription
 /// sends fresh pull requests and consumption resumes. A JetStream ack is not
 /// tied to a connection, so the in-flight delivery (its lease renewed
@@ -355,51 +334,13 @@ async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
 async fn consumption_resumes_after_the_connection_is_lost() {
     let proxy = Proxy::start().await;
     let backend = nats_via(proxy.url.clone(), Duration::from_secs(2));
-    let h = Harness::new(&backend, "nats-reconnect").await;
-    let job = h.job("steady").retry(5).build().unwrap();
-    let started = Arc::new(tokio::sync::Notify::new());
-    let calls = Calls::default();
-    let (s, c) = (started.clone(), calls.clone());
-    let mut registry = Registry::new();
-    registry
-        .register(&job, move |ctx, work: Work| {
-            let s = s.clone();
-            if work.id == 0 {
-                c.record(&ctx);
-            }
-            async move {
-                if work.id == 0 && ctx.attempt() == 1 {
-                    s.notify_one();
-                    tokio::time::sleep(MS(1500)).await;
-                }
-                Ok(())
-            }
-        })
-        .unwrap();
-    let consumer = h.start(registry, 2);
-    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
-    tokio::time::timeout(h.patience, started.notified())
-        .await
-        .expect("slow handler started");
+    let run = crash::InterruptedJob::start(&backend, "nats-reconnect").await;
     proxy.cut();
 
-    let mut ids = std::collections::BTreeSet::new();
-    for id in 1..=5 {
-        ids.insert(dispatch_retrying(&h, &job, id).await);
-    }
-    let events = h
-        .events
-        .wait_count(Duration::from_secs(30), "succeeded", 6)
-        .await;
-    let done: std::collections::BTreeSet<_> = events
-        .iter()
-        .filter(|e| e.kind.name() == "succeeded")
-        .map(|e| e.message_id.clone())
-        .collect();
-    assert!(ids.is_subset(&done), "{ids:?} vs {done:?}");
+    run.consumption_resumes().await;
     // Past AckWait: the slow delivery was acknowledged, not redelivered.
     tokio::time::sleep(MS(2500)).await;
-    assert_eq!(calls.attempts(), [1]);
-    assert!(h.events.settlement_failures().is_empty());
-    consumer.shutdown().await.unwrap();
+    assert_eq!(run.calls.attempts(), [1]);
+    assert!(run.harness.events.settlement_failures().is_empty());
+    run.finish().await;
 }

@@ -10,14 +10,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Job, JobError, Registry, Settlement};
+use queue::{JobError, Registry, Settlement};
 use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, RabbitMq};
 use queue_conformance::harness::Calls;
 use queue_conformance::scenarios::Work;
 use queue_conformance::{Backend, Harness};
 use queue_native::{Driver, ErrorKind, Outgoing, RabbitConfig, RabbitDriver};
-use tokio::time::Instant;
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 
@@ -199,21 +198,6 @@ fn close_all_connections() {
     assert!(status.success(), "rabbitmqctl close_all_connections failed");
 }
 
-/// Retries a dispatch the broker may not have taken because its connection
-/// was just closed.
-async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match h.producer.dispatch(job, &Work { id }).await {
-            Ok(id) => return id,
-            Err(e) if Instant::now() < deadline && e.kind() == ErrorKind::NotAccepted => {
-                tokio::time::sleep(MS(200)).await;
-            }
-            Err(e) => panic!("dispatch failed: {e}"),
-        }
-    }
-}
-
 /// `rabbitmqctl close_all_connections` mid-test: the in-flight delivery's
 /// settlement fails (its channel is gone; it is never acked on a new one),
 /// the broker redelivers it with a higher attempt, the subscription
@@ -222,61 +206,26 @@ async fn dispatch_retrying(h: &Harness, job: &Job<Work>, id: u32) -> String {
 async fn consumption_resumes_after_the_broker_closes_connections() {
     let _broker = BROKER.write().await;
     let backend = rabbit(&[100, 1000]);
-    let h = Harness::new(&backend, "rmq-reconnect").await;
-    let job = h.job("steady").retry(5).build().unwrap();
-    let started = Arc::new(tokio::sync::Notify::new());
-    let calls = Calls::default();
-    let (s, c) = (started.clone(), calls.clone());
-    let mut registry = Registry::new();
-    registry
-        .register(&job, move |ctx, work: Work| {
-            let s = s.clone();
-            if work.id == 0 {
-                c.record(&ctx);
-            }
-            async move {
-                if work.id == 0 && ctx.attempt() == 1 {
-                    s.notify_one();
-                    tokio::time::sleep(MS(1500)).await;
-                }
-                Ok(())
-            }
-        })
-        .unwrap();
-    let consumer = h.start(registry, 2);
-
-    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
-    tokio::time::timeout(h.patience, started.notified())
-        .await
-        .expect("slow handler started");
+    let run = crash::InterruptedJob::start(&backend, "rmq-reconnect").await;
     close_all_connections();
 
     // The slow delivery finishes after its channel died: settlement fails.
-    let (event, error) = h.events.wait_settlement_failure(h.patience).await;
+    let (event, error) = run
+        .harness
+        .events
+        .wait_settlement_failure(run.harness.patience)
+        .await;
     assert_eq!(event.attempt, 1);
     assert!(error.contains("connection error"), "{error}");
 
     // Meanwhile the subscription reconnects; new work flows again.
-    let mut ids = std::collections::BTreeSet::new();
-    for id in 1..=5 {
-        ids.insert(dispatch_retrying(&h, &job, id).await);
-    }
-    let events = h
-        .events
-        .wait_count(Duration::from_secs(30), "succeeded", 6)
-        .await;
-    let done: std::collections::BTreeSet<_> = events
-        .iter()
-        .filter(|e| e.kind.name() == "succeeded")
-        .map(|e| e.message_id.clone())
-        .collect();
-    assert!(ids.is_subset(&done), "{ids:?} vs {done:?}");
+    run.consumption_resumes().await;
     assert_eq!(
-        calls.attempts(),
+        run.calls.attempts(),
         [1, 2],
         "the interrupted delivery came back as attempt 2"
     );
-    consumer.shutdown().await.unwrap();
+    run.finish().await;
 }
 
 /// A work queue that already exists with other arguments is a clear

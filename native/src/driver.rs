@@ -168,6 +168,24 @@ impl DriverError {
     }
 }
 
+/// The failure record a [`Settlement::Fail`] must transfer, or the
+/// [`ErrorKind::NotAccepted`] error a driver returns when it was given none:
+/// the settlement is refused and the message stays with the backend.
+/// `reason` is the failure's message, for the error.
+pub fn required_record<'a>(
+    driver: &'static str,
+    record: Option<&'a FailureRecord>,
+    reason: &str,
+) -> Result<&'a FailureRecord, DriverError> {
+    record.ok_or_else(|| {
+        DriverError::new(
+            driver,
+            ErrorKind::NotAccepted,
+            format!("terminal failure without a record: {reason}"),
+        )
+    })
+}
+
 impl fmt::Display for DriverError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match self.kind {

@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::driver::{
-    Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
+    required_record, Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
 
 const NAME: &str = "memory";
@@ -330,13 +330,7 @@ impl Delivery for MemoryDelivery {
                 };
             }
             Settlement::Fail { failure } => {
-                let record = record.cloned().ok_or_else(|| {
-                    DriverError::new(
-                        NAME,
-                        ErrorKind::NotAccepted,
-                        format!("terminal failure without a record: {}", failure.message),
-                    )
-                })?;
+                let record = required_record(NAME, record, &failure.message)?.clone();
                 self.driver
                     .lock()
                     .failures

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
 use super::{error, NatsDriver};
-use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+use crate::driver::{required_record, Delivery, DriverError, ErrorKind, Subscription};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -323,12 +323,7 @@ impl NatsDelivery {
     ) -> Result<(), DriverError> {
         match self.driver.failure_subject(&self.queue) {
             Some(subject) => {
-                let Some(record) = record else {
-                    return Err(error(
-                        ErrorKind::NotAccepted,
-                        format!("terminal failure without a record: {reason}"),
-                    ));
-                };
+                let record = required_record(super::NAME, record, reason)?;
                 // The lease keeps running while the record is transferred.
                 let dedup = format!(
                     "failed:{}:{}:{}",

@@ -14,7 +14,7 @@ use queue::{FailureRecord, Settlement};
 use tracing::{error, warn};
 
 use super::{bounded, error, RabbitDriver, ATTEMPTS_HEADER};
-use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+use crate::driver::{required_record, Delivery, DriverError, ErrorKind, Subscription};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -308,12 +308,7 @@ impl RabbitDelivery {
     ) -> Result<(), DriverError> {
         match self.driver.failure_queue_name(&self.queue) {
             Some(failed) => {
-                let Some(record) = record else {
-                    return Err(error(
-                        ErrorKind::NotAccepted,
-                        format!("terminal failure without a record: {settlement_reason}"),
-                    ));
-                };
+                let record = required_record(super::NAME, record, settlement_reason)?;
                 self.driver
                     .declare(&failed, super::Role::Failure, &self.queue)
                     .await?;

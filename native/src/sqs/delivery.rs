@@ -14,7 +14,7 @@ use super::{
     bounded, ceil_seconds, decode_body, error, is_missing_queue, sdk_error, SqsDriver,
     ENCODING_ATTRIBUTE, MAX_VISIBILITY,
 };
-use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+use crate::driver::{required_record, Delivery, DriverError, ErrorKind, Subscription};
 
 /// Whether a received message's body is base64 (see [`ENCODING_ATTRIBUTE`]).
 pub(super) fn is_base64(message: &Message) -> bool {
@@ -363,12 +363,7 @@ impl SqsDelivery {
         let driver = self.hold.driver.clone();
         match self.failure_url.clone() {
             Some(url) => {
-                let Some(record) = record else {
-                    return Err(error(
-                        ErrorKind::NotAccepted,
-                        format!("terminal failure without a record: {reason}"),
-                    ));
-                };
+                let record = required_record(super::NAME, record, reason)?;
                 let failed = driver.failure_queue_name(&self.queue).unwrap_or_default();
                 driver.send_body(&failed, &url, &record.encode(), 0).await?;
                 self.hold.delete().await

@@ -45,6 +45,11 @@ pub struct RabbitConfig {
     pub largest_attempt_cap: u32,
     /// The connection name shown by the broker (`rabbitmqctl list_connections name`).
     pub connection_name: String,
+    /// Extra certificate authorities to trust for `amqps://`, PEM-encoded
+    /// (one or more `BEGIN CERTIFICATE` blocks), in addition to the
+    /// platform's roots: for a broker whose certificate a private CA signed.
+    /// Only with an `amqps://` URL.
+    pub ca_certificates: Option<String>,
 }
 
 impl RabbitConfig {
@@ -63,12 +68,20 @@ impl RabbitConfig {
             delivery_limit: None,
             largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
             connection_name: "queue-native".into(),
+            ca_certificates: None,
         }
     }
 
     /// Replaces the delay buckets.
     pub fn delay_buckets(mut self, buckets: impl IntoIterator<Item = Duration>) -> Self {
         self.delay_buckets = buckets.into_iter().collect();
+        self
+    }
+
+    /// Trusts the certificate authorities in `pem` too (see
+    /// [`ca_certificates`](Self::ca_certificates)).
+    pub fn ca_certificates(mut self, pem: impl Into<String>) -> Self {
+        self.ca_certificates = Some(pem.into());
         self
     }
 
@@ -90,6 +103,19 @@ impl RabbitConfig {
             .next()
             .unwrap_or_default()
             .to_ascii_lowercase();
+        if let Some(pem) = &self.ca_certificates {
+            if scheme != "amqps" {
+                return Err(config_error(format!(
+                    "CA certificates are set but `{}` does not use TLS: use an amqps:// URL",
+                    self.redacted_url()
+                )));
+            }
+            if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(config_error(
+                    "ca_certificates holds no PEM certificate (no `-----BEGIN CERTIFICATE-----` block)",
+                ));
+            }
+        }
         match scheme.as_str() {
             "amqp" => {}
             "amqps" if cfg!(feature = "rabbitmq-tls") => {}
@@ -162,6 +188,15 @@ impl fmt::Debug for RabbitConfig {
             .field("delivery_limit", &self.delivery_limit)
             .field("largest_attempt_cap", &self.largest_attempt_cap)
             .field("connection_name", &self.connection_name)
+            .field(
+                "ca_certificates",
+                &self.ca_certificates.as_ref().map(|pem| {
+                    format!(
+                        "{} certificate(s)",
+                        pem.matches("BEGIN CERTIFICATE").count()
+                    )
+                }),
+            )
             .finish()
     }
 }
@@ -230,5 +265,19 @@ mod tests {
         let mut c =
             RabbitConfig::new("amqp://localhost").delay_buckets([Duration::from_micros(1500)]);
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn ca_certificates_need_tls_and_a_certificate() {
+        let pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+        let mut c = RabbitConfig::new("amqp://u:secret@localhost").ca_certificates(pem);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("amqps://"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        let mut c = RabbitConfig::new("amqps://localhost").ca_certificates("not a certificate");
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("no PEM certificate"), "{err}");
+        let c = RabbitConfig::new("amqps://localhost").ca_certificates(pem);
+        assert!(format!("{c:?}").contains("1 certificate(s)"));
     }
 }

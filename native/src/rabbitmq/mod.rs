@@ -115,7 +115,9 @@
 //!
 //! One connection per driver (re-established on demand), from
 //! [`RabbitConfig::url`]: `amqp://`, or `amqps://` with the `rabbitmq-tls`
-//! feature. The password never appears in `Debug` output, errors or logs.
+//! feature (rustls; the platform's root certificates plus any in
+//! [`RabbitConfig::ca_certificates`]). The password never appears in `Debug`
+//! output, errors or logs.
 
 mod config;
 mod delivery;
@@ -341,7 +343,14 @@ impl RabbitDriver {
             .with_connection_name(LongString::from(config.connection_name.clone()));
         let connection = match tokio::time::timeout(
             config.operation_timeout,
-            Connection::connect(&config.url, properties),
+            Connection::connect_with_config(
+                &config.url,
+                properties,
+                lapin::tcp::OwnedTLSConfig {
+                    identity: None,
+                    cert_chain: config.ca_certificates.clone(),
+                },
+            ),
         )
         .await
         {

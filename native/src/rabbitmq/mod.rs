@@ -459,32 +459,28 @@ impl RabbitDriver {
         args
     }
 
-    /// Opens a channel on the (re-established if needed) connection.
     /// Records that the caller dropped its handle on `channel`: lapin closes
     /// it in the background once no delivery holds it any more.
     pub(crate) fn release(&self, channel: &Channel) {
+        self.still_closing().push(channel.status().clone());
+    }
+
+    /// The released channels whose close may still be in flight.
+    fn still_closing(&self) -> MutexGuard<'_, Vec<lapin::ChannelStatus>> {
         let mut released = self
             .inner
             .released
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         released.retain(closing);
-        released.push(channel.status().clone());
+        released
     }
 
     /// Waits until every released channel finished closing, or `limit`.
     async fn await_released_channels(&self, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
-            let pending = {
-                let mut released = self
-                    .inner
-                    .released
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                released.retain(closing);
-                released.len()
-            };
+            let pending = self.still_closing().len();
             if pending == 0 {
                 return;
             }
@@ -496,6 +492,7 @@ impl RabbitDriver {
         }
     }
 
+    /// Opens a channel on the (re-established if needed) connection.
     pub(crate) async fn open_channel(&self) -> Result<Channel, DriverError> {
         let connection = self.connection().await?;
         bounded(

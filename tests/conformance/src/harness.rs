@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use queue::{Event, EventSink, FailureRecord, Registry};
-use queue_native::{Consumer, ConsumerHandle, Driver, Producer};
+use queue_native::{Consumer, ConsumerHandle, Driver, Outgoing, Producer};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -254,5 +254,14 @@ impl Calls {
             let n = calls.record(&ctx);
             std::future::ready(outcome(&ctx, n))
         }
+    }
+}
+
+/// A raw message for tests that talk to a driver directly: body `{}`.
+pub fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
+    Outgoing {
+        id: id.into(),
+        body: b"{}".to_vec(),
+        delay,
     }
 }

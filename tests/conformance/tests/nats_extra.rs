@@ -13,7 +13,7 @@ use std::time::Duration;
 use queue::Registry;
 use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, Nats};
-use queue_conformance::harness::Calls;
+use queue_conformance::harness::{outgoing, Calls};
 use queue_conformance::scenarios::Work;
 use queue_conformance::Harness;
 use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
@@ -24,14 +24,6 @@ const SUBJECT_PREFIX: &str = "extra";
 
 fn url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
-    Outgoing {
-        id: id.into(),
-        body: b"{}".to_vec(),
-        delay,
-    }
 }
 
 /// A fixture with its own AckWait, through `url`; streams are deleted when

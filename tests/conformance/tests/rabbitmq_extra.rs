@@ -13,7 +13,7 @@ use std::time::Duration;
 use queue::{JobError, Registry, Settlement};
 use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, RabbitMq};
-use queue_conformance::harness::Calls;
+use queue_conformance::harness::{outgoing, Calls};
 use queue_conformance::scenarios::Work;
 use queue_conformance::{Backend, Harness};
 use queue_native::{Driver, ErrorKind, Outgoing, RabbitConfig, RabbitDriver};
@@ -155,14 +155,7 @@ async fn stop_right_after_dropping_a_subscription_succeeds() {
         // it would run only once the connection is already closing.
         tokio::spawn(async move {
             driver
-                .send(
-                    &queue,
-                    Outgoing {
-                        id: format!("m{round}"),
-                        body: b"{}".to_vec(),
-                        delay: None,
-                    },
-                )
+                .send(&queue, outgoing(&format!("m{round}"), None))
                 .await
                 .unwrap();
             let mut subscription = driver.subscribe(&queue, 1).await.unwrap();
@@ -240,28 +233,11 @@ async fn conflicting_existing_queue_is_a_config_error() {
     let mut other = backend.config();
     other.delivery_limit = Some(50);
     let first = backend.driver_with(other).await;
-    first
-        .send(
-            &h.queue,
-            Outgoing {
-                id: "a".into(),
-                body: b"{}".to_vec(),
-                delay: None,
-            },
-        )
-        .await
-        .unwrap();
+    first.send(&h.queue, outgoing("a", None)).await.unwrap();
 
     let driver = backend.driver().await;
     let err = driver
-        .send(
-            &h.queue,
-            Outgoing {
-                id: "b".into(),
-                body: b"{}".to_vec(),
-                delay: None,
-            },
-        )
+        .send(&h.queue, outgoing("b", None))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
@@ -273,17 +249,7 @@ async fn conflicting_existing_queue_is_a_config_error() {
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     // The refused declare closed only its own channel.
     let fine = format!("{}-other", h.queue);
-    driver
-        .send(
-            &fine,
-            Outgoing {
-                id: "c".into(),
-                body: b"{}".to_vec(),
-                delay: None,
-            },
-        )
-        .await
-        .unwrap();
+    driver.send(&fine, outgoing("c", None)).await.unwrap();
     assert_eq!(driver.ready_count(&fine).await.unwrap(), 1);
 }
 
@@ -299,14 +265,7 @@ async fn delay_above_the_largest_bucket_is_refused_and_the_message_kept() {
     assert_eq!(driver.capabilities().max_retry_delay, Some(MS(250)));
 
     let err = driver
-        .send(
-            &h.queue,
-            Outgoing {
-                id: "late".into(),
-                body: b"{}".to_vec(),
-                delay: Some(Duration::from_secs(10)),
-            },
-        )
+        .send(&h.queue, outgoing("late", Some(Duration::from_secs(10))))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
@@ -374,14 +333,7 @@ async fn unreachable_broker_is_not_accepted_and_hides_the_password() {
     assert!(!format!("{config:?}").contains("hunter2"));
     let driver = RabbitDriver::new(config).unwrap();
     let err = driver
-        .send(
-            "nowhere",
-            Outgoing {
-                id: "x".into(),
-                body: b"{}".to_vec(),
-                delay: None,
-            },
-        )
+        .send("nowhere", outgoing("x", None))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");

@@ -11,7 +11,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, RabbitMq};
-use queue_native::{Driver, ErrorKind, Outgoing, RabbitConfig, RabbitDriver};
+use queue_conformance::harness::outgoing;
+use queue_native::{Driver, ErrorKind, RabbitConfig, RabbitDriver};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 /// Small buckets, as in the plain suite.
@@ -116,14 +117,7 @@ queue_conformance::conformance_suite!(Fixture::<RabbitMq>::new(config()));
 async fn untrusted_certificate_is_refused() {
     let driver = RabbitDriver::new(untrusting_config()).unwrap();
     let err = driver
-        .send(
-            "tls-untrusted",
-            Outgoing {
-                id: "a".into(),
-                body: b"{}".to_vec(),
-                delay: None,
-            },
-        )
+        .send("tls-untrusted", outgoing("a", None))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");

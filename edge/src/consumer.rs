@@ -4,7 +4,10 @@ use std::cell::RefCell;
 use std::sync::{Arc, Once};
 
 use futures_util::StreamExt;
-use queue::{CancelToken, Delivery, PolicyError, Processed, Registry, Runtime, Settlement};
+use queue::{
+    BoxFuture, CancelToken, Delivery, DeliveryHandle, Instant, PolicyError, Registry, Runtime,
+    Settlement, SettlementError,
+};
 use wasm_bindgen::JsCast;
 use worker::{console_error, worker_sys, Env};
 
@@ -99,110 +102,144 @@ impl EdgeConsumer {
             .for_each_concurrent(self.config.concurrency, |message| {
                 let (queue, cancel, summary) = (&queue, &cancel, &summary);
                 async move {
-                    let body = body_bytes(&message.body());
-                    let attempt = message.attempts() as u32;
-                    let delivery = Delivery {
-                        queue,
-                        body: &body,
-                        attempt,
-                        deadline: Some(work_end),
+                    let handle = EdgeMessage {
+                        consumer: self,
+                        env,
+                        body: body_bytes(&message.body()),
+                        attempt: message.attempts() as u32,
+                        deadline: work_end,
+                        message: message.clone(),
                     };
-                    let processed = if self.runtime.now() >= work_end {
+                    let delivered = if self.runtime.now() >= work_end {
                         summary.borrow_mut().deferred += 1;
-                        self.registry.defer(
+                        let delivery = Delivery {
+                            queue,
+                            body: &handle.body,
+                            attempt: handle.attempt,
+                            shutdown_returns: None,
+                            deadline: Some(work_end),
+                        };
+                        let processed = self.registry.defer(
                             delivery,
                             "invocation budget ran out before the message started",
-                        )
+                        );
+                        let outcome = handle.settle(&processed.settlement).await;
+                        self.registry
+                            .settled(&processed, outcome.as_ref().map(|_| ()));
+                        outcome
                     } else {
-                        self.registry.process(delivery, &self.runtime, cancel).await
+                        self.registry
+                            .deliver(queue, handle, &self.runtime, cancel)
+                            .await
+                            .outcome
                     };
-                    let outcome = self.settle(&message, &processed, env).await;
                     forget(&message);
-                    if let Err(e) = &outcome {
+                    if let Err(e) = &delivered {
                         summary.borrow_mut().settlement_errors += 1;
                         console_error!("queue-edge: settlement of {} failed: {e}", message.id());
                     }
-                    self.registry.settled(
-                        &processed,
-                        outcome
-                            .as_ref()
-                            .map(|_| ())
-                            .map_err(|e| e as &dyn std::fmt::Display),
-                    );
                 }
             })
             .await;
         summary.into_inner()
     }
+}
 
-    /// Carries out a settlement. On failure the message is marked for
-    /// redelivery with the consumer's default delay, so it is never lost.
-    async fn settle(
-        &self,
-        message: &JsMessage,
-        processed: &Processed,
-        env: &Env,
-    ) -> Result<(), EdgeError> {
-        let uncertain = |what: &str, e: wasm_bindgen::JsValue| {
-            EdgeError::new(
-                EdgeErrorKind::Uncertain,
-                format!("{what}: {}", describe(&e)),
-            )
-        };
-        let keep = |error: EdgeError| {
-            let _ = message.retry(&wasm_bindgen::JsValue::UNDEFINED);
-            Err(error)
-        };
-        match &processed.settlement {
-            Settlement::Ack => message.ack().map_err(|e| uncertain("ack", e)),
-            Settlement::Retry { delay } => match delay_seconds(*delay) {
-                Ok(seconds) => message
-                    .retry(&retry_options(seconds))
-                    .map_err(|e| uncertain("retry", e)),
-                Err(e) => keep(e),
-            },
-            // No request: the platform's own policy decides (an invocation that
-            // returns normally acknowledges unmarked messages).
-            Settlement::Reject => Ok(()),
-            Settlement::Fail { failure } => {
-                let record = processed
-                    .record
-                    .as_ref()
-                    .map(|r| String::from_utf8_lossy(&r.encode()).into_owned())
-                    .unwrap_or_default();
-                match &self.config.failure_queue {
-                    Some(binding) => {
-                        let sent = match env.queue(binding) {
-                            Ok(q) => q
-                                .send(
-                                    worker::MessageBuilder::new(record)
-                                        .content_type(worker::QueueContentType::Text)
-                                        .build(),
+/// One message of a batch, as the rules' pipeline sees it.
+struct EdgeMessage<'c> {
+    consumer: &'c EdgeConsumer,
+    env: &'c Env,
+    message: JsMessage,
+    body: Vec<u8>,
+    attempt: u32,
+    deadline: Instant,
+}
+
+impl DeliveryHandle for EdgeMessage<'_> {
+    fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        Some(self.deadline)
+    }
+
+    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
+    where
+        Self: 'a,
+    {
+        Box::pin(async move {
+            settle(self.consumer, &self.message, settlement, self.env)
+                .await
+                .map_err(SettlementError::from)
+        })
+    }
+}
+
+/// Carries out a settlement. On failure the message is marked for
+/// redelivery with the consumer's default delay, so it is never lost.
+async fn settle(
+    consumer: &EdgeConsumer,
+    message: &JsMessage,
+    settlement: &Settlement,
+    env: &Env,
+) -> Result<(), EdgeError> {
+    let uncertain = |what: &str, e: wasm_bindgen::JsValue| {
+        EdgeError::new(
+            EdgeErrorKind::Uncertain,
+            format!("{what}: {}", describe(&e)),
+        )
+    };
+    let keep = |error: EdgeError| {
+        let _ = message.retry(&wasm_bindgen::JsValue::UNDEFINED);
+        Err(error)
+    };
+    match settlement {
+        Settlement::Ack => message.ack().map_err(|e| uncertain("ack", e)),
+        Settlement::Retry { delay, .. } => match delay_seconds(*delay) {
+            Ok(seconds) => message
+                .retry(&retry_options(seconds))
+                .map_err(|e| uncertain("retry", e)),
+            Err(e) => keep(e),
+        },
+        // No request: the platform's own policy decides (an invocation that
+        // returns normally acknowledges unmarked messages).
+        Settlement::Reject => Ok(()),
+        Settlement::Fail(record) => {
+            let text = String::from_utf8_lossy(&record.encode()).into_owned();
+            match &consumer.config.failure_queue {
+                Some(binding) => {
+                    let sent = match env.queue(binding) {
+                        Ok(q) => q
+                            .send(
+                                worker::MessageBuilder::new(text)
+                                    .content_type(worker::QueueContentType::Text)
+                                    .build(),
+                            )
+                            .await
+                            .map_err(|e| {
+                                EdgeError::new(
+                                    EdgeErrorKind::Uncertain,
+                                    format!("failure queue `{binding}`: {e}"),
                                 )
-                                .await
-                                .map_err(|e| {
-                                    EdgeError::new(
-                                        EdgeErrorKind::Uncertain,
-                                        format!("failure queue `{binding}`: {e}"),
-                                    )
-                                }),
-                            Err(e) => Err(EdgeError::new(
-                                EdgeErrorKind::Config,
-                                format!("failure queue binding `{binding}`: {e}"),
-                            )),
-                        };
-                        match sent {
-                            Ok(()) => message.ack().map_err(|e| uncertain("ack", e)),
-                            Err(e) => keep(e),
-                        }
+                            }),
+                        Err(e) => Err(EdgeError::new(
+                            EdgeErrorKind::Config,
+                            format!("failure queue binding `{binding}`: {e}"),
+                        )),
+                    };
+                    match sent {
+                        Ok(()) => message.ack().map_err(|e| uncertain("ack", e)),
+                        Err(e) => keep(e),
                     }
-                    None => {
-                        console_error!(
-                            "queue-edge: terminal failure ({}): {record}",
-                            failure.message
-                        );
-                        message.ack().map_err(|e| uncertain("ack", e))
-                    }
+                }
+                None => {
+                    console_error!("queue-edge: terminal failure ({}): {text}", record.reason);
+                    message.ack().map_err(|e| uncertain("ack", e))
                 }
             }
         }

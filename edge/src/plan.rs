@@ -127,6 +127,18 @@ impl fmt::Display for EdgeError {
 
 impl std::error::Error for EdgeError {}
 
+impl From<EdgeError> for queue::SettlementError {
+    fn from(err: EdgeError) -> Self {
+        let kind = match err.kind {
+            EdgeErrorKind::Unsupported => queue::ErrorKind::Unsupported,
+            EdgeErrorKind::Uncertain => queue::ErrorKind::Uncertain,
+            EdgeErrorKind::Encode => queue::ErrorKind::Encode,
+            EdgeErrorKind::Config => queue::ErrorKind::Config,
+        };
+        queue::SettlementError::new(kind, err)
+    }
+}
+
 /// A retry delay in whole seconds, rounded up (never shortened). `None`
 /// leaves the timing to the consumer's `retry_delay` setting. Above 24 hours
 /// the platform cannot hold the message back: an `Unsupported` error.

@@ -91,7 +91,7 @@ impl EventSink for Printer {
         }
     }
 
-    fn settlement_failed(&self, event: &Event, error: &str) {
+    fn settlement_failed(&self, event: &Event, error: &queue::SettlementError) {
         println!(
             "  settlement of {} refused by the backend: {error}",
             self.label(event)

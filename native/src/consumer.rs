@@ -12,9 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{
-    failure_budget, CancelToken, Delivery as RuleDelivery, Registry, Runtime, SETTLEMENT_BUDGET,
-};
+use queue::{failure_budget, CancelToken, Registry, Runtime};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
@@ -257,40 +255,19 @@ async fn handle(
         message_id = tracing::field::Empty
     );
     async move {
-        let rule_delivery = RuleDelivery {
-            queue,
-            body: delivery.body(),
-            attempt,
-            deadline: delivery.deadline(),
-        };
-        let processed = registry.process(rule_delivery, runtime, cancel).await;
+        let delivered = registry.deliver(queue, delivery, runtime, cancel).await;
+        let processed = &delivered.processed;
         let span = tracing::Span::current();
         span.record("job", processed.event.job.as_str());
         span.record("message_id", processed.event.message_id.as_str());
-        let settled = tokio::time::timeout(
-            SETTLEMENT_BUDGET,
-            delivery.settle(&processed.settlement, processed.record.as_ref()),
-        )
-        .await;
-        let outcome = match settled {
-            Ok(result) => result,
-            Err(_) => Err(DriverError::new(
-                "consumer",
-                ErrorKind::Uncertain,
-                format!("settlement did not finish within {SETTLEMENT_BUDGET:?}"),
-            )),
-        };
-        match &outcome {
-            Ok(()) => log_outcome(&processed),
-            Err(e) => error!(settlement = ?processed.settlement, "settlement failed: {e}"),
+        match &delivered.outcome {
+            Ok(()) => log_outcome(processed),
+            Err(e) => error!(
+                settlement = processed.settlement.name(),
+                kind = %e.kind(),
+                "settlement failed: {e}"
+            ),
         }
-        registry.settled(
-            &processed,
-            outcome
-                .as_ref()
-                .map_err(|e| e as &dyn std::fmt::Display)
-                .map(|_| ()),
-        );
     }
     .instrument(span)
     .await

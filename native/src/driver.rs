@@ -11,7 +11,8 @@ use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use queue::{BoxError, FailureRecord, Instant, Settlement};
+pub use queue::ErrorKind;
+use queue::{BoxError, BoxFuture, DeliveryHandle, Instant, Settlement, SettlementError};
 
 /// What a backend can and cannot do. The conformance suite reads this to
 /// choose expectations, and checks that unsupported operations fail with
@@ -106,39 +107,53 @@ pub trait Delivery: Send {
     /// The delivery attempt (first = 1), counting redeliveries after crashes
     /// where the backend can. 0 means the backend cannot count.
     fn attempt(&self) -> u32;
+    /// How many earlier deliveries of this message ended in an accepted
+    /// graceful-shutdown retry (a [`Settlement::Retry`] with `shutdown`
+    /// set), where the backend can carry that count across redeliveries.
+    /// `None` (the default): it cannot, and the rules allow a fixed grace
+    /// instead (see `queue::settle`).
+    fn shutdown_returns(&self) -> Option<u32> {
+        None
+    }
     /// When the backend's hold on this delivery must end, if it cannot be
     /// renewed.
     fn deadline(&self) -> Option<Instant> {
         None
     }
-    /// Carries out `settlement`. For [`Settlement::Fail`], `record` is the
-    /// failure record to transfer before removing the message.
-    async fn settle(
-        self: Box<Self>,
-        settlement: &Settlement,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError>;
+    /// Carries out `settlement`. A [`Settlement::Fail`] carries the failure
+    /// record to transfer before removing the message.
+    async fn settle(self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError>;
 }
 
-/// What kind of failure a [`DriverError`] is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ErrorKind {
-    /// The backend certainly did not take the message or settlement.
-    NotAccepted,
-    /// The request was sent but its result is unknown: the backend may have
-    /// acted on it. Repeating a dispatch may enqueue a second copy.
-    Uncertain,
-    /// The backend cannot do this (a delay too long, delayed dispatch...).
-    Unsupported,
-    /// The driver or the backend's existing topology is misconfigured.
-    Config,
-    /// The connection to the backend failed or was lost.
-    Connection,
-    /// The driver has been stopped.
-    Stopped,
-    /// The payload could not be encoded.
-    Encode,
+/// The rules' view of a driver's delivery: what
+/// [`queue::Registry::deliver`] runs end to end.
+impl DeliveryHandle for Box<dyn Delivery> {
+    fn body(&self) -> &[u8] {
+        Delivery::body(self.as_ref())
+    }
+
+    fn attempt(&self) -> u32 {
+        Delivery::attempt(self.as_ref())
+    }
+
+    fn shutdown_returns(&self) -> Option<u32> {
+        Delivery::shutdown_returns(self.as_ref())
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        Delivery::deadline(self.as_ref())
+    }
+
+    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
+    where
+        Self: 'a,
+    {
+        Box::pin(async move {
+            Delivery::settle(self, settlement)
+                .await
+                .map_err(SettlementError::from)
+        })
+    }
 }
 
 /// An error from a driver: which driver, what kind, and the cause.
@@ -168,41 +183,20 @@ impl DriverError {
     }
 }
 
-/// The failure record a [`Settlement::Fail`] must transfer, or the
-/// [`ErrorKind::NotAccepted`] error a driver returns when it was given none:
-/// the settlement is refused and the message stays with the backend.
-/// `reason` is the failure's message, for the error.
-pub fn required_record<'a>(
-    driver: &'static str,
-    record: Option<&'a FailureRecord>,
-    reason: &str,
-) -> Result<&'a FailureRecord, DriverError> {
-    record.ok_or_else(|| {
-        DriverError::new(
-            driver,
-            ErrorKind::NotAccepted,
-            format!("terminal failure without a record: {reason}"),
-        )
-    })
-}
-
 impl fmt::Display for DriverError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.kind {
-            ErrorKind::NotAccepted => "not accepted",
-            ErrorKind::Uncertain => "outcome uncertain",
-            ErrorKind::Unsupported => "unsupported",
-            ErrorKind::Config => "configuration error",
-            ErrorKind::Connection => "connection error",
-            ErrorKind::Stopped => "driver stopped",
-            ErrorKind::Encode => "encoding error",
-        };
-        write!(f, "{} driver: {kind}: {}", self.driver, self.source)
+        write!(f, "{} driver: {}: {}", self.driver, self.kind, self.source)
     }
 }
 
 impl std::error::Error for DriverError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(self.source.as_ref())
+    }
+}
+
+impl From<DriverError> for SettlementError {
+    fn from(err: DriverError) -> Self {
+        SettlementError::new(err.kind, err)
     }
 }

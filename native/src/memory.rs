@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::driver::{
-    required_record, Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
+    Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
 
 const NAME: &str = "memory";
@@ -293,11 +293,7 @@ impl Delivery for MemoryDelivery {
         self.attempt
     }
 
-    async fn settle(
-        mut self: Box<Self>,
-        settlement: &Settlement,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         if self.driver.lock().stopped {
             // Dropping would try to requeue; a stopped driver keeps nothing.
             self.stored = None;
@@ -306,7 +302,7 @@ impl Delivery for MemoryDelivery {
         }
         match settlement {
             Settlement::Ack | Settlement::Reject => {}
-            Settlement::Retry { delay } => {
+            Settlement::Retry { delay, .. } => {
                 let delay = delay.unwrap_or(Duration::ZERO);
                 if let Some(max) = self.driver.inner.config.max_retry_delay {
                     if delay > max {
@@ -329,14 +325,13 @@ impl Delivery for MemoryDelivery {
                     self.driver.enqueue_later(&self.queue, stored, delay)
                 };
             }
-            Settlement::Fail { failure } => {
-                let record = required_record(NAME, record, &failure.message)?.clone();
+            Settlement::Fail(record) => {
                 self.driver
                     .lock()
                     .failures
                     .entry(self.queue.clone())
                     .or_default()
-                    .push(record);
+                    .push(FailureRecord::clone(record));
             }
         }
         self.stored = None;

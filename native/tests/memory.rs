@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Envelope, Failure, FailureKind, Settlement};
+use queue::{Envelope, Failure, FailureKind, FailureRecord, Settlement};
 use queue_native::{Driver, ErrorKind, MemoryConfig, MemoryDriver, Outgoing, Producer};
 
 fn message() -> Outgoing {
@@ -44,7 +44,10 @@ async fn stop_discards_pending_work_and_refuses_more() {
     );
 
     let err = delivery
-        .settle(&Settlement::Retry { delay: None }, None)
+        .settle(&Settlement::Retry {
+            delay: None,
+            shutdown: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Stopped, "no final retry after stop");
@@ -64,7 +67,7 @@ async fn an_unsettled_delivery_returns_with_a_higher_count() {
     drop(first); // a crashed handler task
     let second = sub.next().await.unwrap().unwrap();
     assert_eq!(second.attempt(), 2);
-    second.settle(&Settlement::Ack, None).await.unwrap();
+    second.settle(&Settlement::Ack).await.unwrap();
     assert_eq!(driver.depth("q"), 0);
 }
 
@@ -78,7 +81,7 @@ async fn reject_drops_and_fail_keeps_a_record() {
         .await
         .unwrap()
         .unwrap()
-        .settle(&Settlement::Reject, None)
+        .settle(&Settlement::Reject)
         .await
         .unwrap();
     let delivery = sub.next().await.unwrap().unwrap();
@@ -86,21 +89,18 @@ async fn reject_drops_and_fail_keeps_a_record() {
         kind: FailureKind::Permanent,
         message: "no".into(),
     };
-    let err = delivery
-        .settle(&Settlement::Fail { failure }, None)
+    let envelope = Envelope::decode(delivery.body()).unwrap();
+    let record = FailureRecord::build("q", &failure, 1, 1, Some(&envelope), delivery.body());
+    delivery
+        .settle(&Settlement::Fail(Box::new(record.clone())))
         .await
-        .unwrap_err();
-    assert_eq!(
-        err.kind(),
-        ErrorKind::NotAccepted,
-        "a terminal failure needs its record"
-    );
+        .unwrap();
     assert_eq!(
         driver.depth("q"),
-        1,
-        "the refused settlement kept the message"
+        0,
+        "rejected and failed messages are gone"
     );
-    assert!(driver.failure_records("q").is_empty());
+    assert_eq!(driver.failure_records("q"), [record]);
 }
 
 #[tokio::test]
@@ -112,12 +112,10 @@ async fn too_long_a_retry_is_refused_and_the_message_kept() {
     let mut sub = driver.subscribe("q", 1).await.unwrap();
     let delivery = sub.next().await.unwrap().unwrap();
     let err = delivery
-        .settle(
-            &Settlement::Retry {
-                delay: Some(Duration::from_secs(2)),
-            },
-            None,
-        )
+        .settle(&Settlement::Retry {
+            delay: Some(Duration::from_secs(2)),
+            shutdown: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported);

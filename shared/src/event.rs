@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::maybe_send::{MaybeSend, MaybeSync};
+use crate::pipeline::SettlementError;
 use crate::settle::Failure;
 use crate::stats::Resolution;
 
@@ -81,9 +82,10 @@ impl EventKind {
 pub trait EventSink: MaybeSend + MaybeSync {
     /// An accepted outcome.
     fn emit(&self, event: &Event);
-    /// The backend refused a settlement; `event` is what would have been
-    /// emitted. Not an outcome: the delivery stays with the backend.
-    fn settlement_failed(&self, event: &Event, error: &str) {
+    /// The backend refused a settlement (or did not confirm it); `event` is
+    /// what would have been emitted. Not an outcome: the delivery stays with
+    /// the backend. [`SettlementError::kind`] says what kind of failure it was.
+    fn settlement_failed(&self, event: &Event, error: &SettlementError) {
         let _ = (event, error);
     }
 }

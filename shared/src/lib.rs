@@ -14,7 +14,9 @@
 //! - [`error`]: handler outcomes as error markers found through the source chain.
 //! - [`envelope`]: the versioned wire format.
 //! - [`settle`](mod@settle): the decision function, unknown-name and poison rules.
-//! - [`registry`]: handlers by name and the per-delivery pipeline.
+//! - [`registry`]: handlers by name and the per-delivery decision.
+//! - [`pipeline`]: one delivery end to end (decide, settle, report), the
+//!   entry point every host calls.
 //! - `executor`: tier one, in-process retries inside a delivery.
 //! - [`breaker`]: the circuit breaker per named dependency.
 //! - [`record`], [`event`], [`stats`], [`budget`]: what an operator sees.
@@ -46,11 +48,11 @@
 //!
 //! let body = Envelope::new("build-report", serde_json::json!({"report_id": 1})).encode();
 //! let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
-//! let delivery = Delivery { queue: "default", body: &body, attempt: 1, deadline: None };
+//! let delivery = Delivery { queue: "default", body: &body, attempt: 1, shutdown_returns: None, deadline: None };
 //! let processed = futures_executor::block_on(
 //!     registry.process(delivery, &runtime, &CancelToken::new()),
 //! );
-//! assert_eq!(processed.settlement, Settlement::Retry { delay: Some(Duration::from_secs(2)) });
+//! assert_eq!(processed.settlement, Settlement::Retry { delay: Some(Duration::from_secs(2)), shutdown: false });
 //! ```
 
 // On wasm32 the runtime is single-threaded and `MaybeSend` is empty, so shared
@@ -69,6 +71,7 @@ mod executor;
 pub mod job;
 mod maybe_send;
 mod panic;
+pub mod pipeline;
 pub mod policy;
 pub mod record;
 pub mod registry;
@@ -86,12 +89,13 @@ pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Rej
 pub use event::{Event, EventKind, EventSink};
 pub use job::{Job, JobBuilder, JobSpec};
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
 pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
 pub use record::{FailureRecord, RawBody};
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
-    is_shutdown, settle, settle_unknown_name, Failure, FailureKind, Settlement,
+    is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind, Settlement,
     UnknownNameAttempts, SETTLEMENT_BUDGET,
 };
 pub use stats::{JobStats, Resolution, Stats};

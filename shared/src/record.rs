@@ -72,7 +72,11 @@ impl RawBody {
 }
 
 impl FailureRecord {
-    pub(crate) fn build(
+    /// The record of `failure` for a message consumed from `queue`, on
+    /// delivery `attempt` after `executions` handler executions. Keeps the
+    /// envelope when it decoded, and the raw body when it did not (or when
+    /// the payload itself was the problem).
+    pub fn build(
         queue: &str,
         failure: &Failure,
         attempt: u32,

@@ -23,11 +23,12 @@ use crate::event::{Event, EventKind, EventSink};
 use crate::executor::run_tiers;
 use crate::job::{Job, JobSpec};
 use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::pipeline::SettlementError;
 use crate::policy::PolicyError;
 use crate::record::FailureRecord;
 use crate::runtime::{Instant, Runtime};
 use crate::settle::{
-    is_shutdown, settle, settle_unknown_name, Failure, FailureKind, Settlement,
+    is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind, Settlement,
     UnknownNameAttempts, UNKNOWN_NAME_RETRY_DELAY,
 };
 use crate::stats::{Resolution, Stats};
@@ -144,6 +145,10 @@ pub struct Delivery<'a> {
     pub body: &'a [u8],
     /// The delivery attempt (first = 1; 0 = the driver cannot count).
     pub attempt: u32,
+    /// Earlier deliveries of this message that ended in an accepted
+    /// graceful-shutdown retry, where the backend carries that count; `None`
+    /// where it cannot.
+    pub shutdown_returns: Option<u32>,
     /// When the driver's hold on the delivery ends, if it must end (the edge's
     /// invocation budget). Tier one does not sleep past it and each
     /// execution's deadline is no later than it.
@@ -154,10 +159,8 @@ pub struct Delivery<'a> {
 /// to report once it answers.
 #[derive(Debug, Clone)]
 pub struct Processed {
-    /// The settlement to request.
+    /// The settlement to request (a terminal failure carries its record).
     pub settlement: Settlement,
-    /// The failure record to transfer first, for [`Settlement::Fail`].
-    pub record: Option<FailureRecord>,
     /// The event to emit if the backend accepts the settlement.
     pub event: Event,
 }
@@ -320,7 +323,7 @@ impl Registry {
             return self.finish(
                 delivery,
                 &envelope,
-                Settlement::Fail { failure },
+                Decision::Fail(failure),
                 RunSummary::default(),
             );
         }
@@ -378,8 +381,8 @@ impl Registry {
             event: self.event(delivery, envelope.as_ref(), 0, kind),
             settlement: Settlement::Retry {
                 delay: Some(Duration::ZERO),
+                shutdown: true,
             },
-            record: None,
         }
     }
 
@@ -406,8 +409,7 @@ impl Registry {
                     failure: failure.clone(),
                 },
             ),
-            settlement: Settlement::Fail { failure },
-            record: Some(record),
+            settlement: Settlement::Fail(Box::new(record)),
         }
     }
 
@@ -415,7 +417,7 @@ impl Registry {
         &self,
         delivery: Delivery<'_>,
         envelope: &Envelope,
-        settlement: Settlement,
+        decision: Decision,
         run: RunSummary,
     ) -> Processed {
         let RunSummary {
@@ -425,40 +427,40 @@ impl Registry {
             shutdown,
         } = run;
         let error = error.unwrap_or_else(|| format!("unknown job name `{}`", envelope.job));
-        let (kind, record) = match &settlement {
-            Settlement::Ack => (
+        let (kind, settlement) = match decision {
+            Decision::Ack => (
                 EventKind::Succeeded {
                     resolution: resolution.unwrap_or(Resolution::FirstAttempt),
                 },
-                None,
+                Settlement::Ack,
             ),
-            Settlement::Retry { delay } => (
+            Decision::Retry { delay, .. } => (
                 EventKind::Retried {
-                    delay: *delay,
+                    delay,
                     error,
                     shutdown,
                 },
-                None,
+                Settlement::Retry { delay, shutdown },
             ),
-            Settlement::Reject => (EventKind::Rejected { error }, None),
-            Settlement::Fail { failure } => (
-                EventKind::Failed {
-                    failure: failure.clone(),
-                },
-                Some(FailureRecord::build(
+            Decision::Reject => (EventKind::Rejected { error }, Settlement::Reject),
+            Decision::Fail(failure) => {
+                let record = FailureRecord::build(
                     delivery.queue,
-                    failure,
+                    &failure,
                     delivery.attempt,
                     executions,
                     Some(envelope),
                     delivery.body,
-                )),
-            ),
+                );
+                (
+                    EventKind::Failed { failure },
+                    Settlement::Fail(Box::new(record)),
+                )
+            }
         };
         Processed {
             event: self.event(delivery, Some(envelope), executions, kind),
             settlement,
-            record,
         }
     }
 
@@ -484,7 +486,9 @@ impl Registry {
 
     /// Reports the backend's answer to a settlement: counts it and emits the
     /// event if accepted; reports a settlement failure otherwise.
-    pub fn settled(&self, processed: &Processed, outcome: Result<(), &dyn fmt::Display>) {
+    /// [`Registry::deliver`] calls it; a host that settles by other means
+    /// calls it itself.
+    pub fn settled(&self, processed: &Processed, outcome: Result<(), &SettlementError>) {
         let event = &processed.event;
         match outcome {
             Ok(()) => {
@@ -505,7 +509,7 @@ impl Registry {
             Err(error) => {
                 self.stats.update(&event.job, |s| s.settlement_errors += 1);
                 if let Some(sink) = &self.sink {
-                    sink.settlement_failed(event, &error.to_string());
+                    sink.settlement_failed(event, error);
                 }
             }
         }

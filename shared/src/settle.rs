@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{JobError, Outcome};
 use crate::policy::RetryPolicy;
+use crate::record::FailureRecord;
 
 /// How long an unknown job name waits before its next delivery.
 pub const UNKNOWN_NAME_RETRY_DELAY: Duration = Duration::from_secs(30);
@@ -18,8 +19,36 @@ pub const DEFAULT_UNKNOWN_NAME_ATTEMPTS: u32 = 10;
 /// The fresh budget every settlement gets, detached from shutdown.
 pub const SETTLEMENT_BUDGET: Duration = Duration::from_secs(30);
 
-/// What the consumer asks the backend to do with a delivery.
+/// What the rules decide for a delivery: [`settle`]'s answer.
+///
+/// The registry turns a decision into a [`Settlement`] by attaching the
+/// failure record to a terminal failure, so a backend never receives a
+/// terminal failure without its record.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// The work is done: remove the message.
+    Ack,
+    /// Deliver again. `None`: the driver's own timing; `Some(d)`: no sooner
+    /// than `d` (a driver may round up or refuse, never shorten).
+    Retry {
+        /// The requested delay.
+        delay: Option<Duration>,
+        /// Whether this is the shutdown rule: the delivery was handed back
+        /// because the consumer is stopping, not because the job failed.
+        shutdown: bool,
+    },
+    /// No facade retry: the backend's own rejection policy decides.
+    Reject,
+    /// Terminal failure.
+    Fail(Failure),
+}
+
+/// What the consumer asks the backend to do with a delivery.
+///
+/// Drivers carry it out and decide nothing. A terminal failure carries the
+/// record to transfer before the message is removed, so one cannot be built
+/// without it.
+#[derive(Debug, Clone, PartialEq)]
 pub enum Settlement {
     /// The work is done: remove the message.
     Ack,
@@ -28,14 +57,29 @@ pub enum Settlement {
     Retry {
         /// The requested delay.
         delay: Option<Duration>,
+        /// Whether this is the shutdown rule: the delivery is handed back
+        /// because the consumer is stopping. A driver that can carry a count
+        /// across redeliveries counts these apart (see
+        /// [`Delivery::shutdown_returns`](crate::Delivery::shutdown_returns)).
+        shutdown: bool,
     },
     /// No facade retry: the backend's own rejection policy decides.
     Reject,
-    /// Terminal failure: transfer a failure record (where configured), then remove.
-    Fail {
-        /// Why.
-        failure: Failure,
-    },
+    /// Terminal failure: transfer this record (where the backend has a
+    /// failure destination), then remove the message.
+    Fail(Box<FailureRecord>),
+}
+
+impl Settlement {
+    /// A short name: `ack`, `retry`, `reject` or `fail`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Settlement::Ack => "ack",
+            Settlement::Retry { .. } => "retry",
+            Settlement::Reject => "reject",
+            Settlement::Fail(_) => "fail",
+        }
+    }
 }
 
 /// Why a message failed terminally.
@@ -102,37 +146,38 @@ pub fn settle(
     attempt: u32,
     result: &Result<(), JobError>,
     cancelled: bool,
-) -> Settlement {
+) -> Decision {
     let err = match result {
-        Ok(()) => return Settlement::Ack,
+        Ok(()) => return Decision::Ack,
         Err(err) => err,
     };
-    let exhausted = || Settlement::Fail {
-        failure: Failure {
+    let exhausted = || {
+        Decision::Fail(Failure {
             kind: FailureKind::AttemptsExhausted,
             message: err.chain_text(),
-        },
+        })
     };
     match err.outcome() {
-        _ if is_shutdown(result, cancelled) => Settlement::Retry {
+        _ if is_shutdown(result, cancelled) => Decision::Retry {
             delay: Some(Duration::ZERO),
+            shutdown: true,
         },
-        Outcome::Permanent => Settlement::Fail {
-            failure: Failure {
-                kind: FailureKind::Permanent,
-                message: err.chain_text(),
-            },
-        },
-        Outcome::Reject => Settlement::Reject,
+        Outcome::Permanent => Decision::Fail(Failure {
+            kind: FailureKind::Permanent,
+            message: err.chain_text(),
+        }),
+        Outcome::Reject => Decision::Reject,
         _ if policy.is_last(attempt) => exhausted(),
-        Outcome::RetryAfter(delay) => Settlement::Retry {
+        Outcome::RetryAfter(delay) => Decision::Retry {
             delay: (!delay.is_zero()).then_some(delay),
+            shutdown: false,
         },
-        Outcome::Ordinary | Outcome::BreakerOpen | Outcome::Cancelled => Settlement::Retry {
+        Outcome::Ordinary | Outcome::BreakerOpen | Outcome::Cancelled => Decision::Retry {
             delay: policy
                 .backoff
                 .as_ref()
                 .map(|b| b.delay(attempt.saturating_add(1))),
+            shutdown: false,
         },
     }
 }
@@ -156,15 +201,16 @@ pub fn settle_unknown_name(
     attempt: u32,
     cap: UnknownNameAttempts,
     delay: Duration,
-) -> Settlement {
+) -> Decision {
     match cap {
-        UnknownNameAttempts::Limited(n) if attempt >= n => Settlement::Fail {
-            failure: Failure {
-                kind: FailureKind::UnknownName,
-                message: format!("unknown job name `{name}` after {attempt} deliveries"),
-            },
+        UnknownNameAttempts::Limited(n) if attempt >= n => Decision::Fail(Failure {
+            kind: FailureKind::UnknownName,
+            message: format!("unknown job name `{name}` after {attempt} deliveries"),
+        }),
+        _ => Decision::Retry {
+            delay: Some(delay),
+            shutdown: false,
         },
-        _ => Settlement::Retry { delay: Some(delay) },
     }
 }
 
@@ -185,13 +231,16 @@ mod tests {
         }
     }
 
-    fn retry(d: Option<Duration>) -> Settlement {
-        Settlement::Retry { delay: d }
+    fn retry(d: Option<Duration>) -> Decision {
+        Decision::Retry {
+            delay: d,
+            shutdown: false,
+        }
     }
 
-    fn kind(s: &Settlement) -> Option<FailureKind> {
+    fn kind(s: &Decision) -> Option<FailureKind> {
         match s {
-            Settlement::Fail { failure } => Some(failure.kind),
+            Decision::Fail(failure) => Some(failure.kind),
             _ => None,
         }
     }
@@ -203,16 +252,16 @@ mod tests {
             fn() -> Result<(), JobError>,
             u32,
             bool,
-            Settlement,
+            Decision,
         );
         let cases: Vec<Case> = vec![
-            ("ok acks", || Ok(()), 1, false, Settlement::Ack),
+            ("ok acks", || Ok(()), 1, false, Decision::Ack),
             (
                 "ok acks even at the cap",
                 || Ok(()),
                 5,
                 false,
-                Settlement::Ack,
+                Decision::Ack,
             ),
             (
                 "ordinary retries with backoff",
@@ -247,21 +296,24 @@ mod tests {
                 || Err(JobError::reject("r")),
                 1,
                 false,
-                Settlement::Reject,
+                Decision::Reject,
             ),
             (
                 "reject without cause",
                 || Err(Reject::without_cause().into()),
                 5,
                 false,
-                Settlement::Reject,
+                Decision::Reject,
             ),
             (
                 "cancelled during shutdown retries at once",
                 || Err(crate::Cancelled::new().into()),
                 5,
                 true,
-                retry(Some(Duration::ZERO)),
+                Decision::Retry {
+                    delay: Some(Duration::ZERO),
+                    shutdown: true,
+                },
             ),
             (
                 "cancelled error without shutdown is ordinary",
@@ -313,7 +365,7 @@ mod tests {
         let mut delays = vec![];
         for attempt in 1..=5 {
             match settle(&p, attempt, &Err("x".into()), false) {
-                Settlement::Retry { delay } => delays.push(delay.unwrap()),
+                Decision::Retry { delay, .. } => delays.push(delay.unwrap()),
                 other => {
                     assert_eq!(attempt, 5);
                     assert_eq!(kind(&other), Some(FailureKind::AttemptsExhausted));
@@ -329,7 +381,7 @@ mod tests {
         let mut delays = vec![];
         for attempt in 1..=4 {
             match settle(&p, attempt, &Err("x".into()), false) {
-                Settlement::Retry { delay } => delays.push(delay.unwrap()),
+                Decision::Retry { delay, .. } => delays.push(delay.unwrap()),
                 other => assert_eq!(kind(&other), Some(FailureKind::AttemptsExhausted)),
             }
         }

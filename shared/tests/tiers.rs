@@ -76,6 +76,7 @@ impl Setup {
             queue: "q",
             body,
             attempt,
+            shutdown_returns: None,
             deadline,
         };
         let processed = block_on(self.registry.process(delivery, &runtime, cancel));
@@ -101,12 +102,18 @@ fn always_failing_costs_n_times_m_executions() {
     let body = body(1);
     for attempt in 1..=2 {
         let p = s.deliver(&body, attempt);
-        assert_eq!(p.settlement, Settlement::Retry { delay: None });
+        assert_eq!(
+            p.settlement,
+            Settlement::Retry {
+                delay: None,
+                shutdown: false
+            }
+        );
         assert_eq!(p.executions(), 3);
     }
     let p = s.deliver(&body, 3);
     assert!(
-        matches!(&p.settlement, Settlement::Fail { failure } if failure.kind == FailureKind::AttemptsExhausted)
+        matches!(&p.settlement, Settlement::Fail(record) if record.kind == FailureKind::AttemptsExhausted)
     );
     assert_eq!(s.executions(), 9);
     assert_eq!(
@@ -116,7 +123,9 @@ fn always_failing_costs_n_times_m_executions() {
     );
     let stats = s.registry.stats().job("work");
     assert_eq!((stats.executions, stats.retried, stats.failed), (9, 2, 1));
-    let record = p.record.unwrap();
+    let Settlement::Fail(record) = &p.settlement else {
+        panic!("expected a terminal failure, got {:?}", p.settlement)
+    };
     assert_eq!((record.attempt, record.executions), (3, 3));
 }
 
@@ -208,6 +217,7 @@ fn open_breaker_makes_it_three_executions() {
             queue: "q",
             body: &body,
             attempt,
+            shutdown_returns: None,
             deadline: None,
         };
         last = Some(block_on(registry.process(
@@ -227,7 +237,7 @@ fn open_breaker_makes_it_three_executions() {
         "an open breaker does not run the operation"
     );
     assert!(
-        matches!(&last.unwrap().settlement, Settlement::Fail { failure } if failure.kind == FailureKind::AttemptsExhausted)
+        matches!(&last.unwrap().settlement, Settlement::Fail(record) if record.kind == FailureKind::AttemptsExhausted)
     );
     assert!(runtime.sleeps().is_empty(), "no tier-one waits");
 }
@@ -244,7 +254,7 @@ fn validation_failure_costs_no_execution() {
     let s = setup(builder, |_, _| Ok(()));
     let p = s.deliver(&body(0), 1);
     assert!(
-        matches!(&p.settlement, Settlement::Fail { failure } if failure.kind == FailureKind::InvalidPayload)
+        matches!(&p.settlement, Settlement::Fail(record) if record.kind == FailureKind::InvalidPayload)
     );
     assert_eq!(s.executions(), 0);
     assert_eq!(s.deliver(&body(1), 1).settlement, Settlement::Ack);
@@ -282,7 +292,8 @@ fn shutdown_during_tier_one_backoff_is_a_zero_delay_retry() {
     assert_eq!(
         p.settlement,
         Settlement::Retry {
-            delay: Some(Duration::ZERO)
+            delay: Some(Duration::ZERO),
+            shutdown: true,
         },
         "cap of 1 skipped"
     );
@@ -322,7 +333,8 @@ fn short_retry_after_stays_in_tier_one_long_goes_to_tier_two() {
     assert_eq!(
         p.settlement,
         Settlement::Retry {
-            delay: Some(Duration::from_secs(60))
+            delay: Some(Duration::from_secs(60)),
+            shutdown: false,
         }
     );
 }
@@ -338,7 +350,13 @@ fn tier_one_never_sleeps_past_the_delivery_deadline() {
         2,
         "100ms fits before the deadline, the next 200ms does not"
     );
-    assert_eq!(p.settlement, Settlement::Retry { delay: None });
+    assert_eq!(
+        p.settlement,
+        Settlement::Retry {
+            delay: None,
+            shutdown: false
+        }
+    );
 }
 
 #[test]
@@ -376,6 +394,7 @@ fn deferred_deliveries_retry_at_once_without_running() {
             queue: "q",
             body: &body,
             attempt: 1,
+            shutdown_returns: None,
             deadline: None,
         },
         "budget exhausted",
@@ -383,7 +402,8 @@ fn deferred_deliveries_retry_at_once_without_running() {
     assert_eq!(
         p.settlement,
         Settlement::Retry {
-            delay: Some(Duration::ZERO)
+            delay: Some(Duration::ZERO),
+            shutdown: true,
         }
     );
     assert_eq!(p.executions(), 0);
@@ -402,10 +422,9 @@ fn a_delivery_past_the_cap_fails_without_running() {
     let s = setup(three_by_three(), |_, _| Ok(()));
     let p = s.deliver(&body(1), 4);
     assert!(
-        matches!(&p.settlement, Settlement::Fail { failure } if failure.kind == FailureKind::AttemptsExhausted)
+        matches!(&p.settlement, Settlement::Fail(record) if record.kind == FailureKind::AttemptsExhausted)
     );
     assert_eq!(s.executions(), 0);
-    assert!(p.record.is_some());
     assert_eq!(
         s.deliver(&body(1), 3).settlement,
         Settlement::Ack,
@@ -423,7 +442,8 @@ fn a_zero_backoff_retry_is_not_reported_as_shutdown() {
     assert_eq!(
         p.settlement,
         Settlement::Retry {
-            delay: Some(Duration::ZERO)
+            delay: Some(Duration::ZERO),
+            shutdown: false,
         }
     );
     assert!(

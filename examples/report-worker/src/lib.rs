@@ -19,7 +19,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Envelope, Event, EventSink, Registry, UnknownNameAttempts};
+use queue::{Envelope, Event, EventSink, Registry, SettlementError, UnknownNameAttempts};
 use queue_edge::{EdgeConfig, EdgeConsumer, EdgeProducer};
 use report_job::BuildReport;
 use serde::Deserialize;
@@ -53,10 +53,13 @@ impl EventSink for LogSink {
         push(serde_json::json!({ "at_ms": js_sys::Date::now(), "event": event }));
     }
 
-    fn settlement_failed(&self, event: &Event, error: &str) {
-        push(
-            serde_json::json!({ "at_ms": js_sys::Date::now(), "settlement_failed": event, "error": error }),
-        );
+    fn settlement_failed(&self, event: &Event, error: &SettlementError) {
+        push(serde_json::json!({
+            "at_ms": js_sys::Date::now(),
+            "settlement_failed": event,
+            "kind": error.kind().to_string(),
+            "error": error.to_string(),
+        }));
     }
 }
 

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
 use super::{error, NatsDriver};
-use crate::driver::{required_record, Delivery, DriverError, ErrorKind, Subscription};
+use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -316,14 +316,9 @@ impl NatsDelivery {
             .map(|v| v.to_string())
     }
 
-    async fn fail(
-        &mut self,
-        reason: &str,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {
         match self.driver.failure_subject(&self.queue) {
             Some(subject) => {
-                let record = required_record(super::NAME, record, reason)?;
                 // The lease keeps running while the record is transferred.
                 let dedup = format!(
                     "failed:{}:{}:{}",
@@ -343,7 +338,8 @@ impl NatsDelivery {
                     queue = %self.queue,
                     message_id = self.message_id().as_deref().unwrap_or(""),
                     attempt = self.attempt,
-                    "terminal failure, no failure subject configured; message acknowledged: {reason}"
+                    "terminal failure, no failure subject configured; message acknowledged: {}",
+                    record.reason
                 );
                 Ok(())
             }
@@ -382,11 +378,7 @@ impl Delivery for NatsDelivery {
         self.attempt
     }
 
-    async fn settle(
-        mut self: Box<Self>,
-        settlement: &Settlement,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         if self.driver.is_stopped() {
             self.settled = true;
             return Err(error(
@@ -397,7 +389,7 @@ impl Delivery for NatsDelivery {
         match settlement {
             Settlement::Ack => self.reply(AckKind::Ack, "ack").await,
             Settlement::Reject => self.reply(AckKind::Term, "term").await,
-            Settlement::Retry { delay } => match delay.filter(|d| !d.is_zero()) {
+            Settlement::Retry { delay, .. } => match delay.filter(|d| !d.is_zero()) {
                 None => self.reply(AckKind::Nak(None), "nak").await,
                 Some(delay) if delay.as_nanos() > i64::MAX as u128 => Err(error(
                     ErrorKind::Unsupported,
@@ -405,7 +397,7 @@ impl Delivery for NatsDelivery {
                 )),
                 Some(delay) => self.reply(AckKind::Nak(Some(delay)), "nak").await,
             },
-            Settlement::Fail { failure } => self.fail(&failure.message, record).await,
+            Settlement::Fail(record) => self.fail(record).await,
         }
     }
 }

@@ -14,7 +14,7 @@ use queue::{FailureRecord, Settlement};
 use tracing::{error, warn};
 
 use super::{bounded, error, RabbitDriver, ATTEMPTS_HEADER};
-use crate::driver::{required_record, Delivery, DriverError, ErrorKind, Subscription};
+use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -301,14 +301,9 @@ impl RabbitDelivery {
         self.ack().await
     }
 
-    async fn fail(
-        &mut self,
-        settlement_reason: &str,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {
         match self.driver.failure_queue_name(&self.queue) {
             Some(failed) => {
-                let record = required_record(super::NAME, record, settlement_reason)?;
                 self.driver
                     .declare(&failed, super::Role::Failure, &self.queue)
                     .await?;
@@ -326,7 +321,8 @@ impl RabbitDelivery {
                     queue = %self.queue,
                     message_id = self.message_id.as_deref().unwrap_or(""),
                     attempt = self.attempt,
-                    "terminal failure, no failure queue configured; message rejected: {settlement_reason}"
+                    "terminal failure, no failure queue configured; message rejected: {}",
+                    record.reason
                 );
                 Ok(())
             }
@@ -371,11 +367,7 @@ impl Delivery for RabbitDelivery {
         self.attempt
     }
 
-    async fn settle(
-        mut self: Box<Self>,
-        settlement: &Settlement,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         if self.driver.is_stopped() {
             return Err(error(
                 ErrorKind::Stopped,
@@ -386,8 +378,8 @@ impl Delivery for RabbitDelivery {
         match settlement {
             Settlement::Ack => self.ack().await,
             Settlement::Reject => self.reject().await,
-            Settlement::Retry { delay } => self.forward(*delay).await,
-            Settlement::Fail { failure } => self.fail(&failure.message, record).await,
+            Settlement::Retry { delay, .. } => self.forward(*delay).await,
+            Settlement::Fail(record) => self.fail(record).await,
         }
     }
 }

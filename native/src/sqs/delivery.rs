@@ -14,7 +14,7 @@ use super::{
     bounded, ceil_seconds, decode_body, error, is_missing_queue, sdk_error, SqsDriver,
     ENCODING_ATTRIBUTE, MAX_VISIBILITY,
 };
-use crate::driver::{required_record, Delivery, DriverError, ErrorKind, Subscription};
+use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
 
 /// Whether a received message's body is base64 (see [`ENCODING_ATTRIBUTE`]).
 pub(super) fn is_base64(message: &Message) -> bool {
@@ -355,15 +355,10 @@ impl SqsDelivery {
         self.hold.change_visibility(seconds).await
     }
 
-    async fn fail(
-        &mut self,
-        reason: &str,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {
         let driver = self.hold.driver.clone();
         match self.failure_url.clone() {
             Some(url) => {
-                let record = required_record(super::NAME, record, reason)?;
                 let failed = driver.failure_queue_name(&self.queue).unwrap_or_default();
                 driver.send_body(&failed, &url, &record.encode(), 0).await?;
                 self.hold.delete().await
@@ -374,7 +369,8 @@ impl SqsDelivery {
                     queue = %self.queue,
                     message_id = %self.message_id,
                     attempt = self.attempt,
-                    "terminal failure, no failure queue configured; message deleted: {reason}"
+                    "terminal failure, no failure queue configured; message deleted: {}",
+                    record.reason
                 );
                 Ok(())
             }
@@ -396,11 +392,7 @@ impl Delivery for SqsDelivery {
         Some(self.hold.received + MAX_VISIBILITY)
     }
 
-    async fn settle(
-        mut self: Box<Self>,
-        settlement: &Settlement,
-        record: Option<&FailureRecord>,
-    ) -> Result<(), DriverError> {
+    async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         self.hold.stop_renewal().await;
         if self.hold.driver.is_stopped() {
             return Err(error(
@@ -410,11 +402,11 @@ impl Delivery for SqsDelivery {
         }
         match settlement {
             Settlement::Ack => self.hold.delete().await,
-            Settlement::Retry { delay } => self.retry(*delay).await,
+            Settlement::Retry { delay, .. } => self.retry(*delay).await,
             // SQS cannot drop a message without deleting it: leave it to its
             // visibility timeout and the queue's redrive policy.
             Settlement::Reject => Ok(()),
-            Settlement::Fail { failure } => self.fail(&failure.message, record).await,
+            Settlement::Fail(record) => self.fail(record).await,
         }
     }
 }

@@ -51,7 +51,7 @@ impl EventSink for Events {
         self.inner.changed.notify_waiters();
     }
 
-    fn settlement_failed(&self, event: &Event, error: &str) {
+    fn settlement_failed(&self, event: &Event, error: &queue::SettlementError) {
         self.inner
             .settlement_failures
             .lock()

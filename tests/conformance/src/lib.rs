@@ -50,7 +50,6 @@ macro_rules! conformance_suite {
             shutdown_keeps_the_backlog,
             settlement_failure_emits_no_outcome_and_keeps_the_message,
             failed_event_follows_the_record,
-            fail_without_a_record_is_refused_and_the_message_kept,
             delayed_dispatch,
             concurrency_limit_is_respected,
             many_messages_nothing_lost,

@@ -7,9 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use queue::{
-    BreakerConfig, CircuitBreaker, Envelope, Event, EventKind, Failure, FailureKind, Job,
-    JobBuilder, JobContext, JobError, Permanent, RawBody, Registry, Resolution, Settlement,
-    UnknownNameAttempts,
+    BreakerConfig, CircuitBreaker, Envelope, Event, EventKind, FailureKind, Job, JobBuilder,
+    JobContext, JobError, Permanent, RawBody, Registry, Resolution, UnknownNameAttempts,
 };
 use queue_native::{DispatchOptions, ErrorKind};
 use serde::{Deserialize, Serialize};
@@ -613,38 +612,6 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
         calls.attempts()
     );
     consumer.shutdown().await.unwrap();
-}
-
-/// A terminal failure handed to a driver without its failure record is
-/// refused as not accepted (the driver has nothing to store), and the
-/// message stays with the backend: the next consumer takes it.
-pub async fn fail_without_a_record_is_refused_and_the_message_kept(backend: &dyn Backend) {
-    let h = Harness::new(backend, "no-record").await;
-    let job = h.job("no-record").retry(3).build().unwrap();
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
-    let mut subscription = h.driver.subscribe(&h.queue, 1).await.unwrap();
-    let delivery = tokio::time::timeout(h.patience, subscription.next())
-        .await
-        .expect("a delivery in time")
-        .expect("the subscription is open")
-        .expect("no delivery error");
-    let failure = Failure {
-        kind: FailureKind::Permanent,
-        message: "given up".into(),
-    };
-    let err = delivery
-        .settle(&Settlement::Fail { failure }, None)
-        .await
-        .expect_err("a failure without its record is refused");
-    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
-    assert!(err.to_string().contains("without a record"), "{err}");
-    subscription.close().await;
-    drop(subscription);
-
-    let consumer = h.start(registry_with(&job, |_, _| async { Ok(()) }), 1);
-    h.events.wait_count(h.patience, "succeeded", 1).await;
-    consumer.shutdown().await.unwrap();
-    assert!(backend.failure_records(&h.queue).await.is_empty());
 }
 
 /// `failed` is emitted only once the failure record has been transferred.

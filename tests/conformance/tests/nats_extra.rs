@@ -246,7 +246,7 @@ async fn dropped_delivery_comes_back_promptly() {
         .unwrap();
     assert_eq!(again.body(), b"payload");
     assert_eq!(again.attempt(), 2);
-    again.settle(&queue::Settlement::Ack, None).await.unwrap();
+    again.settle(&queue::Settlement::Ack).await.unwrap();
     drop(subscription);
     assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
 }

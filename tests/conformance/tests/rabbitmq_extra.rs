@@ -168,7 +168,7 @@ async fn stop_right_after_dropping_a_subscription_succeeds() {
             // is in flight; the delivery holds the channel's last handle.
             subscription.close().await;
             drop(subscription);
-            delivery.settle(&Settlement::Ack, None).await.unwrap();
+            delivery.settle(&Settlement::Ack).await.unwrap();
             driver
                 .stop()
                 .await
@@ -287,12 +287,10 @@ async fn delay_above_the_largest_bucket_is_refused_and_the_message_kept() {
     let delivery = subscription.next().await.unwrap().unwrap();
     assert_eq!(delivery.attempt(), 1);
     let err = delivery
-        .settle(
-            &Settlement::Retry {
-                delay: Some(Duration::from_secs(10)),
-            },
-            None,
-        )
+        .settle(&Settlement::Retry {
+            delay: Some(Duration::from_secs(10)),
+            shutdown: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
@@ -306,12 +304,10 @@ async fn delay_above_the_largest_bucket_is_refused_and_the_message_kept() {
     assert_eq!(again.attempt(), 2);
     // An accepted delay within the ladder: held, then back with attempt 3.
     again
-        .settle(
-            &Settlement::Retry {
-                delay: Some(MS(200)),
-            },
-            None,
-        )
+        .settle(&Settlement::Retry {
+            delay: Some(MS(200)),
+            shutdown: false,
+        })
         .await
         .unwrap();
     let held = tokio::time::timeout(h.patience, subscription.next())
@@ -320,7 +316,7 @@ async fn delay_above_the_largest_bucket_is_refused_and_the_message_kept() {
         .unwrap()
         .unwrap();
     assert_eq!(held.attempt(), 3);
-    held.settle(&Settlement::Ack, None).await.unwrap();
+    held.settle(&Settlement::Ack).await.unwrap();
     drop(subscription);
     assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
 }

@@ -130,12 +130,10 @@ async fn retry_beyond_twelve_hours_is_refused_and_the_message_kept() {
     assert_eq!(first.attempt(), 1);
     let body = first.body().to_vec();
     let refused = first
-        .settle(
-            &Settlement::Retry {
-                delay: Some(Duration::from_secs(12 * 3600 + 1)),
-            },
-            None,
-        )
+        .settle(&Settlement::Retry {
+            delay: Some(Duration::from_secs(12 * 3600 + 1)),
+            shutdown: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(refused.kind(), ErrorKind::Unsupported, "{refused}");
@@ -151,7 +149,7 @@ async fn retry_beyond_twelve_hours_is_refused_and_the_message_kept() {
         refused_at.elapsed() >= MS(500),
         "it came back when its visibility ended, not at once"
     );
-    again.settle(&Settlement::Ack, None).await.unwrap();
+    again.settle(&Settlement::Ack).await.unwrap();
 }
 
 /// Reject does not drop on SQS: the message comes back once its visibility
@@ -370,7 +368,7 @@ async fn dropped_deliveries_and_polls_lose_nothing() {
         "released at once, not after the visibility timeout ({:?})",
         dropped_at.elapsed()
     );
-    again.settle(&Settlement::Ack, None).await.unwrap();
+    again.settle(&Settlement::Ack).await.unwrap();
     assert_eq!(messages_on(&driver, &h.queue).await, 0);
 }
 

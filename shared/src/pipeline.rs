@@ -1,0 +1,171 @@
+//! One delivery, end to end, written once for every host.
+//!
+//! Why: the native worker, the Cloudflare edge and the simulation used to
+//! repeat the same steps (process, settle, report) and could drift apart.
+//! [`Registry::deliver`] runs them in one order everywhere: decide with
+//! [`Registry::process`], ask the host to carry the settlement out within a
+//! fresh [`SETTLEMENT_BUDGET`] measured on the injected [`Runtime`] (so
+//! shutdown never cuts acknowledgement of finished work short), then count
+//! and emit the event only if the backend accepted. A host supplies a
+//! [`DeliveryHandle`]: the facts of the delivery and the means to settle it.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::pin::pin;
+use std::sync::Arc;
+
+use futures_util::future::{select, Either};
+
+use crate::cancel::CancelToken;
+use crate::error::BoxError;
+use crate::maybe_send::{BoxFuture, MaybeSend};
+use crate::registry::{Delivery, Processed, Registry};
+use crate::runtime::{Instant, Runtime};
+use crate::settle::{Settlement, SETTLEMENT_BUDGET};
+
+/// What kind of failure a settlement (or any backend request) met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The backend certainly did not take the message or settlement.
+    NotAccepted,
+    /// The request was sent but its result is unknown: the backend may have
+    /// acted on it. Repeating a dispatch may enqueue a second copy.
+    Uncertain,
+    /// The backend cannot do this (a delay too long, delayed dispatch...).
+    Unsupported,
+    /// The driver or the backend's existing topology is misconfigured.
+    Config,
+    /// The connection to the backend failed or was lost.
+    Connection,
+    /// The driver has been stopped.
+    Stopped,
+    /// The payload could not be encoded.
+    Encode,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ErrorKind::NotAccepted => "not accepted",
+            ErrorKind::Uncertain => "outcome uncertain",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Config => "configuration error",
+            ErrorKind::Connection => "connection error",
+            ErrorKind::Stopped => "driver stopped",
+            ErrorKind::Encode => "encoding error",
+        })
+    }
+}
+
+/// A settlement the backend did not confirm: its kind and the host's error.
+#[derive(Debug)]
+pub struct SettlementError {
+    kind: ErrorKind,
+    source: BoxError,
+}
+
+impl SettlementError {
+    /// A settlement error of `kind` caused by `source` (the driver's error).
+    pub fn new(kind: ErrorKind, source: impl Into<BoxError>) -> Self {
+        SettlementError {
+            kind,
+            source: source.into(),
+        }
+    }
+
+    /// What kind of failure it was.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The host's own error, for matching or downcasting.
+    pub fn get_ref(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        self.source.as_ref()
+    }
+}
+
+impl fmt::Display for SettlementError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}
+
+impl StdError for SettlementError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(self.source.as_ref())
+    }
+}
+
+/// A delivery as a host holds it: what the rules need to know, and the
+/// means to settle it once.
+pub trait DeliveryHandle: MaybeSend {
+    /// The raw body.
+    fn body(&self) -> &[u8];
+    /// The delivery attempt (first = 1; 0 = the backend cannot count).
+    fn attempt(&self) -> u32;
+    /// Earlier deliveries of this message that ended in an accepted
+    /// graceful-shutdown retry, where the backend carries that count across
+    /// redeliveries; `None` where it cannot.
+    fn shutdown_returns(&self) -> Option<u32> {
+        None
+    }
+    /// When the host's hold on the delivery ends, if it must end.
+    fn deadline(&self) -> Option<Instant> {
+        None
+    }
+    /// Carries out `settlement`; `Ok` only once the backend accepted it.
+    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
+    where
+        Self: 'a;
+}
+
+/// What [`Registry::deliver`] did with one delivery.
+#[derive(Debug)]
+pub struct Delivered {
+    /// The decision, its settlement and the event.
+    pub processed: Processed,
+    /// The backend's answer to the settlement.
+    pub outcome: Result<(), SettlementError>,
+}
+
+impl Registry {
+    /// Runs one delivery end to end: process it, settle it through `handle`
+    /// within a fresh [`SETTLEMENT_BUDGET`] (measured on `runtime`, detached
+    /// from `cancel`), then count the outcome and emit its event if the
+    /// backend accepted it ([`Registry::settled`]).
+    pub async fn deliver<H: DeliveryHandle>(
+        &self,
+        queue: &str,
+        handle: H,
+        runtime: &Arc<dyn Runtime>,
+        cancel: &CancelToken,
+    ) -> Delivered {
+        let delivery = Delivery {
+            queue,
+            body: handle.body(),
+            attempt: handle.attempt(),
+            shutdown_returns: handle.shutdown_returns(),
+            deadline: handle.deadline(),
+        };
+        let processed = self.process(delivery, runtime, cancel).await;
+        let outcome = settle_within_budget(handle, &processed.settlement, runtime).await;
+        self.settled(&processed, outcome.as_ref().map(|_| ()));
+        Delivered { processed, outcome }
+    }
+}
+
+async fn settle_within_budget<H: DeliveryHandle>(
+    handle: H,
+    settlement: &Settlement,
+    runtime: &Arc<dyn Runtime>,
+) -> Result<(), SettlementError> {
+    let settling = pin!(handle.settle(settlement));
+    match select(settling, runtime.sleep(SETTLEMENT_BUDGET)).await {
+        Either::Left((outcome, _)) => outcome,
+        Either::Right(_) => Err(SettlementError::new(
+            ErrorKind::Uncertain,
+            format!("settlement did not finish within {SETTLEMENT_BUDGET:?}"),
+        )),
+    }
+}

@@ -63,6 +63,7 @@ async fn rules(n: u64) -> (Duration, Duration) {
             queue: "q",
             body: b,
             attempt: 1,
+            shutdown_returns: None,
             deadline: None,
         };
         let processed = registry.process(delivery, &runtime, &cancel).await;

@@ -81,6 +81,15 @@ impl ConsumerHandle {
         &self.registry
     }
 
+    /// Stops at once, settling nothing: every active delivery is abandoned
+    /// to the backend, as if the worker process had died. The backend
+    /// redelivers them by its own rules (a broker's redelivery, a lease that
+    /// runs out). For tests of crash recovery; a worker that is asked to
+    /// stop uses [`shutdown`](Self::shutdown).
+    pub fn abort(self) {
+        self.task.abort();
+    }
+
     /// Cancels handlers, stops taking deliveries, and waits until every
     /// active delivery has been settled.
     pub async fn shutdown(self) -> Result<(), DriverError> {

@@ -111,28 +111,48 @@ pub enum FailureKind {
 }
 
 /// The cap on deliveries of a message with an unknown job name.
+///
+/// Built only through [`UnknownNameAttempts::limited`] (where `0` restores
+/// the default of [`DEFAULT_UNKNOWN_NAME_ATTEMPTS`]),
+/// [`UnknownNameAttempts::unlimited`] or [`Default`], so a zero cap that
+/// would fail an unknown name on its first delivery cannot be expressed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UnknownNameAttempts {
-    /// Fail once the reported delivery count reaches this.
-    Limited(u32),
-    /// No facade cap (broker limits still apply).
-    Unlimited,
+pub struct UnknownNameAttempts {
+    /// `None`: no facade cap. Never `Some(0)`.
+    limit: Option<u32>,
 }
 
 impl Default for UnknownNameAttempts {
+    /// The default cap of [`DEFAULT_UNKNOWN_NAME_ATTEMPTS`] deliveries.
     fn default() -> Self {
-        UnknownNameAttempts::Limited(DEFAULT_UNKNOWN_NAME_ATTEMPTS)
+        UnknownNameAttempts {
+            limit: Some(DEFAULT_UNKNOWN_NAME_ATTEMPTS),
+        }
     }
 }
 
 impl UnknownNameAttempts {
-    /// `0` restores the default of 10.
+    /// Fail once the reported delivery count reaches `n`; `0` restores the
+    /// default of 10.
     pub fn limited(n: u32) -> Self {
-        UnknownNameAttempts::Limited(if n == 0 {
-            DEFAULT_UNKNOWN_NAME_ATTEMPTS
-        } else {
-            n
-        })
+        UnknownNameAttempts {
+            limit: Some(if n == 0 {
+                DEFAULT_UNKNOWN_NAME_ATTEMPTS
+            } else {
+                n
+            }),
+        }
+    }
+
+    /// No facade cap (the broker's own limits still apply).
+    pub fn unlimited() -> Self {
+        UnknownNameAttempts { limit: None }
+    }
+
+    /// The delivery count at which an unknown name fails (at least 1);
+    /// `None`: no facade cap.
+    pub fn limit(&self) -> Option<u32> {
+        self.limit
     }
 }
 
@@ -202,8 +222,8 @@ pub fn settle_unknown_name(
     cap: UnknownNameAttempts,
     delay: Duration,
 ) -> Decision {
-    match cap {
-        UnknownNameAttempts::Limited(n) if attempt >= n => Decision::Fail(Failure {
+    match cap.limit() {
+        Some(n) if attempt >= n => Decision::Fail(Failure {
             kind: FailureKind::UnknownName,
             message: format!("unknown job name `{name}` after {attempt} deliveries"),
         }),
@@ -400,6 +420,28 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_unknown_name_cap_means_the_default_of_ten() {
+        let cap = UnknownNameAttempts::limited(0);
+        assert_eq!(cap.limit(), Some(10));
+        for attempt in 1..10 {
+            assert_eq!(
+                settle_unknown_name("new-job", attempt, cap, UNKNOWN_NAME_RETRY_DELAY),
+                retry(Some(S(30))),
+                "attempt {attempt}"
+            );
+        }
+        assert_eq!(
+            kind(&settle_unknown_name(
+                "new-job",
+                10,
+                cap,
+                UNKNOWN_NAME_RETRY_DELAY
+            )),
+            Some(FailureKind::UnknownName)
+        );
+    }
+
+    #[test]
     fn unknown_names() {
         let cap = UnknownNameAttempts::default();
         for attempt in 1..10 {
@@ -418,13 +460,15 @@ mod tests {
             Some(FailureKind::UnknownName)
         );
         assert_eq!(UnknownNameAttempts::limited(0), cap);
+        assert_eq!(cap.limit(), Some(DEFAULT_UNKNOWN_NAME_ATTEMPTS));
+        assert_eq!(UnknownNameAttempts::unlimited().limit(), None);
         let cap = UnknownNameAttempts::limited(20);
         assert_eq!(
             settle_unknown_name("j", 10, cap, UNKNOWN_NAME_RETRY_DELAY),
             retry(Some(S(30)))
         );
         assert_eq!(
-            settle_unknown_name("j", 10_000, UnknownNameAttempts::Unlimited, S(30)),
+            settle_unknown_name("j", 10_000, UnknownNameAttempts::unlimited(), S(30)),
             retry(Some(S(30)))
         );
     }

@@ -18,6 +18,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::error::JobError;
 use crate::policy::PolicyError;
 use crate::runtime::{Clock, Instant, SystemClock};
 
@@ -89,11 +90,28 @@ impl<E: fmt::Display> fmt::Display for BreakerError<E> {
     }
 }
 
+/// The source is the wrapped error itself (the refusal, or the operation's
+/// own error), never past it: outcome markers such as
+/// [`Permanent`](crate::Permanent) returned by the operation stay visible to
+/// [`JobError::outcome`](crate::JobError::outcome).
 impl<E: StdError + 'static> StdError for BreakerError<E> {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
             BreakerError::Open(open) => Some(open),
-            BreakerError::Inner(err) => err.source(),
+            BreakerError::Inner(err) => Some(err),
+        }
+    }
+}
+
+/// A handler that calls a breaker with an operation returning [`JobError`]
+/// gets the operation's own error back (markers included) with `?`; a
+/// refusal becomes an error whose outcome is
+/// [`Outcome::BreakerOpen`](crate::Outcome::BreakerOpen).
+impl From<BreakerError<JobError>> for JobError {
+    fn from(err: BreakerError<JobError>) -> Self {
+        match err {
+            BreakerError::Open(open) => JobError::new(open),
+            BreakerError::Inner(err) => err,
         }
     }
 }

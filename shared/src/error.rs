@@ -10,6 +10,23 @@
 //!
 //! Each marker may be built without a cause and keeps its outcome: a
 //! `Permanent` with no cause is still a terminal failure, never a success.
+//!
+//! # Wrappers
+//!
+//! The search follows `source()`, and also looks inside a
+//! [`std::io::Error`] (whose `source()` skips the error it wraps) and the
+//! crate's own [`BreakerError`](crate::BreakerError). A foreign wrapper that
+//! forwards `source()` past the error it holds (thiserror's
+//! `#[error(transparent)]`) hides a marker inside it: wrap with `#[source]`
+//! or `#[from]` instead, or return the marker outermost.
+//!
+//! # When markers nest
+//!
+//! The outermost marker wins: it is the decision taken last, closest to the
+//! handler's return. `retry_after(permanent(e), 5s)` retries after 5 s (the
+//! handler overrode a library's verdict); `permanent(retry_after(e, 5s))`
+//! fails for good. The shutdown rule applies when the outermost marker is
+//! the consumer's cancellation.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -76,7 +93,8 @@ impl JobError {
         Reject::new(cause).into()
     }
 
-    /// The outcome this error asks for: the first marker found in its source chain.
+    /// The outcome this error asks for: the first (outermost) marker found
+    /// in its source chain.
     pub fn outcome(&self) -> Outcome {
         let mut current: Option<&(dyn StdError + 'static)> = Some(self.inner.as_ref());
         while let Some(err) = current {
@@ -95,7 +113,7 @@ impl JobError {
             if err.is::<crate::breaker::BreakerOpen>() {
                 return Outcome::BreakerOpen;
             }
-            current = err.source();
+            current = next_in_chain(err);
         }
         Outcome::Ordinary
     }
@@ -112,7 +130,7 @@ impl JobError {
             if let Some(found) = err.downcast_ref::<E>() {
                 return Some(found);
             }
-            current = err.source();
+            current = next_in_chain(err);
         }
         None
     }
@@ -141,6 +159,17 @@ impl JobError {
         }
         text
     }
+}
+
+/// The error `err` wraps: its `source()`, or for a [`std::io::Error`] (whose
+/// `source()` skips it) the error it holds.
+fn next_in_chain<'a>(err: &'a (dyn StdError + 'static)) -> Option<&'a (dyn StdError + 'static)> {
+    if let Some(io) = err.downcast_ref::<std::io::Error>() {
+        if let Some(inner) = io.get_ref() {
+            return Some(inner);
+        }
+    }
+    err.source()
 }
 
 impl<E: Into<BoxError>> From<E> for JobError {

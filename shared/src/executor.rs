@@ -18,7 +18,7 @@ use futures_util::future::{select, Either};
 
 use crate::context::{ContextParts, JobContext};
 use crate::error::{Cancelled, JobError, Outcome};
-use crate::job::JobSpec;
+use crate::job::{BreakerFeed, JobSpec};
 use crate::maybe_send::BoxFuture;
 use crate::panic::catch_panics;
 use crate::runtime::Instant;
@@ -58,8 +58,9 @@ pub(crate) async fn run_tiers(
             attempt,
             earliest(timeout_deadline, delivery_deadline),
         );
-        let result = catch_panics(run(ctx)).await;
+        let result = catch_panics(|| run(ctx)).await;
         executions += 1;
+        feed_breaker(spec, &result);
         let err = match result {
             Ok(()) => {
                 return TierRun {
@@ -112,6 +113,24 @@ pub(crate) async fn run_tiers(
             };
         }
         attempt += 1;
+    }
+}
+
+/// Counts an execution's result on the job's attached breaker, unless the
+/// handler feeds it itself.
+fn feed_breaker(spec: &JobSpec, result: &Result<(), JobError>) {
+    let Some(breaker) = spec.breaker.as_ref() else {
+        return;
+    };
+    if spec.breaker_feed != BreakerFeed::Executions {
+        return;
+    }
+    match result {
+        Ok(()) => breaker.record_success(),
+        Err(err) => match err.outcome() {
+            Outcome::Ordinary | Outcome::RetryAfter(_) => breaker.record_failure(),
+            Outcome::Permanent | Outcome::Reject | Outcome::Cancelled | Outcome::BreakerOpen => {}
+        },
     }
 }
 

@@ -32,6 +32,24 @@ pub struct JobSpec {
     /// The circuit breaker guarding the job's dependency, if any. While it is
     /// open, tier-one retries are skipped.
     pub breaker: Option<CircuitBreaker>,
+    /// What the attached breaker counts.
+    pub breaker_feed: BreakerFeed,
+}
+
+/// What a job's attached circuit breaker counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BreakerFeed {
+    /// Every execution of the job: a success closes the breaker; an ordinary
+    /// failure (an error, a panic, a retry-after, a missed deadline) counts
+    /// toward opening it. A permanent failure, a rejection or a cancellation
+    /// says nothing about the dependency and is not counted.
+    #[default]
+    Executions,
+    /// Only the calls the handler makes itself through
+    /// [`CircuitBreaker::call`]; the job only reads the breaker (to skip tier
+    /// one while it is open). For handlers that call the breaker themselves,
+    /// which would otherwise count each failure twice.
+    HandlerCalls,
 }
 
 impl JobSpec {
@@ -146,6 +164,7 @@ impl<P> Job<P> {
                 tier_one: TierOnePolicy::default(),
                 timeout: None,
                 breaker: None,
+                breaker_feed: BreakerFeed::default(),
             },
             validator: None,
             _payload: PhantomData,
@@ -237,9 +256,22 @@ impl<P> JobBuilder<P> {
         self
     }
 
-    /// The circuit breaker guarding this job's dependency.
+    /// The circuit breaker guarding this job's dependency. Every execution
+    /// counts ([`BreakerFeed::Executions`]): a job that keeps failing opens
+    /// it, and while it is open each delivery runs once (tier one is
+    /// skipped), so an outage costs one execution per delivery.
     pub fn breaker(mut self, breaker: CircuitBreaker) -> Self {
         self.spec.breaker = Some(breaker);
+        self.spec.breaker_feed = BreakerFeed::Executions;
+        self
+    }
+
+    /// Attaches a breaker the handler feeds itself through
+    /// [`CircuitBreaker::call`] ([`BreakerFeed::HandlerCalls`]): executions
+    /// are not counted again; the job only reads it to skip tier one.
+    pub fn breaker_fed_by_handler(mut self, breaker: CircuitBreaker) -> Self {
+        self.spec.breaker = Some(breaker);
+        self.spec.breaker_feed = BreakerFeed::HandlerCalls;
         self
     }
 

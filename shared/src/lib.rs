@@ -87,7 +87,7 @@ pub use context::{DeadlineExceeded, JobContext};
 pub use envelope::{Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
 pub use event::{Event, EventKind, EventSink};
-pub use job::{Job, JobBuilder, JobSpec};
+pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
 pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
@@ -95,7 +95,7 @@ pub use record::{FailureRecord, RawBody};
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
-    is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind, Settlement,
-    UnknownNameAttempts, SETTLEMENT_BUDGET,
+    exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind, Settlement,
+    UnknownNameAttempts, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
 pub use stats::{JobStats, Resolution, Stats};

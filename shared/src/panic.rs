@@ -1,9 +1,11 @@
 //! Turning a handler panic into an ordinary error.
 //!
 //! Why: one bad message must not take the worker (or, on the edge, the whole
-//! wasm instance) down with it. A panic is caught around each poll of the
-//! handler's future and becomes a [`Panicked`] error carrying the panic
-//! message and a backtrace of where it happened. The backtrace is captured by
+//! wasm instance) down with it. A panic is caught wherever the handler
+//! raises it: in the call that builds its future (the synchronous part of a
+//! closure, before its `async` block) and around each poll of that future.
+//! It becomes a [`Panicked`] error carrying the panic message and a
+//! backtrace of where it happened. The backtrace is captured by
 //! a panic hook (installed once, chaining to the previous hook for panics
 //! outside handlers), because by the time `catch_unwind` returns the stack
 //! of the panic is gone.
@@ -19,49 +21,86 @@ use std::task::{Context, Poll};
 use crate::error::{JobError, Panicked};
 use crate::maybe_send::BoxFuture;
 
-/// Runs `fut`, converting a panic into `Err(Panicked)`.
-pub(crate) fn catch_panics(
-    fut: BoxFuture<'static, Result<(), JobError>>,
-) -> impl Future<Output = Result<(), JobError>> {
-    CatchPanic { fut }
+/// Calls `start` and runs the future it returns, converting a panic in
+/// either into `Err(Panicked)`. `start` is called on the first poll, inside
+/// the same guard as every poll.
+pub(crate) fn catch_panics<F>(start: F) -> impl Future<Output = Result<(), JobError>>
+where
+    F: FnOnce() -> BoxFuture<'static, Result<(), JobError>> + Unpin,
+{
+    CatchPanic::Start(Some(start))
 }
 
-struct CatchPanic {
-    fut: BoxFuture<'static, Result<(), JobError>>,
+enum CatchPanic<F> {
+    Start(Option<F>),
+    Running(BoxFuture<'static, Result<(), JobError>>),
 }
 
-impl Future for CatchPanic {
+impl<F> CatchPanic<F>
+where
+    F: FnOnce() -> BoxFuture<'static, Result<(), JobError>> + Unpin,
+{
+    fn step(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), JobError>> {
+        if let CatchPanic::Start(start) = self {
+            let start = start.take().expect("a started handler is Running");
+            *self = CatchPanic::Running(start());
+        }
+        match self {
+            CatchPanic::Running(fut) => fut.as_mut().poll(cx),
+            CatchPanic::Start(_) => unreachable!("replaced above"),
+        }
+    }
+}
+
+impl<F> Future for CatchPanic<F>
+where
+    F: FnOnce() -> BoxFuture<'static, Result<(), JobError>> + Unpin,
+{
     type Output = Result<(), JobError>;
 
     #[cfg(panic = "unwind")]
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        use std::panic::{catch_unwind, AssertUnwindSafe};
-        hook::install();
-        hook::enter();
-        let polled = catch_unwind(AssertUnwindSafe(|| self.fut.as_mut().poll(cx)));
-        hook::leave();
-        match polled {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match guard(|| this.step(cx)) {
             Ok(poll) => poll,
-            Err(payload) => {
-                let message = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic payload".to_string());
-                let (location, backtrace) = hook::take();
-                let message = match location {
-                    Some(location) => format!("{message} (at {location})"),
-                    None => message,
-                };
-                Poll::Ready(Err(Panicked::new(message, backtrace).into()))
-            }
+            Err(panicked) => Poll::Ready(Err(panicked.into())),
         }
     }
 
     #[cfg(not(panic = "unwind"))]
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let _ = Panicked::new;
-        self.fut.as_mut().poll(cx)
+        self.get_mut().step(cx)
+    }
+}
+
+/// Runs `f`, turning a panic into [`Panicked`] (message, location and
+/// backtrace). On targets that abort on panic, simply runs `f`.
+pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
+    #[cfg(panic = "unwind")]
+    {
+        use std::panic::{catch_unwind, AssertUnwindSafe};
+        hook::install();
+        hook::enter();
+        let result = catch_unwind(AssertUnwindSafe(f));
+        hook::leave();
+        result.map_err(|payload| {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".to_string());
+            let (location, backtrace) = hook::take();
+            let message = match location {
+                Some(location) => format!("{message} (at {location})"),
+                None => message,
+            };
+            Panicked::new(message, backtrace)
+        })
+    }
+    #[cfg(not(panic = "unwind"))]
+    {
+        Ok(f())
     }
 }
 

@@ -10,6 +10,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::panic::guard;
+
 /// The delay schedule between attempts.
 #[derive(Clone)]
 pub enum Backoff {
@@ -73,10 +75,16 @@ impl Backoff {
                     raw.min(*max)
                 }
             }
-            Backoff::Custom(f) => f(attempt),
+            // A function that panics must not take the delivery down with it
+            // (nor, with a zero fallback, turn into a hot redelivery loop).
+            Backoff::Custom(f) => guard(|| f(attempt)).unwrap_or(PANICKED_BACKOFF_DELAY),
         }
     }
 }
+
+/// The delay used when a custom backoff function panics (where panics can
+/// be caught; on wasm32 a panic aborts the instance).
+pub const PANICKED_BACKOFF_DELAY: Duration = Duration::from_secs(30);
 
 impl fmt::Debug for Backoff {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

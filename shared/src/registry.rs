@@ -27,9 +27,10 @@ use crate::pipeline::SettlementError;
 use crate::policy::PolicyError;
 use crate::record::FailureRecord;
 use crate::runtime::{Instant, Runtime};
+use crate::panic::guard;
 use crate::settle::{
-    is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind, Settlement,
-    UnknownNameAttempts, UNKNOWN_NAME_RETRY_DELAY,
+    exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind,
+    Settlement, UnknownNameAttempts, SHUTDOWN_GRACE, UNKNOWN_NAME_RETRY_DELAY,
 };
 use crate::stats::{Resolution, Stats};
 
@@ -292,7 +293,8 @@ impl Registry {
                     kind: FailureKind::MalformedEnvelope,
                     message: e.to_string(),
                 };
-                return self.fail_early(delivery, None, failure);
+                let known = Known::from_body(delivery.body);
+                return self.fail_early(delivery, known, None, failure);
             }
         };
         let Some(job) = self.jobs.get(&envelope.job) else {
@@ -304,20 +306,44 @@ impl Registry {
             );
             return self.finish(delivery, &envelope, settlement, RunSummary::default());
         };
-        if let Err(failure) = job.prepare(&envelope.payload) {
-            return self.fail_early(delivery, Some(&envelope), failure);
+        let spec = job.spec();
+        match guard(|| job.prepare(&envelope.payload)) {
+            Ok(Ok(())) => {}
+            Ok(Err(failure)) => {
+                let known = Known::from_envelope(&envelope);
+                return self.fail_early(delivery, known, Some(&envelope), failure);
+            }
+            // A validation hook that panics is an ordinary error: retried by
+            // the job's policy, with no execution.
+            Err(panicked) => {
+                let result = Err(JobError::from(panicked));
+                let decision = settle(&spec.retry, delivery.attempt, &result, false);
+                let summary = RunSummary {
+                    error: result.as_ref().err().map(JobError::chain_text),
+                    ..RunSummary::default()
+                };
+                return self.finish(delivery, &envelope, decision, summary);
+            }
         }
 
-        let spec = job.spec();
-        if spec.retry.attempts != 0 && delivery.attempt > spec.retry.attempts {
+        if exceeds_crash_bound(
+            spec.retry.attempts,
+            delivery.attempt,
+            delivery.shutdown_returns,
+        ) {
             // Earlier deliveries ended without a settlement (a worker that
             // crashed or was killed mid-job): the cap is spent, so fail
             // without running the handler again.
             let failure = Failure {
                 kind: FailureKind::AttemptsExhausted,
                 message: format!(
-                    "delivery {} exceeds the cap of {}: earlier deliveries ended without settlement",
-                    delivery.attempt, spec.retry.attempts
+                    "delivery {} exceeds the cap of {} ({}): earlier deliveries ended without settlement",
+                    delivery.attempt,
+                    spec.retry.attempts,
+                    match delivery.shutdown_returns {
+                        Some(n) => format!("{n} of them handed back by a graceful shutdown"),
+                        None => format!("with {SHUTDOWN_GRACE} delivery of grace: this backend cannot count graceful-shutdown returns"),
+                    }
                 ),
             };
             return self.finish(
@@ -389,10 +415,11 @@ impl Registry {
     fn fail_early(
         &self,
         delivery: Delivery<'_>,
+        known: Known,
         envelope: Option<&Envelope>,
         failure: Failure,
     ) -> Processed {
-        let record = FailureRecord::build(
+        let mut record = FailureRecord::build(
             delivery.queue,
             &failure,
             delivery.attempt,
@@ -400,15 +427,20 @@ impl Registry {
             envelope,
             delivery.body,
         );
+        record.job.clone_from(&known.job);
+        record.message_id.clone_from(&known.message_id);
+        let mut event = self.event(
+            delivery,
+            envelope,
+            0,
+            EventKind::Failed {
+                failure: failure.clone(),
+            },
+        );
+        event.job = known.job.unwrap_or_default();
+        event.message_id = known.message_id.unwrap_or_default();
         Processed {
-            event: self.event(
-                delivery,
-                envelope,
-                0,
-                EventKind::Failed {
-                    failure: failure.clone(),
-                },
-            ),
+            event,
             settlement: Settlement::Fail(Box::new(record)),
         }
     }
@@ -512,6 +544,34 @@ impl Registry {
                     sink.settlement_failed(event, error);
                 }
             }
+        }
+    }
+}
+
+/// What is known of a message's identity, even when its envelope did not
+/// decode: events and failure records carry whatever could be read.
+struct Known {
+    job: Option<String>,
+    message_id: Option<String>,
+}
+
+impl Known {
+    fn from_envelope(envelope: &Envelope) -> Self {
+        Known {
+            job: Some(envelope.job.clone()),
+            message_id: Some(envelope.id.clone()),
+        }
+    }
+
+    /// Reads `job` and `id` from a body that is JSON but not a valid
+    /// envelope (a missing field, a newer version); nothing otherwise.
+    fn from_body(body: &[u8]) -> Self {
+        let fields: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(body).unwrap_or_default();
+        let text = |name: &str| fields.get(name).and_then(|v| v.as_str()).map(String::from);
+        Known {
+            job: text("job"),
+            message_id: text("id"),
         }
     }
 }

@@ -202,6 +202,31 @@ pub fn settle(
     }
 }
 
+/// Deliveries past the cap that still run on a backend that cannot count
+/// graceful-shutdown returns ([`Delivery::shutdown_returns`] is `None`):
+/// one, so a shutdown that interrupts the last allowed delivery still gets
+/// its redelivery run.
+///
+/// [`Delivery::shutdown_returns`]: crate::Delivery::shutdown_returns
+pub const SHUTDOWN_GRACE: u32 = 1;
+
+/// The crash rule: whether delivery `attempt` of a job capped at `cap`
+/// (0: no cap) must fail without running, because earlier deliveries ended
+/// without any settlement (a worker killed mid-job, every time).
+///
+/// A graceful-shutdown retry does not consume the cap: deliveries handed
+/// back that way (`shutdown_returns`, where the backend counts them) are
+/// added to the cap. A backend that cannot count them gets
+/// [`SHUTDOWN_GRACE`] instead. So a message that kills its worker every
+/// time ends on delivery `cap + 1` where shutdowns are counted (memory,
+/// RabbitMQ) and on delivery `cap + 2` elsewhere (NATS, SQS, Cloudflare),
+/// after at most `cap` (resp. `cap + 1`) executions, plus one per graceful
+/// shutdown that interrupted it.
+pub fn exceeds_crash_bound(cap: u32, attempt: u32, shutdown_returns: Option<u32>) -> bool {
+    let allowance = shutdown_returns.unwrap_or(SHUTDOWN_GRACE);
+    cap != 0 && attempt > cap.saturating_add(allowance)
+}
+
 /// Whether the shutdown rule applies: the consumer is shutting down and the
 /// handler's error is (or wraps) the cancellation.
 pub fn is_shutdown(result: &Result<(), JobError>, cancelled: bool) -> bool {

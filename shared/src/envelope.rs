@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::redact::json_error;
 use crate::runtime::{SystemTime, UNIX_EPOCH};
 
 /// The envelope format version this crate writes.
@@ -36,7 +37,9 @@ pub struct Envelope {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum EnvelopeError {
-    /// Not valid JSON, or missing required fields.
+    /// Not valid JSON, or missing required fields. The text is serde's,
+    /// with every value from the body taken out ([`crate::redact::json_error`]):
+    /// the body may hold payload data, which stays out of logs and events.
     #[error("malformed envelope: {0}")]
     Malformed(String),
     /// Written by a newer version of the facade.
@@ -76,11 +79,11 @@ impl Envelope {
             v: u32,
         }
         let version: Version =
-            serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(e.to_string()))?;
+            serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(json_error(&e)))?;
         if version.v == 0 || version.v > ENVELOPE_VERSION {
             return Err(EnvelopeError::UnsupportedVersion { found: version.v });
         }
-        serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(e.to_string()))
+        serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(json_error(&e)))
     }
 }
 

@@ -20,6 +20,7 @@
 //! - `executor`: tier one, in-process retries inside a delivery.
 //! - [`breaker`]: the circuit breaker per named dependency.
 //! - [`record`], [`event`], [`stats`], [`budget`]: what an operator sees.
+//! - [`redact`]: decode errors without the payload values serde quotes.
 //! - [`config`]: operator overrides of tier depths and backoffs.
 //! - [`runtime`], [`cancel`], [`context`]: injected time, cancellation, and
 //!   what a handler knows about its execution.
@@ -74,6 +75,7 @@ mod panic;
 pub mod pipeline;
 pub mod policy;
 pub mod record;
+pub mod redact;
 pub mod registry;
 pub mod runtime;
 pub mod settle;

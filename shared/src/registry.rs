@@ -71,7 +71,11 @@ where
     fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure> {
         let typed = P::deserialize(payload).map_err(|e| Failure {
             kind: FailureKind::UndecodablePayload,
-            message: format!("payload does not decode as job `{}`: {e}", self.spec.name),
+            message: format!(
+                "payload does not decode as job `{}`: {}",
+                self.spec.name,
+                crate::redact::json_error(&e)
+            ),
         })?;
         self.job.validate_payload(&typed).map_err(|e| Failure {
             kind: FailureKind::InvalidPayload,

@@ -44,9 +44,9 @@ impl Default for EdgeConfig {
 impl EdgeConfig {
     /// Checks the settings against each other and against the registry's jobs.
     pub fn validate(&self, registry: &Registry) -> Result<(), PolicyError> {
-        let invalid = |field, reason: String| PolicyError::Invalid {
+        let invalid = |field: &'static str, reason: String| PolicyError::Invalid {
             job: "*".into(),
-            field,
+            field: field.into(),
             reason,
         };
         if self.budget <= self.settlement_reserve {
@@ -64,13 +64,22 @@ impl EdgeConfig {
         if let Some(max_retries) = self.platform_max_retries {
             let deliveries = max_retries.saturating_add(1);
             for spec in registry.specs() {
-                if spec.retry.attempts == 0 || spec.retry.attempts > deliveries {
+                // A message that crashes the instance every time is recorded
+                // on delivery cap + 1 + SHUTDOWN_GRACE (the platform cannot
+                // tell a crash from a graceful hand-back): the platform must
+                // not give up before that.
+                let needed = spec
+                    .retry
+                    .attempts
+                    .saturating_add(1 + queue::SHUTDOWN_GRACE);
+                if spec.retry.attempts == 0 || needed > deliveries {
                     return Err(PolicyError::Invalid {
                         job: spec.name.clone(),
-                        field: "retry",
+                        field: "retry".into(),
                         reason: format!(
                             "the platform stops after {deliveries} deliveries (max_retries = {max_retries}), \
-                             before this job's cap of {}: raise max_retries in wrangler.toml",
+                             before this job's cap of {} plus the crash bound (a failure record for a message \
+                             that crashes every time is written on delivery cap + 2): raise max_retries in wrangler.toml",
                             if spec.retry.attempts == 0 { "unlimited".to_string() } else { spec.retry.attempts.to_string() }
                         ),
                     });
@@ -190,10 +199,10 @@ mod tests {
             ..EdgeConfig::default()
         };
         assert!(
-            config.validate(&registry(4)).is_ok(),
-            "3 retries = 4 deliveries"
+            config.validate(&registry(2)).is_ok(),
+            "3 retries = 4 deliveries = a cap of 2 plus the crash bound"
         );
-        let err = config.validate(&registry(5)).unwrap_err().to_string();
+        let err = config.validate(&registry(3)).unwrap_err().to_string();
         assert!(err.contains("max_retries") && err.contains("`j`"), "{err}");
         assert!(
             config.validate(&registry(0)).is_err(),

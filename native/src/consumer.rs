@@ -1,7 +1,9 @@
 //! The native worker: pulls deliveries, runs handlers, settles.
 //!
-//! One pump task per queue takes deliveries while a concurrency permit is
-//! free, and spawns one task per delivery. Shutdown follows the rules' order:
+//! One intake loop takes deliveries from every queue under one concurrency
+//! limit (a slot is taken only once a queue has a delivery for it, so an
+//! idle queue never starves the others) and spawns one task per delivery,
+//! which runs [`queue::Registry::deliver`]. Shutdown follows the rules' order:
 //! stop taking new deliveries and close the subscriptions (what was not taken
 //! stays with the backend, and a broker that pushes stops pushing before any
 //! settlement frees a prefetch slot), cancel the handlers' contexts, then join
@@ -12,6 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::select_all;
 use queue::{failure_budget, CancelToken, Registry, Runtime};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -145,106 +148,183 @@ impl Consumer {
     /// delivery (each settles with its own fresh budget).
     /// Fails at once if a queue cannot be subscribed.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
-        let permits = Arc::new(Semaphore::new(self.concurrency));
-        let handlers = CancelToken::new();
-        let mut pumps = JoinSet::new();
+        let mut sources = Vec::new();
         for queue in self.registry.queues() {
             let subscription = self.driver.subscribe(&queue, self.concurrency).await?;
-            let pump = Pump {
-                driver: self.driver.clone(),
-                registry: self.registry.clone(),
-                runtime: self.runtime.clone(),
-                intake: cancel.clone(),
-                handlers: handlers.clone(),
-                permits: permits.clone(),
-                prefetch: self.concurrency,
-                queue,
-            };
-            pumps.spawn(pump.run(subscription));
+            sources.push(Source::new(queue, subscription));
         }
-        let mut stopped = Vec::new();
-        while let Some(joined) = pumps.join_next().await {
-            match joined {
-                Ok(pump) => stopped.push(pump),
-                Err(e) => error!("consumer pump task failed: {e}"),
-            }
-        }
-        handlers.cancel();
-        for (mut active, subscription) in stopped {
-            while active.join_next().await.is_some() {}
-            drop(subscription);
-        }
+        let intake = Intake {
+            driver: self.driver,
+            registry: self.registry,
+            runtime: self.runtime,
+            handlers: CancelToken::new(),
+            permits: Arc::new(Semaphore::new(self.concurrency)),
+            prefetch: self.concurrency,
+        };
+        intake.run(sources, &cancel).await;
         Ok(())
     }
 }
 
-struct Pump {
+/// Takes deliveries from every queue under one concurrency limit.
+///
+/// A slot of the limit is taken only once some queue has a delivery for it:
+/// the intake waits for a free slot, then for the first delivery from any
+/// queue (polled in turn, starting with a different queue each time), so an
+/// idle queue never holds a slot and every queue is served at any
+/// concurrency of at least 1.
+struct Intake {
     driver: Arc<dyn Driver>,
     registry: Arc<Registry>,
     runtime: Arc<dyn Runtime>,
-    /// Stops taking deliveries.
-    intake: CancelToken,
     /// Cancels the handlers' contexts (after intake has stopped).
     handlers: CancelToken,
     permits: Arc<Semaphore>,
     prefetch: usize,
-    queue: String,
 }
 
-impl Pump {
-    /// Takes deliveries until intake stops; returns the deliveries still
-    /// being handled and the closed subscription.
-    async fn run(
-        self,
-        mut subscription: Box<dyn Subscription>,
-    ) -> (JoinSet<()>, Box<dyn Subscription>) {
+impl Intake {
+    async fn run(self, mut sources: Vec<Source>, stop: &CancelToken) {
         let mut active = JoinSet::new();
-        let mut reconnect_wait = Duration::from_millis(100);
+        let mut turn = 0usize;
         loop {
             let permit = tokio::select! {
                 biased;
-                _ = self.intake.cancelled() => break,
+                _ = stop.cancelled() => break,
                 permit = self.permits.clone().acquire_owned() => match permit {
                     Ok(permit) => permit,
                     Err(_) => break,
                 },
             };
+            let mut waits: Vec<_> = sources
+                .iter_mut()
+                .filter(|source| !source.ended)
+                .map(|source| Box::pin(source.next(&self.driver, self.prefetch)))
+                .collect();
+            if waits.is_empty() {
+                break;
+            }
+            let first = turn % waits.len();
+            waits.rotate_left(first);
+            turn = turn.wrapping_add(1);
             let next = tokio::select! {
                 biased;
-                _ = self.intake.cancelled() => break,
-                next = subscription.next() => next,
+                _ = stop.cancelled() => break,
+                (next, _, _) = select_all(waits) => next,
             };
-            match next {
-                None => break,
-                Some(Ok(delivery)) => {
-                    reconnect_wait = Duration::from_millis(100);
-                    let registry = self.registry.clone();
-                    let runtime = self.runtime.clone();
-                    let cancel = self.handlers.clone();
-                    let queue = self.queue.clone();
-                    active.spawn(async move {
-                        handle(&registry, &runtime, &cancel, &queue, delivery).await;
-                        drop(permit);
-                    });
-                }
-                Some(Err(e)) => {
+            if let Some((queue, delivery)) = next {
+                let registry = self.registry.clone();
+                let runtime = self.runtime.clone();
+                let cancel = self.handlers.clone();
+                active.spawn(async move {
+                    handle(&registry, &runtime, &cancel, &queue, delivery).await;
                     drop(permit);
-                    warn!(queue = %self.queue, "subscription failed, resubscribing in {reconnect_wait:?}: {e}");
-                    tokio::select! {
-                        _ = self.intake.cancelled() => break,
-                        _ = tokio::time::sleep(reconnect_wait) => {}
+                });
+            }
+            reap(&mut active);
+        }
+        for source in &mut sources {
+            if let Some(subscription) = source.subscription.as_mut() {
+                subscription.close().await;
+            }
+        }
+        self.handlers.cancel();
+        while let Some(joined) = active.join_next().await {
+            report_task_end(joined);
+        }
+        drop(sources);
+    }
+}
+
+fn reap(active: &mut JoinSet<()>) {
+    while let Some(joined) = active.try_join_next() {
+        report_task_end(joined);
+    }
+}
+
+/// A delivery task that died (the pipeline catches handler and processing
+/// panics, so this is a driver's or an event sink's panic): logged; the
+/// backend redelivers the message by its own rules.
+fn report_task_end(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined {
+        if e.is_panic() {
+            error!("a delivery task panicked; the backend keeps its message: {e}");
+        }
+    }
+}
+
+const FIRST_RESUBSCRIBE_WAIT: Duration = Duration::from_millis(100);
+const MAX_RESUBSCRIBE_WAIT: Duration = Duration::from_secs(30);
+
+/// One queue's subscription, resubscribed with a growing wait when it fails.
+struct Source {
+    queue: String,
+    /// `None` while waiting to resubscribe.
+    subscription: Option<Box<dyn Subscription>>,
+    resubscribe_at: Option<tokio::time::Instant>,
+    wait: Duration,
+    /// The subscription ended for good (the driver stopped).
+    ended: bool,
+}
+
+impl Source {
+    fn new(queue: String, subscription: Box<dyn Subscription>) -> Self {
+        Source {
+            queue,
+            subscription: Some(subscription),
+            resubscribe_at: None,
+            wait: FIRST_RESUBSCRIBE_WAIT,
+            ended: false,
+        }
+    }
+
+    /// The next delivery and its queue; `None` once the subscription has
+    /// ended for good. Cancel-safe: the intake drops it whenever another
+    /// queue delivers first, and a pending resubscription keeps its time.
+    async fn next(
+        &mut self,
+        driver: &Arc<dyn Driver>,
+        prefetch: usize,
+    ) -> Option<(String, Box<dyn Delivery>)> {
+        loop {
+            if self.subscription.is_none() {
+                if let Some(at) = self.resubscribe_at {
+                    tokio::time::sleep_until(at).await;
+                }
+                match driver.subscribe(&self.queue, prefetch).await {
+                    Ok(fresh) => {
+                        self.subscription = Some(fresh);
+                        self.resubscribe_at = None;
                     }
-                    reconnect_wait = (reconnect_wait * 2).min(Duration::from_secs(30));
-                    match self.driver.subscribe(&self.queue, self.prefetch).await {
-                        Ok(fresh) => subscription = fresh,
-                        Err(e) => warn!(queue = %self.queue, "resubscribe failed: {e}"),
+                    Err(e) => {
+                        warn!(queue = %self.queue, "resubscribe failed, retrying in {:?}: {e}", self.wait);
+                        self.back_off();
+                        continue;
                     }
                 }
             }
-            while active.try_join_next().is_some() {}
+            let subscription = self.subscription.as_mut()?;
+            match subscription.next().await {
+                None => {
+                    self.ended = true;
+                    return None;
+                }
+                Some(Ok(delivery)) => {
+                    self.wait = FIRST_RESUBSCRIBE_WAIT;
+                    return Some((self.queue.clone(), delivery));
+                }
+                Some(Err(e)) => {
+                    warn!(queue = %self.queue, "subscription failed, resubscribing in {:?}: {e}", self.wait);
+                    self.subscription = None;
+                    self.back_off();
+                }
+            }
         }
-        subscription.close().await;
-        (active, subscription)
+    }
+
+    fn back_off(&mut self) {
+        self.resubscribe_at = Some(tokio::time::Instant::now() + self.wait);
+        self.wait = (self.wait * 2).min(MAX_RESUBSCRIBE_WAIT);
     }
 }
 

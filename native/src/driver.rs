@@ -34,6 +34,12 @@ pub struct Capabilities {
     /// Whether a delivery abandoned without settlement (crash, lost
     /// connection) comes back with a higher attempt count.
     pub counts_abandoned_deliveries: bool,
+    /// Whether deliveries report how many earlier deliveries a graceful
+    /// shutdown handed back ([`Delivery::shutdown_returns`]). Where they do,
+    /// any number of graceful shutdowns leave the job's cap untouched; where
+    /// they do not, the rules allow one delivery of grace past the cap
+    /// ([`queue::SHUTDOWN_GRACE`]).
+    pub counts_shutdown_returns: bool,
 }
 
 impl Capabilities {
@@ -45,6 +51,7 @@ impl Capabilities {
             reject_drops: true,
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,
+            counts_shutdown_returns: true,
         }
     }
 }

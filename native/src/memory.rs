@@ -1,7 +1,9 @@
 //! The in-memory driver: a complete backend inside the process.
 //!
 //! For tests, demos and single-process applications. It keeps its own
-//! delivery counter per message, delays retries with timers, drops rejected
+//! delivery counter per message (and, apart, how many deliveries a graceful
+//! shutdown handed back, so those never consume the job's cap), delays
+//! retries with timers, drops rejected
 //! messages and keeps terminal failures in an inspectable list. Nothing
 //! survives the process: [`MemoryDriver::stop`](crate::Driver::stop)
 //! discards pending and delayed work and refuses further retries.
@@ -46,6 +48,9 @@ fn stopped() -> DriverError {
 struct Stored {
     body: Vec<u8>,
     deliveries: u32,
+    /// Deliveries handed back by a graceful shutdown (they do not consume
+    /// the job's cap).
+    shutdown_returns: u32,
 }
 
 #[derive(Default)]
@@ -176,6 +181,7 @@ impl Driver for MemoryDriver {
         let stored = Stored {
             body: message.body,
             deliveries: 0,
+            shutdown_returns: 0,
         };
         match message.delay {
             Some(delay) if !delay.is_zero() => self.enqueue_later(queue, stored, delay),
@@ -293,6 +299,10 @@ impl Delivery for MemoryDelivery {
         self.attempt
     }
 
+    fn shutdown_returns(&self) -> Option<u32> {
+        self.stored.as_ref().map(|s| s.shutdown_returns)
+    }
+
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         if self.driver.lock().stopped {
             // Dropping would try to requeue; a stopped driver keeps nothing.
@@ -302,7 +312,7 @@ impl Delivery for MemoryDelivery {
         }
         match settlement {
             Settlement::Ack | Settlement::Reject => {}
-            Settlement::Retry { delay, .. } => {
+            Settlement::Retry { delay, shutdown } => {
                 let delay = delay.unwrap_or(Duration::ZERO);
                 if let Some(max) = self.driver.inner.config.max_retry_delay {
                     if delay > max {
@@ -314,10 +324,13 @@ impl Delivery for MemoryDelivery {
                         ));
                     }
                 }
-                let stored = self
+                let mut stored = self
                     .stored
                     .take()
                     .expect("unsettled delivery has its message");
+                if *shutdown {
+                    stored.shutdown_returns = stored.shutdown_returns.saturating_add(1);
+                }
                 self.release();
                 return if delay.is_zero() {
                     self.driver.enqueue(&self.queue, stored, false)

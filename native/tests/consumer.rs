@@ -106,3 +106,50 @@ async fn shutdown_closes_intake_before_cancelling_handlers() {
         "the interrupted job went back to the queue"
     );
 }
+
+/// Runs `jobs` (job, messages) on one consumer with `concurrency` slots and
+/// returns how many handler executions happened within `patience`.
+async fn served(jobs: &[(&str, u32)], concurrency: usize) -> (usize, usize) {
+    let driver = Arc::new(MemoryDriver::default());
+    let producer = Producer::new(driver.clone());
+    let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut registry = Registry::new();
+    let mut total = 0;
+    for (name, count) in jobs {
+        let job = Job::<u32>::builder(*name).queue(*name).build().unwrap();
+        let r = ran.clone();
+        registry
+            .register(&job, move |_: JobContext, _: u32| {
+                r.fetch_add(1, Ordering::SeqCst);
+                async { Ok(()) }
+            })
+            .unwrap();
+        for n in 0..*count {
+            producer.dispatch(&job, &n).await.unwrap();
+        }
+        total += *count as usize;
+    }
+    let consumer = Consumer::builder(driver.clone(), registry)
+        .concurrency(concurrency)
+        .build()
+        .spawn();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while ran.load(Ordering::SeqCst) < total && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    consumer.shutdown().await.unwrap();
+    (ran.load(Ordering::SeqCst), total)
+}
+
+/// An idle queue must not hold a slot of the shared limit while it waits:
+/// every queue is served at any concurrency of at least 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_queue_is_served_below_one_slot_per_queue() {
+    let (ran, total) = served(&[("a", 1), ("b", 20)], 1).await;
+    assert_eq!(ran, total, "concurrency 1 over a busy and a drained queue");
+    let (ran, total) = served(&[("idle-1", 0), ("idle-2", 0), ("busy", 20)], 2).await;
+    assert_eq!(
+        ran, total,
+        "concurrency 2 over two idle queues and a busy one"
+    );
+}

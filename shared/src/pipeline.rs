@@ -17,7 +17,7 @@ use std::sync::Arc;
 use futures_util::future::{select, Either};
 
 use crate::cancel::CancelToken;
-use crate::error::BoxError;
+use crate::error::{BoxError, Panicked};
 use crate::maybe_send::{BoxFuture, MaybeSend};
 use crate::registry::{Delivery, Processed, Registry};
 use crate::runtime::{Instant, Runtime};
@@ -148,10 +148,44 @@ impl Registry {
             shutdown_returns: handle.shutdown_returns(),
             deadline: handle.deadline(),
         };
-        let processed = self.process(delivery, runtime, cancel).await;
-        let outcome = settle_within_budget(handle, &processed.settlement, runtime).await;
+        let processed = match guarded(self.process(delivery, runtime, cancel)).await {
+            Ok(processed) => processed,
+            // Handler panics are caught inside `process`; this is the last
+            // line of defence (a defect of the facade itself). The delivery is
+            // handed back after a pause rather than dropped, which would
+            // redeliver it at once, again and again.
+            Err(panicked) => self.recover(delivery, &panicked),
+        };
+        let outcome =
+            match guarded(settle_within_budget(handle, &processed.settlement, runtime)).await {
+                Ok(outcome) => outcome,
+                Err(panicked) => Err(SettlementError::new(ErrorKind::Uncertain, panicked)),
+            };
         self.settled(&processed, outcome.as_ref().map(|_| ()));
         Delivered { processed, outcome }
+    }
+}
+
+/// Runs `fut`, turning a panic into [`Panicked`] where panics unwind.
+async fn guarded<T>(fut: impl std::future::Future<Output = T>) -> Result<T, Panicked> {
+    #[cfg(panic = "unwind")]
+    {
+        use futures_util::FutureExt;
+        std::panic::AssertUnwindSafe(fut)
+            .catch_unwind()
+            .await
+            .map_err(|payload| {
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-string panic payload".to_string());
+                Panicked::new(message, String::new())
+            })
+    }
+    #[cfg(not(panic = "unwind"))]
+    {
+        Ok(fut.await)
     }
 }
 

@@ -18,16 +18,18 @@ use serde::de::DeserializeOwned;
 use crate::cancel::CancelToken;
 use crate::context::{ContextParts, JobContext};
 use crate::envelope::Envelope;
+use crate::error::Panicked;
 use crate::error::{BoxError, JobError};
 use crate::event::{Event, EventKind, EventSink};
 use crate::executor::run_tiers;
 use crate::job::{Job, JobSpec};
 use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::panic::guard;
 use crate::pipeline::SettlementError;
 use crate::policy::PolicyError;
+use crate::policy::PANICKED_BACKOFF_DELAY;
 use crate::record::FailureRecord;
 use crate::runtime::{Instant, Runtime};
-use crate::panic::guard;
 use crate::settle::{
     exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind,
     Settlement, UnknownNameAttempts, SHUTDOWN_GRACE, UNKNOWN_NAME_RETRY_DELAY,
@@ -412,6 +414,33 @@ impl Registry {
             settlement: Settlement::Retry {
                 delay: Some(Duration::ZERO),
                 shutdown: true,
+            },
+        }
+    }
+
+    /// The settlement of a delivery whose processing panicked outside the
+    /// handler (a defect of the facade): a retry after
+    /// [`PANICKED_BACKOFF_DELAY`], never at once.
+    pub(crate) fn recover(&self, delivery: Delivery<'_>, panicked: &Panicked) -> Processed {
+        let known = Known::from_body(delivery.body);
+        let delay = Some(PANICKED_BACKOFF_DELAY);
+        let mut event = self.event(
+            delivery,
+            None,
+            0,
+            EventKind::Retried {
+                delay,
+                error: panicked.to_string(),
+                shutdown: false,
+            },
+        );
+        event.job = known.job.unwrap_or_default();
+        event.message_id = known.message_id.unwrap_or_default();
+        Processed {
+            event,
+            settlement: Settlement::Retry {
+                delay,
+                shutdown: false,
             },
         }
     }

@@ -830,6 +830,7 @@ impl Driver for NatsDriver {
             reject_drops: true,
             redelivery_hint: self.inner.config.ack_wait,
             counts_abandoned_deliveries: true,
+            counts_shutdown_returns: false,
         }
     }
 

@@ -13,7 +13,7 @@ use lapin::{BasicProperties, Channel};
 use queue::{FailureRecord, Settlement};
 use tracing::{error, warn};
 
-use super::{bounded, error, RabbitDriver, ATTEMPTS_HEADER};
+use super::{bounded, error, RabbitDriver, ATTEMPTS_HEADER, SHUTDOWNS_HEADER};
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -148,6 +148,7 @@ impl Subscription for RabbitSubscription {
             match item {
                 Some(Ok(delivery)) => {
                     let attempt = attempt_of(&delivery.properties);
+                    let shutdowns = header_count(&delivery.properties, SHUTDOWNS_HEADER);
                     return Some(Ok(Box::new(RabbitDelivery {
                         driver: self.driver.clone(),
                         queue: self.queue.clone(),
@@ -160,6 +161,7 @@ impl Subscription for RabbitSubscription {
                             .map(|id| id.to_string()),
                         body: delivery.data,
                         attempt,
+                        shutdowns,
                         settled: false,
                     })));
                 }
@@ -190,18 +192,24 @@ fn as_count(value: &AMQPValue) -> Option<u64> {
     }
 }
 
+fn header(properties: &BasicProperties, name: &str) -> u64 {
+    properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(name))
+        .and_then(as_count)
+        .unwrap_or(0)
+}
+
+/// A count header, 0 when absent, saturating at `u32::MAX`.
+fn header_count(properties: &BasicProperties, name: &str) -> u32 {
+    u32::try_from(header(properties, name)).unwrap_or(u32::MAX)
+}
+
 /// `x-queue-attempts + x-delivery-count + 1`, saturating.
 fn attempt_of(properties: &BasicProperties) -> u32 {
-    let header = |name: &str| {
-        properties
-            .headers()
-            .as_ref()
-            .and_then(|h| h.inner().get(name))
-            .and_then(as_count)
-            .unwrap_or(0)
-    };
-    let attempt = header(ATTEMPTS_HEADER)
-        .saturating_add(header("x-delivery-count"))
+    let attempt = header(properties, ATTEMPTS_HEADER)
+        .saturating_add(header(properties, "x-delivery-count"))
         .saturating_add(1);
     u32::try_from(attempt).unwrap_or(u32::MAX)
 }
@@ -215,6 +223,8 @@ struct RabbitDelivery {
     message_id: Option<String>,
     body: Vec<u8>,
     attempt: u32,
+    /// Earlier deliveries a graceful shutdown handed back.
+    shutdowns: u32,
     settled: bool,
 }
 
@@ -284,7 +294,11 @@ impl RabbitDelivery {
         .await
     }
 
-    async fn forward(&mut self, delay: Option<Duration>) -> Result<(), DriverError> {
+    async fn forward(
+        &mut self,
+        delay: Option<Duration>,
+        shutdown: bool,
+    ) -> Result<(), DriverError> {
         let target = match self.driver.route_for_delay(&self.queue, delay).await {
             Ok(target) => target,
             Err(e) if e.kind() == ErrorKind::Unsupported => {
@@ -296,7 +310,9 @@ impl RabbitDelivery {
             }
             Err(e) => return Err(e),
         };
-        let properties = RabbitDriver::properties(self.message_id.as_deref(), self.attempt);
+        let shutdowns = self.shutdowns.saturating_add(u32::from(shutdown));
+        let properties =
+            RabbitDriver::properties(self.message_id.as_deref(), self.attempt, shutdowns);
         self.driver.publish(&target, &self.body, properties).await?;
         self.ack().await
     }
@@ -367,6 +383,10 @@ impl Delivery for RabbitDelivery {
         self.attempt
     }
 
+    fn shutdown_returns(&self) -> Option<u32> {
+        Some(self.shutdowns)
+    }
+
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         if self.driver.is_stopped() {
             return Err(error(
@@ -378,7 +398,7 @@ impl Delivery for RabbitDelivery {
         match settlement {
             Settlement::Ack => self.ack().await,
             Settlement::Reject => self.reject().await,
-            Settlement::Retry { delay, .. } => self.forward(*delay).await,
+            Settlement::Retry { delay, shutdown } => self.forward(*delay, *shutdown).await,
             Settlement::Fail(record) => self.fail(record).await,
         }
     }
@@ -423,6 +443,17 @@ mod tests {
         assert_eq!(
             attempt_of(&with(&[(ATTEMPTS_HEADER, AMQPValue::LongLongInt(-5))])),
             1
+        );
+        // Graceful-shutdown returns travel in their own header; a crash
+        // (x-delivery-count) never adds to them.
+        let props = with(&[
+            (SHUTDOWNS_HEADER, AMQPValue::LongLongInt(2)),
+            ("x-delivery-count", AMQPValue::LongLongInt(1)),
+        ]);
+        assert_eq!(header_count(&props, SHUTDOWNS_HEADER), 2);
+        assert_eq!(
+            header_count(&BasicProperties::default(), SHUTDOWNS_HEADER),
+            0
         );
     }
 }

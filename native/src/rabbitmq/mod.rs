@@ -39,7 +39,10 @@
 //! for returns since the publish, including those caused by a crashed worker
 //! or a lost connection. The reported attempt is
 //! `x-queue-attempts + x-delivery-count + 1`, so a message that kills its
-//! worker is still counted.
+//! worker is still counted. A second header, [`SHUTDOWNS_HEADER`]
+//! (`x-queue-shutdowns`), counts the deliveries a graceful shutdown handed
+//! back: they do not consume the job's cap, while a crash (no settlement,
+//! so only `x-delivery-count` rises) does.
 //!
 //! # Retries and delays
 //!
@@ -152,6 +155,10 @@ const RELEASED_CHANNELS_WAIT: Duration = Duration::from_secs(2);
 /// The header carrying the deliveries a message consumed before its latest
 /// publish.
 pub const ATTEMPTS_HEADER: &str = "x-queue-attempts";
+
+/// The header counting deliveries a graceful shutdown handed back
+/// (see [`queue::exceeds_crash_bound`]).
+pub const SHUTDOWNS_HEADER: &str = "x-queue-shutdowns";
 
 /// The default delay buckets, in seconds.
 pub const DEFAULT_DELAY_BUCKETS: &[u64] = &[
@@ -745,11 +752,15 @@ impl RabbitDriver {
         Ok(())
     }
 
-    fn properties(id: Option<&str>, attempts: u32) -> BasicProperties {
+    fn properties(id: Option<&str>, attempts: u32, shutdowns: u32) -> BasicProperties {
         let mut headers = FieldTable::default();
         headers.insert(
             ATTEMPTS_HEADER.into(),
             AMQPValue::LongLongInt(i64::from(attempts)),
+        );
+        headers.insert(
+            SHUTDOWNS_HEADER.into(),
+            AMQPValue::LongLongInt(i64::from(shutdowns)),
         );
         let properties = BasicProperties::default().with_headers(headers);
         match id {
@@ -772,6 +783,7 @@ impl Driver for RabbitDriver {
             reject_drops: true,
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,
+            counts_shutdown_returns: true,
         }
     }
 
@@ -792,7 +804,7 @@ impl Driver for RabbitDriver {
         self.publish(
             &target,
             &message.body,
-            Self::properties(Some(&message.id), 0),
+            Self::properties(Some(&message.id), 0, 0),
         )
         .await
     }

@@ -786,6 +786,7 @@ impl Driver for SqsDriver {
             reject_drops: false,
             redelivery_hint: self.inner.config.visibility_timeout,
             counts_abandoned_deliveries: true,
+            counts_shutdown_returns: false,
         }
     }
 

@@ -47,6 +47,7 @@ macro_rules! conformance_suite {
             timeout_deadline_is_visible_and_late_success_acks,
             shutdown_retries_interrupted_work_without_loss,
             shutdown_skips_the_cap,
+            repeated_shutdowns_at_the_cap,
             shutdown_keeps_the_backlog,
             settlement_failure_emits_no_outcome_and_keeps_the_message,
             failed_event_follows_the_record,

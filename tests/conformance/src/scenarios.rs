@@ -562,7 +562,43 @@ pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
     assert_eq!(last(&events).attempt, 2);
+    assert_eq!(
+        last(&events).executions,
+        1,
+        "the redelivery after a shutdown on the last allowed delivery runs"
+    );
     next.shutdown().await.unwrap();
+}
+
+/// Graceful shutdowns at the cap, twice in a row. Where the backend counts
+/// graceful-shutdown returns, each redelivery runs and the third delivery
+/// succeeds; where it cannot, the rules allow one delivery of grace, so the
+/// third fails without running (the documented crash bound).
+pub async fn repeated_shutdowns_at_the_cap(backend: &dyn Backend) {
+    let h = Harness::new(backend, "shutdown-twice").await;
+    let job = h.job("shutdown-twice").retry(1).build().unwrap();
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    for round in 1..=2 {
+        let started = Arc::new(tokio::sync::Notify::new());
+        let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
+        tokio::time::timeout(h.patience, started.notified())
+            .await
+            .expect("handler started");
+        consumer.shutdown().await.unwrap();
+        h.events.wait_count(h.patience, "retried", round).await;
+    }
+    let calls = Calls::default();
+    let last_one = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
+    if h.driver.capabilities().counts_shutdown_returns {
+        let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+        assert_eq!(last(&events).attempt, 3);
+        assert_eq!(calls.count(), 1);
+    } else {
+        let events = h.events.wait_count(h.patience, "failed", 1).await;
+        assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
+        assert_eq!((last(&events).attempt, calls.count()), (3, 0));
+    }
+    last_one.shutdown().await.unwrap();
 }
 
 /// A settlement the backend refuses emits no outcome event and loses nothing.

@@ -461,8 +461,10 @@ fn budget_defers_what_cannot_start_in_time() {
 }
 
 /// A panic at the edge aborts the wasm instance. The message is redelivered
-/// (attempt 2 succeeds); one that panics every time is stopped by the cap,
-/// counted across the crashed deliveries, with a failure record.
+/// (attempt 2 succeeds); one that panics every time is stopped by the crash
+/// bound, counted across the crashed deliveries, with a failure record: the
+/// platform cannot say which deliveries a graceful hand-back ended, so one
+/// delivery of grace past the cap of 3 runs (and crashes) too.
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn panics_are_contained() {
@@ -491,15 +493,15 @@ fn panics_are_contained() {
     let steps = edge_steps(&log);
     assert_eq!(
         plain(&steps[&always_id]),
-        [(4, "failed:attempts_exhausted".to_string(), 0)],
-        "three crashed deliveries spend the cap of 3"
+        [(5, "failed:attempts_exhausted".to_string(), 0)],
+        "three crashed deliveries spend the cap of 3, a fourth the grace"
     );
     let records = failure_records(&log);
     let record = records
         .iter()
         .find(|r| r["message_id"] == always_id.as_str())
         .expect("a failure record");
-    assert_eq!(record["attempt"], 4);
+    assert_eq!(record["attempt"], 5);
 }
 
 /// A delayed dispatch is not delivered before its delay.

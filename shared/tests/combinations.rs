@@ -71,8 +71,8 @@ fn breaker(runtime: &VirtualRuntime, threshold: u32) -> CircuitBreaker {
 fn a_permanent_marker_inside_the_breaker_is_permanent() {
     let runtime = VirtualRuntime::new();
     let b = breaker(&runtime, 5);
-    let err = block_on(b.call(|| async { Err::<(), _>(Permanent::new("report deleted")) }))
-        .unwrap_err();
+    let err =
+        block_on(b.call(|| async { Err::<(), _>(Permanent::new("report deleted")) })).unwrap_err();
     assert_eq!(JobError::from(err).outcome(), Outcome::Permanent);
 
     let err = block_on(b.call(|| async { Err::<(), _>(RetryAfter::new("rate limited", S(9))) }))
@@ -114,8 +114,8 @@ fn a_handler_returning_the_breakers_permanent_error_fails_at_once() {
 fn a_job_error_inside_the_breaker_keeps_its_outcome() {
     let runtime = VirtualRuntime::new();
     let b = breaker(&runtime, 5);
-    let err = block_on(b.call(|| async { Err::<(), _>(JobError::reject("bad input")) }))
-        .unwrap_err();
+    let err =
+        block_on(b.call(|| async { Err::<(), _>(JobError::reject("bad input")) })).unwrap_err();
     assert_eq!(JobError::from(err).outcome(), Outcome::Reject);
 }
 
@@ -353,7 +353,11 @@ fn an_attached_breaker_opens_on_the_jobs_failures() {
         .map(|attempt| deliver(&registry, &runtime, &body(1), attempt, Some(0)).executions())
         .collect();
     assert_eq!(b.state(), BreakerState::Open);
-    assert_eq!(per_delivery, [2, 1, 1], "open after two failures, then one per delivery");
+    assert_eq!(
+        per_delivery,
+        [2, 1, 1],
+        "open after two failures, then one per delivery"
+    );
 }
 
 #[test]
@@ -405,8 +409,7 @@ fn poison_and_unknown_name_events_name_the_job_and_message() {
             FailureKind::MalformedEnvelope,
         ),
         (
-            br#"{"v":9,"id":"m-1","job":"work","payload":{"id":1},"dispatched_at_ms":0}"#
-                .to_vec(),
+            br#"{"v":9,"id":"m-1","job":"work","payload":{"id":1},"dispatched_at_ms":0}"#.to_vec(),
             "work",
             FailureKind::MalformedEnvelope,
         ),

@@ -14,7 +14,7 @@ pub fn overrides_from_env() -> Result<Overrides, PolicyError> {
         Some(path) => {
             let text = std::fs::read_to_string(&path).map_err(|e| PolicyError::Invalid {
                 job: "*".into(),
-                field: "config file",
+                field: "config file".into(),
                 reason: format!("cannot read {}: {e}", path.to_string_lossy()),
             })?;
             Overrides::from_toml(&text)?

@@ -22,12 +22,16 @@
 //! `BACKOFF_MAX`, `TIER_ONE_ATTEMPTS`, `TIER_ONE_INITIAL`,
 //! `TIER_ONE_MULTIPLIER`, `TIER_ONE_MAX`, `TIER_ONE_MAX_WAIT`. The environment
 //! wins over the file. Durations read like `250ms`, `2s`, `1m 30s`.
+//!
+//! Applying is all or nothing: when one override is refused, no job's
+//! policy changes.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::job::JobSpec;
 use crate::policy::{Backoff, PolicyError};
 use crate::registry::Registry;
 
@@ -116,25 +120,108 @@ fn env_name(job: &str) -> String {
         .collect()
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct File {
-    #[serde(default)]
-    jobs: BTreeMap<String, JobOverride>,
+/// The fields of a job's table, of its `backoff` and of its `tier_one`.
+const JOB_FIELDS: &[&str] = &["attempts", "timeout", "backoff", "tier_one"];
+const BACKOFF_FIELDS: &[&str] = &["initial", "multiplier", "max"];
+const TIER_ONE_FIELDS: &[&str] = &["attempts", "initial", "multiplier", "max", "max_wait"];
+
+/// One field's value, or an error naming the job and the field.
+fn field<T: serde::de::DeserializeOwned>(
+    job: &str,
+    name: String,
+    value: toml::Value,
+) -> Result<T, PolicyError> {
+    value.try_into().map_err(|e: toml::de::Error| {
+        PolicyError::invalid(job, name, e.message().trim().to_string())
+    })
+}
+
+/// A table's entries, or an error naming the job and the field.
+fn table(job: &str, name: String, value: toml::Value) -> Result<toml::Table, PolicyError> {
+    match value {
+        toml::Value::Table(table) => Ok(table),
+        other => Err(PolicyError::invalid(
+            job,
+            name,
+            format!("expected a table, found {}", other.type_str()),
+        )),
+    }
+}
+
+fn unknown(job: &str, name: String, allowed: &[&str]) -> PolicyError {
+    let allowed: Vec<String> = allowed.iter().map(|f| format!("`{f}`")).collect();
+    PolicyError::invalid(
+        job,
+        name,
+        format!("unknown field; expected one of {}", allowed.join(", ")),
+    )
+}
+
+/// Reads one `[jobs.<job>]` table field by field, so that an error names the
+/// job and the field rather than only a position in the file.
+fn job_override(job: &str, value: toml::Value) -> Result<JobOverride, PolicyError> {
+    let mut o = JobOverride::default();
+    for (key, value) in table(job, format!("jobs.{job}"), value)? {
+        match key.as_str() {
+            "attempts" => o.attempts = Some(field(job, key, value)?),
+            "timeout" => o.timeout = Some(field(job, key, value)?),
+            "backoff" => {
+                let b = o.backoff.get_or_insert_with(Default::default);
+                for (key, value) in table(job, key, value)? {
+                    let name = format!("backoff.{key}");
+                    match key.as_str() {
+                        "initial" => b.initial = Some(field(job, name, value)?),
+                        "multiplier" => b.multiplier = Some(field(job, name, value)?),
+                        "max" => b.max = Some(field(job, name, value)?),
+                        _ => return Err(unknown(job, name, BACKOFF_FIELDS)),
+                    }
+                }
+            }
+            "tier_one" => {
+                let t = o.tier_one.get_or_insert_with(Default::default);
+                for (key, value) in table(job, key, value)? {
+                    let name = format!("tier_one.{key}");
+                    match key.as_str() {
+                        "attempts" => t.attempts = Some(field(job, name, value)?),
+                        "initial" => t.initial = Some(field(job, name, value)?),
+                        "multiplier" => t.multiplier = Some(field(job, name, value)?),
+                        "max" => t.max = Some(field(job, name, value)?),
+                        "max_wait" => t.max_wait = Some(field(job, name, value)?),
+                        _ => return Err(unknown(job, name, TIER_ONE_FIELDS)),
+                    }
+                }
+            }
+            _ => return Err(unknown(job, key, JOB_FIELDS)),
+        }
+    }
+    Ok(o)
 }
 
 impl Overrides {
     /// Parses a TOML configuration file's text.
+    ///
+    /// An error names the job and the field (`attempts`, `backoff.initial`,
+    /// an unknown key with the allowed ones listed); errors outside any job's
+    /// table (invalid TOML, an unknown top-level key) name job `*`.
     pub fn from_toml(text: &str) -> Result<Self, PolicyError> {
-        let file: File = toml::from_str(text)
-            .map_err(|e| PolicyError::invalid("*", "config file", e.to_string()))?;
-        Ok(Overrides {
-            jobs: file
-                .jobs
-                .into_iter()
-                .map(|(k, v)| (JobKey::Exact(k), v))
-                .collect(),
-        })
+        let file: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+            PolicyError::invalid("*", "config file", e.to_string())
+        })?;
+        let mut jobs = BTreeMap::new();
+        for (key, value) in file {
+            if key != "jobs" {
+                return Err(PolicyError::invalid(
+                    "*",
+                    "config file",
+                    format!("unknown top-level key `{key}`; expected `jobs`"),
+                ));
+            }
+            for (job, value) in table("*", key, value)? {
+                let o = job_override(&job, value)?;
+                jobs.insert(JobKey::Exact(job), o);
+            }
+        }
+        Ok(Overrides { jobs })
     }
 
     /// Reads `QUEUE_JOB__<JOB>__<FIELD>` variables; others are ignored.
@@ -261,12 +348,18 @@ fn exponential(
 impl Registry {
     /// Applies `overrides` to the registered jobs and re-validates them.
     /// A key naming no registered job is an error (it is usually a typo).
+    ///
+    /// All or nothing: every job's new policy is computed and validated
+    /// before any is changed, so a refused override leaves every policy as
+    /// it was.
     pub fn apply_overrides(&mut self, overrides: &Overrides) -> Result<(), PolicyError> {
+        // Keys apply in order (the file's exact names before the
+        // environment's), so one job's changes accumulate in one copy.
+        let mut updated: BTreeMap<String, JobSpec> = BTreeMap::new();
         for (key, o) in &overrides.jobs {
-            let name = self
+            let current = self
                 .specs()
-                .map(|s| s.name.clone())
-                .find(|name| key.matches(name))
+                .find(|spec| key.matches(&spec.name))
                 .ok_or_else(|| {
                     PolicyError::invalid(
                         &key.describe(),
@@ -274,45 +367,59 @@ impl Registry {
                         "configuration names a job that is not registered",
                     )
                 })?;
-            let spec = self.spec_mut(&name).expect("found above");
-            let job = name.as_str();
-            if let Some(attempts) = o.attempts {
-                spec.retry.attempts = attempts;
-            }
-            if let Some(text) = &o.timeout {
-                let t = duration(job, "timeout", text)?;
-                spec.timeout = (!t.is_zero()).then_some(t);
-            }
-            if let Some(b) = &o.backoff {
-                spec.retry.backoff = Some(exponential(
-                    job,
-                    &spec.retry.backoff,
-                    ["backoff.initial", "backoff.multiplier", "backoff.max"],
-                    &b.initial,
-                    b.multiplier,
-                    &b.max,
-                )?);
-            }
-            if let Some(t) = &o.tier_one {
-                if let Some(attempts) = t.attempts {
-                    spec.tier_one.attempts = attempts;
-                }
-                spec.tier_one.backoff = exponential(
-                    job,
-                    &Some(spec.tier_one.backoff.clone()),
-                    ["tier_one.initial", "tier_one.multiplier", "tier_one.max"],
-                    &t.initial,
-                    t.multiplier,
-                    &t.max,
-                )?;
-                if let Some(text) = &t.max_wait {
-                    spec.tier_one.max_wait = duration(job, "tier_one.max_wait", text)?;
-                }
-            }
+            let spec = updated
+                .entry(current.name.clone())
+                .or_insert_with(|| current.clone());
+            apply(spec, o)?;
+        }
+        for spec in updated.values() {
             spec.validate()?;
+        }
+        for (name, spec) in updated {
+            *self.spec_mut(&name).expect("found above") = spec;
         }
         Ok(())
     }
+}
+
+/// Applies one job's overrides to `spec` (a copy: validation comes after).
+fn apply(spec: &mut JobSpec, o: &JobOverride) -> Result<(), PolicyError> {
+    let name = spec.name.clone();
+    let job = name.as_str();
+    if let Some(attempts) = o.attempts {
+        spec.retry.attempts = attempts;
+    }
+    if let Some(text) = &o.timeout {
+        let t = duration(job, "timeout", text)?;
+        spec.timeout = (!t.is_zero()).then_some(t);
+    }
+    if let Some(b) = &o.backoff {
+        spec.retry.backoff = Some(exponential(
+            job,
+            &spec.retry.backoff,
+            ["backoff.initial", "backoff.multiplier", "backoff.max"],
+            &b.initial,
+            b.multiplier,
+            &b.max,
+        )?);
+    }
+    if let Some(t) = &o.tier_one {
+        if let Some(attempts) = t.attempts {
+            spec.tier_one.attempts = attempts;
+        }
+        spec.tier_one.backoff = exponential(
+            job,
+            &Some(spec.tier_one.backoff.clone()),
+            ["tier_one.initial", "tier_one.multiplier", "tier_one.max"],
+            &t.initial,
+            t.multiplier,
+            &t.max,
+        )?;
+        if let Some(text) = &t.max_wait {
+            spec.tier_one.max_wait = duration(job, "tier_one.max_wait", text)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -404,7 +511,7 @@ mod tests {
         let err = Overrides::from_toml("[jobs.x]\nattempts = \"three\"\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("config file"), "{err}");
+        assert!(err.contains("`x`") && err.contains("`attempts`"), "{err}");
         let err = Overrides::from_toml("[jobs.x]\nretries = 3\n")
             .unwrap_err()
             .to_string();
@@ -418,5 +525,153 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("RETRIES"), "{err}");
+    }
+
+    fn two_jobs() -> Registry {
+        let mut r = Registry::new();
+        for name in ["build-report", "send-mail"] {
+            let job = Job::<()>::builder(name).retry(3).build().unwrap();
+            r.register(&job, |_: JobContext, _: ()| async { Ok(()) })
+                .unwrap();
+        }
+        r
+    }
+
+    /// (attempts, timeout, tier-one attempts, tier-one max_wait) per job.
+    fn snapshot(r: &Registry) -> Vec<(u32, Option<Duration>, u32, Duration)> {
+        r.specs()
+            .map(|s| {
+                (
+                    s.retry.attempts,
+                    s.timeout,
+                    s.tier_one.attempts,
+                    s.tier_one.max_wait,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_refused_override_changes_nothing() {
+        let mut r = two_jobs();
+        let before = snapshot(&r);
+        // The first job's override is valid, the second job's is not.
+        let o = Overrides::from_toml(
+            "[jobs.build-report]\nattempts = 7\n[jobs.send-mail]\ntimeout = \"soon\"\n",
+        )
+        .unwrap();
+        let err = r.apply_overrides(&o).unwrap_err().to_string();
+        assert!(
+            err.contains("send-mail") && err.contains("timeout"),
+            "{err}"
+        );
+        assert_eq!(snapshot(&r), before, "nothing applied");
+
+        // A later field of the same job fails validation.
+        let o = Overrides::from_toml(
+            "[jobs.build-report]\nattempts = 7\ntimeout = \"9s\"\ntier_one = { attempts = 0 }\n",
+        )
+        .unwrap();
+        let err = r.apply_overrides(&o).unwrap_err().to_string();
+        assert!(err.contains("tier_one.attempts"), "{err}");
+        assert_eq!(snapshot(&r), before, "nothing applied");
+
+        // A valid file and an invalid environment variable.
+        let env = Overrides::from_env([(
+            "QUEUE_JOB__SEND_MAIL__TIER_ONE_MAX_WAIT".to_string(),
+            "later".to_string(),
+        )])
+        .unwrap();
+        let file =
+            Overrides::from_toml("[jobs.build-report]\ntier_one = { attempts = 4 }\n").unwrap();
+        assert!(r.apply_overrides(&file.merge(env)).is_err());
+        assert_eq!(snapshot(&r), before, "nothing applied");
+    }
+
+    fn invalid(err: PolicyError) -> (String, String) {
+        match err {
+            PolicyError::Invalid { job, field, .. } => (job, field.to_string()),
+        }
+    }
+
+    #[test]
+    fn file_errors_name_the_job_and_the_field() {
+        let cases = [
+            (
+                "[jobs.build-report]\nattempts = \"three\"\n",
+                "build-report",
+                "attempts",
+            ),
+            (
+                "[jobs.build-report]\ntimeout = 30\n",
+                "build-report",
+                "timeout",
+            ),
+            (
+                "[jobs.build-report]\nbackoff = { initial = 2 }\n",
+                "build-report",
+                "backoff.initial",
+            ),
+            (
+                "[jobs.build-report]\nbackoff = { multiplier = \"x\" }\n",
+                "build-report",
+                "backoff.multiplier",
+            ),
+            (
+                "[jobs.send-mail]\ntier_one = { attempts = -1 }\n",
+                "send-mail",
+                "tier_one.attempts",
+            ),
+            (
+                "[jobs.send-mail.tier_one]\nmax_wait = true\n",
+                "send-mail",
+                "tier_one.max_wait",
+            ),
+            (
+                "[jobs.build-report]\nretries = 3\n",
+                "build-report",
+                "retries",
+            ),
+            (
+                "[jobs.build-report]\nbackoff = { start = \"1s\" }\n",
+                "build-report",
+                "backoff.start",
+            ),
+            (
+                "[jobs.build-report]\nbackoff = \"2s\"\n",
+                "build-report",
+                "backoff",
+            ),
+            (
+                "[jobs]\nbuild-report = 3\n",
+                "build-report",
+                "jobs.build-report",
+            ),
+        ];
+        for (text, job, field) in cases {
+            let err = Overrides::from_toml(text).unwrap_err();
+            assert_eq!(
+                invalid(err.clone()),
+                (job.to_string(), field.to_string()),
+                "{text}: {err}"
+            );
+        }
+        let err = Overrides::from_toml("[jobs.build-report]\nretries = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`attempts`") && err.contains("`tier_one`"),
+            "the allowed fields are listed: {err}"
+        );
+        let err = Overrides::from_toml("[jobs.x]\nattempts = \"three\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("three"), "the value is quoted: {err}");
+
+        // Top-level errors stay consumer-wide.
+        for text in ["retries = 3\n", "jobs = 3\n", "[jobs.x\n"] {
+            let err = Overrides::from_toml(text).unwrap_err();
+            assert_eq!(invalid(err.clone()).0, "*", "{text}: {err}");
+        }
     }
 }

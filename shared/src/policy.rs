@@ -6,6 +6,7 @@
 //! multiplier or attempt number yields the cap (or `Duration::MAX`), never a
 //! panic or an overflow.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -151,18 +152,23 @@ pub enum PolicyError {
     Invalid {
         /// The job (or `*` for consumer-wide settings).
         job: String,
-        /// The field.
-        field: &'static str,
+        /// The field (`backoff.initial`, `tier_one.attempts`, ...), or what
+        /// was being read for consumer-wide errors (`config file`).
+        field: Cow<'static, str>,
         /// Why.
         reason: String,
     },
 }
 
 impl PolicyError {
-    pub(crate) fn invalid(job: &str, field: &'static str, reason: impl Into<String>) -> Self {
+    pub(crate) fn invalid(
+        job: &str,
+        field: impl Into<Cow<'static, str>>,
+        reason: impl Into<String>,
+    ) -> Self {
         PolicyError::Invalid {
             job: job.to_string(),
-            field,
+            field: field.into(),
             reason: reason.into(),
         }
     }

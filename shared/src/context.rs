@@ -1,4 +1,14 @@
 //! What a handler knows about the execution it is in.
+//!
+//! An execution ends for two outside reasons: its deadline (the job's
+//! timeout, or the driver's hold on the delivery) and shutdown. Both are
+//! cooperative: the handler looks, through [`JobContext::check_deadline`],
+//! [`JobContext::check_cancelled`], or by waiting with [`JobContext::sleep`],
+//! which ends at whichever comes first, like a Go `select` on `ctx.Done()`.
+//! The two are told apart because they settle differently: a shutdown error
+//! ([`Cancelled`], or one wrapping it) hands the delivery back at once,
+//! skipping the cap; a missed deadline ([`DeadlineExceeded`]) is an ordinary
+//! error that follows the job's retry policy.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -17,11 +27,52 @@ use crate::runtime::{Instant, Runtime};
 #[error("execution deadline exceeded")]
 pub struct DeadlineExceeded;
 
+/// Why [`JobContext::sleep`] ended before its time.
+///
+/// Its [`source`](std::error::Error::source) is the [`Cancelled`] or the
+/// [`DeadlineExceeded`], so a handler can return it with `?`: a cancellation
+/// settles by the shutdown rule, a missed deadline as an ordinary error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Interrupted {
+    /// The consumer is shutting down.
+    #[error("sleep interrupted: {0}")]
+    Cancelled(#[source] Cancelled),
+    /// The execution's deadline came first.
+    #[error("sleep interrupted: {0}")]
+    DeadlineExceeded(#[source] DeadlineExceeded),
+}
+
+impl Interrupted {
+    /// Whether shutdown ended the sleep (the handler should return the error).
+    pub fn is_cancelled(&self) -> bool {
+        matches!(self, Interrupted::Cancelled(_))
+    }
+
+    /// Whether the execution's deadline ended the sleep.
+    pub fn is_deadline_exceeded(&self) -> bool {
+        matches!(self, Interrupted::DeadlineExceeded(_))
+    }
+}
+
+impl From<Cancelled> for Interrupted {
+    fn from(cancelled: Cancelled) -> Self {
+        Interrupted::Cancelled(cancelled)
+    }
+}
+
+impl From<DeadlineExceeded> for Interrupted {
+    fn from(deadline: DeadlineExceeded) -> Self {
+        Interrupted::DeadlineExceeded(deadline)
+    }
+}
+
 /// Per-execution context handed to a handler.
 ///
 /// Deadlines and cancellation are cooperative: nothing forces a handler to
-/// return, it must look. [`JobContext::sleep`] and
-/// [`JobContext::check_cancelled`] make that easy.
+/// return, it must look. [`JobContext::sleep`] (which ends at either),
+/// [`JobContext::check_deadline`] and [`JobContext::check_cancelled`] make
+/// that easy.
 #[derive(Clone)]
 pub struct JobContext {
     inner: Arc<Inner>,
@@ -164,19 +215,155 @@ impl JobContext {
         self.inner.cancel.cancelled().await;
         Cancelled::new()
     }
-    /// Sleeps on the injected runtime, or returns `Err(Cancelled)` as soon as
-    /// the consumer shuts down.
-    pub async fn sleep(&self, duration: Duration) -> Result<(), Cancelled> {
+    /// Sleeps on the injected runtime for `duration`, or less: the sleep ends
+    /// at whichever comes first, the consumer's shutdown, the execution's
+    /// deadline, or the end of `duration`.
+    ///
+    /// - Shutdown (before or during the sleep): `Err` with
+    ///   [`Interrupted::is_cancelled`]; its source is [`Cancelled`], so
+    ///   returning it (`?`) settles the delivery by the shutdown rule.
+    /// - The deadline, when it comes before `duration` ends (or has already
+    ///   passed): `Err` after sleeping until the deadline; its source is
+    ///   [`DeadlineExceeded`], an ordinary error.
+    /// - Otherwise `Ok(())` after `duration` (a sleep that ends exactly at
+    ///   the deadline completes).
+    ///
+    /// ```
+    /// # use queue::{JobContext, JobError};
+    /// # use std::time::Duration;
+    /// async fn poll_until_ready(ctx: JobContext) -> Result<(), JobError> {
+    ///     // A shutdown or a missed deadline ends the wait and the handler.
+    ///     ctx.sleep(Duration::from_millis(500)).await?;
+    ///     Ok(())
+    /// }
+    /// ```
+    pub async fn sleep(&self, duration: Duration) -> Result<(), Interrupted> {
         self.check_cancelled()?;
-        let sleep = self.inner.runtime.sleep(duration);
+        let (wait, end) = match self.remaining() {
+            Some(left) if left < duration => (left, Err(DeadlineExceeded.into())),
+            _ => (duration, Ok(())),
+        };
+        if wait.is_zero() {
+            return end;
+        }
+        let sleep = self.inner.runtime.sleep(wait);
         let cancelled = self.inner.cancel.cancelled();
         match select(sleep, cancelled).await {
-            Either::Left(_) => Ok(()),
-            Either::Right(_) => Err(Cancelled::new()),
+            Either::Left(_) => end,
+            Either::Right(_) => Err(Cancelled::new().into()),
         }
     }
     /// The runtime's clock.
     pub fn now(&self) -> Instant {
         self.inner.runtime.now()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{JobError, Outcome};
+    use crate::maybe_send::BoxFuture;
+    use crate::runtime::{Clock, VirtualRuntime};
+    use futures_executor::block_on;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    fn parts(runtime: Arc<dyn Runtime>, cancel: &CancelToken) -> ContextParts {
+        ContextParts {
+            job: "j".into(),
+            queue: "q".into(),
+            message_id: "m".into(),
+            attempt: 1,
+            in_process_limit: 1,
+            cancel: cancel.clone(),
+            runtime,
+            metadata: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_sleep_ends_at_the_deadline() {
+        let clock = VirtualRuntime::new();
+        let parts = parts(Arc::new(clock.clone()), &CancelToken::new());
+        let ctx = JobContext::new(&parts, 1, Some(clock.now() + S(2)));
+        let err = block_on(ctx.sleep(S(10))).expect_err("the deadline ends the sleep");
+        assert_eq!(
+            clock.elapsed(),
+            S(2),
+            "slept until the deadline, not past it"
+        );
+        assert!(err.is_deadline_exceeded());
+        assert_eq!(
+            JobError::from(err.clone()).chain_text(),
+            "sleep interrupted: execution deadline exceeded"
+        );
+        assert!(!err.is_cancelled());
+        assert_eq!(
+            JobError::from(err).outcome(),
+            Outcome::Ordinary,
+            "a timeout is not a shutdown"
+        );
+
+        let err = block_on(ctx.sleep(S(1))).expect_err("the deadline has passed");
+        assert_eq!(
+            clock.elapsed(),
+            S(2),
+            "no sleep once the deadline has passed"
+        );
+        assert!(JobError::from(err).is::<DeadlineExceeded>());
+    }
+
+    #[test]
+    fn a_sleep_shorter_than_the_time_left_completes() {
+        let clock = VirtualRuntime::new();
+        let parts = parts(Arc::new(clock.clone()), &CancelToken::new());
+        let ctx = JobContext::new(&parts, 1, Some(clock.now() + S(2)));
+        assert!(block_on(ctx.sleep(S(2))).is_ok());
+        assert_eq!(clock.elapsed(), S(2));
+        let ctx = JobContext::new(&parts, 1, None);
+        assert!(block_on(ctx.sleep(S(60))).is_ok());
+        assert_eq!(clock.elapsed(), S(62));
+    }
+
+    /// Sleeps never finish; starting one starts shutdown.
+    struct ShutdownDuringSleep {
+        clock: VirtualRuntime,
+        cancel: CancelToken,
+    }
+
+    impl Clock for ShutdownDuringSleep {
+        fn now(&self) -> Instant {
+            self.clock.now()
+        }
+    }
+
+    impl Runtime for ShutdownDuringSleep {
+        fn sleep(&self, _: Duration) -> BoxFuture<'static, ()> {
+            self.cancel.cancel();
+            Box::pin(std::future::pending())
+        }
+    }
+
+    #[test]
+    fn cancellation_ends_a_sleep_with_the_shutdown_outcome() {
+        let cancel = CancelToken::new();
+        let clock = VirtualRuntime::new();
+        let runtime = Arc::new(ShutdownDuringSleep {
+            clock: clock.clone(),
+            cancel: cancel.clone(),
+        });
+        let parts = parts(runtime, &cancel);
+        let ctx = JobContext::new(&parts, 1, Some(clock.now() + S(2)));
+        let err = block_on(ctx.sleep(S(10))).expect_err("shutdown ends the sleep");
+        assert!(err.is_cancelled());
+        let err = JobError::from(err);
+        assert_eq!(err.outcome(), Outcome::Cancelled);
+        assert!(crate::settle::is_shutdown(&Err(err), true));
+
+        let err = block_on(ctx.sleep(S(1))).expect_err("already shutting down");
+        assert_eq!(JobError::from(err).outcome(), Outcome::Cancelled);
     }
 }

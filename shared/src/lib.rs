@@ -85,7 +85,7 @@ pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, Circui
 pub use budget::{failure_budget, FailureBudget};
 pub use cancel::CancelToken;
 pub use config::Overrides;
-pub use context::{DeadlineExceeded, JobContext};
+pub use context::{DeadlineExceeded, Interrupted, JobContext};
 pub use envelope::{Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
 pub use event::{Event, EventKind, EventSink};

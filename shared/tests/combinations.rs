@@ -3,17 +3,15 @@
 //! attached to a job, what the events of poison messages carry. Each test
 //! was written from the specification and failed before its fix.
 
-use std::error::Error as StdError;
-use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_executor::block_on;
 use queue::{
-    BreakerConfig, BreakerState, CancelToken, CircuitBreaker, Delivery, Envelope, EventKind,
-    FailureKind, Job, JobBuilder, JobContext, JobError, Outcome, Permanent, Processed, Registry,
-    Reject, RetryAfter, Runtime, Settlement, VirtualRuntime,
+    BreakerConfig, BreakerState, CancelToken, CircuitBreaker, Delivery, Envelope, FailureKind, Job,
+    JobBuilder, JobContext, JobError, Outcome, Permanent, Processed, Registry, Reject, RetryAfter,
+    Runtime, Settlement, VirtualRuntime,
 };
 
 #[cfg(target_arch = "wasm32")]
@@ -136,6 +134,8 @@ fn the_outermost_marker_wins() {
 mod wrapped_markers {
     use super::*;
     use proptest::prelude::*;
+    use std::error::Error as StdError;
+    use std::fmt;
 
     #[derive(Debug)]
     struct Wrapper(queue::BoxError);
@@ -275,7 +275,7 @@ fn a_panic_before_the_future_is_an_ordinary_error() {
         }
     );
     match &p.event.kind {
-        EventKind::Retried { error, .. } => {
+        queue::EventKind::Retried { error, .. } => {
             assert!(error.contains("bad report 7"), "{error}")
         }
         other => panic!("expected a retry, got {other:?}"),

@@ -183,6 +183,12 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
     for e in &st.trace {
         end_time = end_time.max(e.at);
     }
+    let nqueues = {
+        let mut q: Vec<&String> = sc.jobs.iter().map(|j| &j.queue).collect();
+        q.sort();
+        q.dedup();
+        q.len()
+    };
     for plan in &sc.msgs {
         let n = plan.n;
         let job = &sc.jobs[plan.job];
@@ -278,8 +284,10 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                 9,
                 n,
                 format!(
-                    "{what} not terminal by the horizon (state {state}, {} deliveries)",
-                    ds.len()
+                    "{what} not terminal by the horizon (state {state}, {} deliveries; consumer concurrency {} for {} queues)",
+                    ds.len(),
+                    sc.concurrency,
+                    nqueues
                 ),
             );
         }

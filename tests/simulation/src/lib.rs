@@ -258,9 +258,15 @@ async fn stop(host: Host, world: &World, inc: u32, graceful: bool) {
         }
         Host::Native(h) => h.abort(),
         Host::Edge(tasks) => {
+            // No graceful shutdown at the edge: the instance is reset, and
+            // the invocations in flight are lost.
             for t in tasks {
                 t.abort();
             }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let active: Vec<u64> = world.lock().cf_active.iter().copied().collect();
+            world.lock().crashed.insert(inc);
+            world.cf_end(&active, true, CF_MAX_RETRIES);
         }
     }
     // Let aborted tasks drop their deliveries.

@@ -288,6 +288,7 @@ pub(crate) struct State {
     pub(crate) scripts: BTreeMap<u64, crate::scenario::Script>,
     pub(crate) deliveries: u64,
     pub(crate) cf_marks: BTreeMap<u64, Mark>,
+    pub(crate) cf_active: BTreeSet<u64>,
 }
 
 /// What a Cloudflare message was marked with during an invocation.
@@ -328,6 +329,7 @@ impl World {
                 scripts: BTreeMap::new(),
                 deliveries: 0,
                 cf_marks: BTreeMap::new(),
+                cf_active: BTreeSet::new(),
             }),
             notify: Notify::new(),
         })
@@ -480,6 +482,9 @@ impl World {
                 incarnation,
             },
         );
+        if sem == Semantics::Cloudflare {
+            st.cf_active.insert(id);
+        }
         Ok((id, n, body, attempt, sr))
     }
 
@@ -981,17 +986,23 @@ impl World {
         let now = Instant::now();
         let mut st = self.lock();
         for &id in batch {
+            if !st.cf_active.remove(&id) {
+                continue;
+            }
             let mark = st.cf_marks.remove(&id);
             let d = &st.dlvs[&id];
             let (n, ended) = (d.msg, d.ended);
             if !ended {
+                let crashed = aborted && st.crashed.contains(&st.dlvs[&id].incarnation);
                 self.finish(&mut st, id);
                 self.log(
                     &mut st,
                     Some(n),
                     Ev::Abandoned {
                         delivery: id,
-                        reason: if aborted {
+                        reason: if crashed {
+                            Abandon::Crash
+                        } else if aborted {
                             Abandon::InvocationAborted
                         } else {
                             Abandon::Unknown

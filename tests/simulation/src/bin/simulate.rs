@@ -12,7 +12,7 @@ use queue_simulation::{run_seed, Backend};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace]\n backends: memory rabbit sqs nats cloudflare"
+        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all]\n backends: memory rabbit sqs nats cloudflare"
     );
     ExitCode::from(2)
 }
@@ -24,6 +24,7 @@ fn main() -> ExitCode {
     let mut seed: Option<u64> = None;
     let mut backend: Option<Backend> = None;
     let mut full = false;
+    let mut all = false;
     let mut i = 0;
     while i < args.len() {
         let val = args.get(i + 1).cloned().unwrap_or_default();
@@ -35,6 +36,11 @@ fn main() -> ExitCode {
                 Some(b) => backend = Some(b),
                 None => return usage(),
             },
+            "--all" => {
+                all = true;
+                i += 1;
+                continue;
+            }
             "--trace" => {
                 full = true;
                 i += 1;
@@ -80,6 +86,11 @@ fn main() -> ExitCode {
                 report.invariants(),
                 report.replay_command()
             );
+            if all {
+                for v in &report.violations {
+                    println!("  V seed {s} {} {v}", report.backend.name());
+                }
+            }
         }
     }
     println!(

@@ -394,7 +394,7 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                     if plan.kind == Kind::Valid
                         && next.execs == 0
                         && next.abandoned.is_none()
-                        && !next.settle.as_ref().is_some_and(|s| !s.1)
+                        && next.settle.as_ref().is_none_or(|s| s.1)
                     {
                         push(
                             7,

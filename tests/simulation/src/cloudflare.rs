@@ -80,6 +80,7 @@ impl DeliveryHandle for CfHandle {
 }
 
 /// One queue's consumer: invocations one after another until aborted.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_queue(
     world: Arc<World>,
     registry: Arc<Registry>,

@@ -299,6 +299,9 @@ pub(crate) enum Mark {
     Nothing,
 }
 
+/// A delivery taken: id, message, body, attempt, shutdown returns.
+pub(crate) type Taken = (u64, u64, Vec<u8>, u32, Option<u32>);
+
 /// A model backend's world: state, clock origin and wake-ups.
 pub struct World {
     pub(crate) sem: Semantics,
@@ -421,7 +424,7 @@ impl World {
         &self,
         queues: &[String],
         incarnation: u32,
-    ) -> Result<(u64, u64, Vec<u8>, u32, Option<u32>), Option<Instant>> {
+    ) -> Result<Taken, Option<Instant>> {
         let now = Instant::now();
         let mut st = self.lock();
         let mut best: Option<(i64, u64)> = None;
@@ -806,13 +809,13 @@ impl World {
                 ),
             )),
             Some((n, s)) => {
-                let ok = match (&event.kind, &s) {
-                    (EventKind::Succeeded { .. }, Settled::Ack) => true,
-                    (EventKind::Retried { .. }, Settled::Retry { .. }) => true,
-                    (EventKind::Rejected { .. }, Settled::Reject) => true,
-                    (EventKind::Failed { .. }, Settled::Fail { .. }) => true,
-                    _ => false,
-                };
+                let ok = matches!(
+                    (&event.kind, &s),
+                    (EventKind::Succeeded { .. }, Settled::Ack)
+                        | (EventKind::Retried { .. }, Settled::Retry { .. })
+                        | (EventKind::Rejected { .. }, Settled::Reject)
+                        | (EventKind::Failed { .. }, Settled::Fail { .. })
+                );
                 if !ok || msg.is_some_and(|m| m != n) {
                     st.violations.push((
                         Some(n),

@@ -8,7 +8,7 @@ use std::time::Instant;
 use queue_simulation::{run_seed, Backend};
 
 /// Seeds per backend (debug build, 2 cores: well under a minute in all).
-const SEEDS: u64 = 100;
+const SEEDS: u64 = 800;
 
 #[test]
 fn fixed_seeds_hold_every_invariant() {

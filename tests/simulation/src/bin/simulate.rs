@@ -1,0 +1,105 @@
+//! Soak and replay front end of the simulation.
+//!
+//! `simulate --seeds 1000 [--from 0] [--backend rabbit]` runs many seeds and
+//! prints one line per failing seed and a summary; `simulate --seed S
+//! [--backend B]` replays one seed and prints the offending messages' traces.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use queue_simulation::{run_seed, Backend};
+
+fn usage() -> ExitCode {
+    eprintln!(
+        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all]\n backends: memory rabbit sqs nats cloudflare"
+    );
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut seeds: Option<u64> = None;
+    let mut from = 0u64;
+    let mut seed: Option<u64> = None;
+    let mut backend: Option<Backend> = None;
+    let mut full = false;
+    let mut all = false;
+    let mut i = 0;
+    while i < args.len() {
+        let val = args.get(i + 1).cloned().unwrap_or_default();
+        match args[i].as_str() {
+            "--seeds" => seeds = val.parse().ok(),
+            "--from" => from = val.parse().unwrap_or(0),
+            "--seed" => seed = val.parse().ok(),
+            "--backend" => match Backend::parse(&val) {
+                Some(b) => backend = Some(b),
+                None => return usage(),
+            },
+            "--all" => {
+                all = true;
+                i += 1;
+                continue;
+            }
+            "--trace" => {
+                full = true;
+                i += 1;
+                continue;
+            }
+            _ => return usage(),
+        }
+        i += 2;
+    }
+    if let Some(seed) = seed {
+        let report = run_seed(seed, backend);
+        if full {
+            for e in &report.trace {
+                println!("{e}");
+            }
+        }
+        if report.ok() {
+            println!(
+                "seed {seed} backend {}: ok ({})",
+                report.backend.name(),
+                report.summary
+            );
+            return ExitCode::SUCCESS;
+        }
+        print!("{}", report.details());
+        return ExitCode::FAILURE;
+    }
+    let Some(n) = seeds else { return usage() };
+    let started = Instant::now();
+    let mut failing = 0;
+    let mut by_invariant: BTreeMap<u8, u64> = BTreeMap::new();
+    for s in from..from + n {
+        let report = run_seed(s, backend);
+        if !report.ok() {
+            failing += 1;
+            for inv in report.invariants() {
+                *by_invariant.entry(inv).or_default() += 1;
+            }
+            let first = &report.violations[0];
+            println!(
+                "FAIL seed {s} {} invariants {:?}: {first}\n  replay: {}",
+                report.backend.name(),
+                report.invariants(),
+                report.replay_command()
+            );
+            if all {
+                for v in &report.violations {
+                    println!("  V seed {s} {} {v}", report.backend.name());
+                }
+            }
+        }
+    }
+    println!(
+        "{n} seeds from {from}: {failing} failing; by invariant {by_invariant:?}; {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    if failing > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

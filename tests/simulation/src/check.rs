@@ -1,0 +1,478 @@
+//! The invariants, checked against the trace after a run.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use queue::FailureKind;
+
+use crate::model::{Abandon, Eff, Entry, Ev, Settled, World};
+use crate::scenario::{Kind, Scenario};
+use crate::Backend;
+
+/// One broken invariant.
+#[derive(Debug, Clone)]
+pub struct Violation {
+    /// The invariant's number (1 to 9; 0 = the simulation itself).
+    pub invariant: u8,
+    /// The message concerned.
+    pub msg: Option<u64>,
+    /// What happened.
+    pub text: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = self
+            .msg
+            .map(|m| format!("m{m}"))
+            .unwrap_or_else(|| "-".into());
+        write!(f, "invariant {} [{m}]: {}", self.invariant, self.text)
+    }
+}
+
+/// The result of one seed.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// The backend simulated.
+    pub backend: Backend,
+    /// Violations found.
+    pub violations: Vec<Violation>,
+    /// The whole trace.
+    pub trace: Vec<Entry>,
+    /// Messages, deliveries and virtual time simulated.
+    pub summary: String,
+    /// The scenario, described.
+    pub scenario: String,
+}
+
+impl Report {
+    /// Whether every invariant held.
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// The command that replays this seed.
+    pub fn replay_command(&self) -> String {
+        format!(
+            "cargo run -p queue-simulation --release -- --seed {} --backend {}",
+            self.seed,
+            self.backend.name()
+        )
+    }
+
+    /// The invariants violated, sorted and deduplicated.
+    pub fn invariants(&self) -> Vec<u8> {
+        let mut v: Vec<u8> = self.violations.iter().map(|v| v.invariant).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// The trace of one message, plus the faults and consumer starts.
+    pub fn trace_of(&self, msg: u64) -> String {
+        let mut out = String::new();
+        for e in &self.trace {
+            if e.msg == Some(msg) || (e.msg.is_none() && matches!(e.ev, Ev::Fault(_))) {
+                out.push_str(&e.to_string());
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    /// The violations with the trace of each offending message.
+    pub fn details(&self) -> String {
+        let mut out = format!(
+            "seed {} backend {}: {}\n{}\n",
+            self.seed,
+            self.backend.name(),
+            self.summary,
+            self.scenario
+        );
+        for v in &self.violations {
+            out.push_str(&format!("  {v}\n"));
+        }
+        let mut shown = Vec::new();
+        for v in &self.violations {
+            if let Some(m) = v.msg {
+                if !shown.contains(&m) && shown.len() < 3 {
+                    shown.push(m);
+                    out.push_str(&format!("--- trace of m{m} ---\n{}", self.trace_of(m)));
+                }
+            }
+        }
+        out.push_str(&format!("replay: {}\n", self.replay_command()));
+        out
+    }
+}
+
+#[derive(Default, Debug)]
+struct D {
+    id: u64,
+    at: Duration,
+    attempt: u32,
+    execs: u32,
+    last_step: String,
+    last_eff: Option<Eff>,
+    settle: Option<(Settled, bool, Duration, bool)>,
+    abandoned: Option<Abandon>,
+    record: bool,
+    abandoned_after_record: bool,
+}
+
+fn expected(eff: Eff, last_allowed: bool) -> &'static str {
+    match eff {
+        Eff::Ok => "ack",
+        Eff::Permanent => "fail(permanent)",
+        Eff::Reject => "reject",
+        Eff::Cancelled => "retry(shutdown)",
+        _ if last_allowed => "fail(attempts exhausted)",
+        _ => "retry",
+    }
+}
+
+fn matches(want: &str, eff: Eff, s: &Settled) -> bool {
+    match (want, s) {
+        ("ack", Settled::Ack) => true,
+        ("fail(permanent)", Settled::Fail { kind, .. }) => *kind == FailureKind::Permanent,
+        ("reject", Settled::Reject) => true,
+        ("retry(shutdown)", Settled::Retry { shutdown, .. }) => *shutdown,
+        ("fail(attempts exhausted)", Settled::Fail { kind, .. }) => {
+            *kind == FailureKind::AttemptsExhausted
+        }
+        ("retry", Settled::Retry { delay, shutdown }) => {
+            !*shutdown
+                && match eff {
+                    Eff::RetryAfter(d) if !d.is_zero() => delay.is_some_and(|x| x >= d),
+                    _ => true,
+                }
+        }
+        _ => false,
+    }
+}
+
+/// Checks every invariant for a finished run.
+pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Report {
+    let st = world.lock();
+    let mut v: Vec<Violation> = st
+        .violations
+        .iter()
+        .map(|(m, i, t)| Violation {
+            invariant: *i,
+            msg: *m,
+            text: t.clone(),
+        })
+        .collect();
+    let mut per: BTreeMap<u64, Vec<&Entry>> = BTreeMap::new();
+    for e in &st.trace {
+        if let Some(m) = e.msg {
+            per.entry(m).or_default().push(e);
+        }
+    }
+    let mut push = |invariant: u8, msg: u64, text: String| {
+        v.push(Violation {
+            invariant,
+            msg: Some(msg),
+            text,
+        })
+    };
+    let mut end_time = Duration::ZERO;
+    for e in &st.trace {
+        end_time = end_time.max(e.at);
+    }
+    let nqueues = {
+        let mut q: Vec<&String> = sc.jobs.iter().map(|j| &j.queue).collect();
+        q.sort();
+        q.dedup();
+        q.len()
+    };
+    for plan in &sc.msgs {
+        let n = plan.n;
+        let job = &sc.jobs[plan.job];
+        let entries = per.remove(&n).unwrap_or_default();
+        let mut ds: Vec<D> = Vec::new();
+        let mut idx: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut removed: Vec<String> = Vec::new();
+        let mut records = 0;
+        let mut total_execs = 0u32;
+        for e in &entries {
+            match &e.ev {
+                Ev::Delivered {
+                    delivery, attempt, ..
+                } => {
+                    idx.insert(*delivery, ds.len());
+                    ds.push(D {
+                        id: *delivery,
+                        at: e.at,
+                        attempt: *attempt,
+                        ..D::default()
+                    });
+                }
+                Ev::Exec { delivery, step, .. } => {
+                    total_execs += 1;
+                    if let Some(d) = delivery.and_then(|d| idx.get(&d)) {
+                        ds[*d].execs += 1;
+                        ds[*d].last_step = step.clone();
+                        ds[*d].last_eff = None;
+                    }
+                }
+                Ev::ExecResult { delivery, eff } => {
+                    if let Some(d) = delivery.and_then(|d| idx.get(&d)) {
+                        ds[*d].last_eff = Some(*eff);
+                    }
+                }
+                Ev::Accepted {
+                    delivery,
+                    settled,
+                    shutting_down,
+                } => {
+                    if let Some(d) = idx.get(delivery) {
+                        ds[*d].settle = Some((settled.clone(), true, e.at, *shutting_down));
+                    }
+                }
+                Ev::Refused {
+                    delivery,
+                    settled,
+                    shutting_down,
+                    ..
+                } => {
+                    if let Some(d) = idx.get(delivery) {
+                        ds[*d].settle = Some((settled.clone(), false, e.at, *shutting_down));
+                    }
+                }
+                Ev::Abandoned { delivery, reason } => {
+                    if let Some(d) = idx.get(delivery) {
+                        ds[*d].abandoned = Some(*reason);
+                        if ds[*d].record {
+                            ds[*d].abandoned_after_record = true;
+                        }
+                    }
+                }
+                Ev::Record { delivery } => {
+                    records += 1;
+                    if let Some(d) = idx.get(delivery) {
+                        ds[*d].record = true;
+                    }
+                }
+                Ev::Removed(how) => removed.push(how.clone()),
+                _ => {}
+            }
+        }
+        let what = format!("{:?} message of {} (cap {})", plan.kind, job.name, job.cap);
+        // 1. Ends exactly once; records.
+        if removed.len() > 1 {
+            push(
+                1,
+                n,
+                format!("{what} removed {} times: {removed:?}", removed.len()),
+            );
+        }
+        let dup_ok = ds.iter().filter(|d| d.abandoned_after_record).count();
+        if records > 1 + dup_ok {
+            push(1, n, format!("{what} has {records} failure records"));
+        }
+        // 9. Liveness.
+        if removed.is_empty() {
+            let state = match st.msgs.get(&n).map(|m| m.state) {
+                None => "never dispatched".to_string(),
+                Some(s) => format!("{s:?}"),
+            };
+            push(
+                9,
+                n,
+                format!(
+                    "{what} not terminal by the horizon (state {state}, {} deliveries; consumer concurrency {} for {} queues)",
+                    ds.len(),
+                    sc.concurrency,
+                    nqueues
+                ),
+            );
+        }
+        // 4. Unexplained abandonment.
+        for d in &ds {
+            if d.abandoned == Some(Abandon::Unknown) {
+                push(
+                    4,
+                    n,
+                    format!(
+                        "delivery {} (attempt {}) abandoned without settlement and without an injected fault: a delivery task died (last step {})",
+                        d.id, d.attempt, d.last_step
+                    ),
+                );
+            }
+        }
+        let injected_before = |i: usize| {
+            ds[..i]
+                .iter()
+                .any(|d| d.abandoned.is_some_and(|a| a.injected()))
+        };
+        // 2. Execution bound.
+        if plan.kind == Kind::Valid && job.cap != 0 {
+            let s = ds
+                .iter()
+                .filter(|d| {
+                    matches!(
+                        d.settle,
+                        Some((Settled::Retry { shutdown: true, .. }, true, _, _))
+                    )
+                })
+                .count() as u32;
+            let abandoned: u32 = ds
+                .iter()
+                .filter(|d| d.abandoned.is_some_and(|a| a.injected()))
+                .map(|d| d.execs)
+                .sum();
+            let bound = job.tier_one * (job.cap + s + 1) + abandoned;
+            if total_execs > bound {
+                push(
+                    2,
+                    n,
+                    format!(
+                        "{what}: {total_execs} executions exceed the bound {bound} (N {} x (M {} + s {s} + 1) + {abandoned} abandoned)",
+                        job.tier_one, job.cap
+                    ),
+                );
+            }
+        }
+        for (i, d) in ds.iter().enumerate() {
+            let Some((settled, accepted, at, shutting)) = &d.settle else {
+                continue;
+            };
+            // 3. Zero-execution failures.
+            if let Settled::Fail { kind, executions } = settled {
+                if *accepted && d.execs == 0 {
+                    let rule = match plan.kind {
+                        Kind::Malformed => *kind == FailureKind::MalformedEnvelope,
+                        Kind::UnknownName => *kind == FailureKind::UnknownName,
+                        Kind::Undecodable => *kind == FailureKind::UndecodablePayload,
+                        Kind::Invalid => *kind == FailureKind::InvalidPayload,
+                        Kind::Valid => {
+                            *kind == FailureKind::AttemptsExhausted && injected_before(i)
+                        }
+                    };
+                    if !rule {
+                        push(
+                            3,
+                            n,
+                            format!(
+                                "{what} failed ({kind:?}) on delivery {} (attempt {}) with zero executions (record says {executions}), no rule or injected fault explains it",
+                                d.id, d.attempt
+                            ),
+                        );
+                    }
+                }
+            }
+            // 6. Retry delays.
+            if let (
+                Settled::Retry {
+                    delay: Some(want), ..
+                },
+                true,
+            ) = (settled, accepted)
+            {
+                if let Some(next) = ds.get(i + 1) {
+                    if next.at - *at < *want {
+                        push(
+                            6,
+                            n,
+                            format!(
+                                "retry of delivery {} requested {want:?} but delivery {} came {:?} later",
+                                d.id,
+                                next.id,
+                                next.at - *at
+                            ),
+                        );
+                    }
+                }
+            }
+            // 7. Shutdown retries keep the last execution.
+            if let (Settled::Retry { shutdown: true, .. }, true) = (settled, accepted) {
+                if let Some(next) = ds.get(i + 1) {
+                    if plan.kind == Kind::Valid
+                        && next.execs == 0
+                        && next.abandoned.is_none()
+                        && next.settle.as_ref().is_none_or(|s| s.1)
+                    {
+                        push(
+                            7,
+                            n,
+                            format!(
+                                "after the graceful-shutdown retry of delivery {} (attempt {}), delivery {} (attempt {}) ran no execution and settled {:?}",
+                                d.id,
+                                d.attempt,
+                                next.id,
+                                next.attempt,
+                                next.settle.as_ref().map(|s| &s.0)
+                            ),
+                        );
+                    }
+                }
+            }
+            // 8. The outcome table.
+            if plan.kind == Kind::Valid && d.execs > 0 {
+                let Some(eff) = d.last_eff else { continue };
+                if d.last_step.starts_with("Hang") && eff == Eff::Ordinary && *shutting {
+                    // A hang interrupted by shutdown may settle as the shutdown rule.
+                }
+                let last_allowed = job.cap != 0 && d.attempt >= job.cap;
+                let want = expected(eff, last_allowed);
+                let shutdown_ok = *shutting
+                    && !matches!(eff, Eff::Ok | Eff::Permanent | Eff::Reject)
+                    && matches!(settled, Settled::Retry { shutdown: true, .. });
+                if !shutdown_ok && !matches(want, eff, settled) {
+                    push(
+                        8,
+                        n,
+                        format!(
+                            "delivery {} (attempt {} of cap {}): last execution {} gave {eff:?}, settled as {settled:?}, expected {want}",
+                            d.id, d.attempt, job.cap, d.last_step
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    if st.deliveries > 20_000 {
+        v.push(Violation {
+            invariant: 9,
+            msg: None,
+            text: format!("runaway: {} deliveries", st.deliveries),
+        });
+    }
+    let summary = format!(
+        "{} messages, {} deliveries, {:.0}s virtual",
+        sc.msgs.len(),
+        st.deliveries,
+        end_time.as_secs_f64()
+    );
+    let scenario = format!(
+        "  jobs: {}\n  concurrency {}, queues {:?}, faults {:?}",
+        sc.jobs
+            .iter()
+            .map(|j| format!(
+                "{}@{} cap {} t1 {} backoff {} timeout {:?} breaker {:?}",
+                j.name, j.queue, j.cap, j.tier_one, j.backoff, j.timeout, j.breaker
+            ))
+            .collect::<Vec<_>>()
+            .join("; "),
+        sc.concurrency,
+        {
+            let mut q: Vec<&String> = sc.jobs.iter().map(|j| &j.queue).collect();
+            q.sort();
+            q.dedup();
+            q
+        },
+        sc.faults
+    );
+    Report {
+        seed,
+        backend,
+        violations: v,
+        trace: st.trace.clone(),
+        summary,
+        scenario,
+    }
+}

@@ -1,0 +1,1064 @@
+//! Model backends: one [`Model`] driver whose [`Semantics`] mimic a real
+//! backend's counting, redelivery and settlement, recording everything into
+//! one trace.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use queue::{Event, EventKind, EventSink, FailureKind, Settlement};
+use queue_native::{
+    Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
+};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Which backend a model mimics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Semantics {
+    /// The in-memory driver.
+    Memory,
+    /// RabbitMQ (quorum queue, delay buckets).
+    Rabbit,
+    /// Amazon SQS (visibility timeouts).
+    Sqs,
+    /// NATS JetStream (AckWait, Nak, Term).
+    Nats,
+    /// Cloudflare Workers Queues (batches, implicit ack).
+    Cloudflare,
+}
+
+/// SQS visibility timeout and NATS AckWait.
+pub(crate) const LEASE: Duration = Duration::from_secs(30);
+/// SQS's limit on visibility from receive.
+pub(crate) const SQS_MAX: Duration = Duration::from_secs(12 * 3600);
+/// Cloudflare's longest retry delay.
+pub(crate) const CF_MAX: Duration = Duration::from_secs(24 * 3600);
+/// The RabbitMQ model's delay buckets.
+pub(crate) const BUCKETS: [u64; 7] = [1, 5, 30, 120, 600, 3600, 86400];
+
+/// A settlement as the trace shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settled {
+    /// Ack.
+    Ack,
+    /// Retry.
+    Retry {
+        /// Requested delay.
+        delay: Option<Duration>,
+        /// Shutdown rule.
+        shutdown: bool,
+    },
+    /// Reject.
+    Reject,
+    /// Terminal failure.
+    Fail {
+        /// Failure kind.
+        kind: FailureKind,
+        /// Executions in the delivery.
+        executions: u32,
+    },
+}
+
+impl Settled {
+    pub(crate) fn of(s: &Settlement) -> Self {
+        match s {
+            Settlement::Ack => Settled::Ack,
+            Settlement::Retry { delay, shutdown } => Settled::Retry {
+                delay: *delay,
+                shutdown: *shutdown,
+            },
+            Settlement::Reject => Settled::Reject,
+            Settlement::Fail(r) => Settled::Fail {
+                kind: r.kind,
+                executions: r.executions,
+            },
+        }
+    }
+}
+
+/// Why a delivery ended without settlement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandon {
+    /// The consumer was aborted (an injected crash).
+    Crash,
+    /// The connection was lost (injected).
+    ConnectionLost,
+    /// The backend refused the settlement (injected).
+    Refused,
+    /// The backend refused the settlement as unsupported.
+    Unsupported,
+    /// A Cloudflare invocation was aborted by a panic.
+    InvocationAborted,
+    /// Nothing known: a delivery task died.
+    Unknown,
+}
+
+impl Abandon {
+    /// Whether an injected fault explains it.
+    pub fn injected(self) -> bool {
+        !matches!(self, Abandon::Unknown)
+    }
+}
+
+/// What a handler execution produced, as the simulation intended it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eff {
+    /// Ok.
+    Ok,
+    /// An ordinary error (including a hang past the timeout).
+    Ordinary,
+    /// A retry-after marker.
+    RetryAfter(Duration),
+    /// A permanent marker.
+    Permanent,
+    /// A reject marker.
+    Reject,
+    /// A panic.
+    Panic,
+    /// The breaker refused the call (ordinary).
+    BreakerOpen,
+    /// The handler returned `Cancelled` during shutdown.
+    Cancelled,
+}
+
+/// One entry of the trace.
+#[derive(Debug, Clone)]
+pub enum Ev {
+    /// Dispatched.
+    Sent {
+        /// The queue.
+        queue: String,
+        /// What kind of message.
+        what: String,
+    },
+    /// Handed to a consumer.
+    Delivered {
+        /// Delivery number (global).
+        delivery: u64,
+        /// Reported attempt.
+        attempt: u32,
+        /// Reported shutdown returns.
+        shutdown_returns: Option<u32>,
+        /// Consumer incarnation.
+        incarnation: u32,
+    },
+    /// A handler execution began.
+    Exec {
+        /// The delivery it belongs to.
+        delivery: Option<u64>,
+        /// Reported attempt.
+        attempt: u32,
+        /// In-process attempt.
+        in_process: u32,
+        /// Scripted outcome.
+        step: String,
+    },
+    /// What the execution produced.
+    ExecResult {
+        /// The delivery.
+        delivery: Option<u64>,
+        /// The effective outcome.
+        eff: Eff,
+    },
+    /// A settlement was accepted.
+    Accepted {
+        /// The delivery.
+        delivery: u64,
+        /// The settlement.
+        settled: Settled,
+        /// Whether the delivery's consumer was shutting down.
+        shutting_down: bool,
+    },
+    /// A settlement was refused.
+    Refused {
+        /// The delivery.
+        delivery: u64,
+        /// The settlement.
+        settled: Settled,
+        /// The error kind.
+        kind: ErrorKind,
+        /// Whether the delivery's consumer was shutting down.
+        shutting_down: bool,
+    },
+    /// A delivery ended without settlement.
+    Abandoned {
+        /// The delivery.
+        delivery: u64,
+        /// Why.
+        reason: Abandon,
+    },
+    /// A failure record was written.
+    Record {
+        /// The delivery.
+        delivery: u64,
+    },
+    /// The backend removed the message for good (how).
+    Removed(String),
+    /// The event sink received an event.
+    Emitted {
+        /// The event name.
+        kind: String,
+    },
+    /// An injected fault or a consumer start.
+    Fault(String),
+}
+
+/// A trace entry: when, which message, what.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Global sequence number.
+    pub seq: u64,
+    /// Virtual time since the start.
+    pub at: Duration,
+    /// The sim message number, if any.
+    pub msg: Option<u64>,
+    /// What happened.
+    pub ev: Ev,
+}
+
+impl fmt::Display for Entry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = self
+            .msg
+            .map(|m| format!("m{m}"))
+            .unwrap_or_else(|| "-".into());
+        write!(
+            f,
+            "#{:<5} {:>10.3}s {:>4} {:?}",
+            self.seq,
+            self.at.as_secs_f64(),
+            m,
+            self.ev
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MState {
+    Ready,
+    InFlight(u64),
+    Done,
+}
+
+pub(crate) struct Msg {
+    pub(crate) queue: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) state: MState,
+    pub(crate) avail: Instant,
+    order: i64,
+    /// Memory deliveries / SQS receive count / NATS delivered / CF attempts.
+    pub(crate) count: u32,
+    /// RabbitMQ: carried attempts header.
+    carried: u32,
+    /// RabbitMQ: x-delivery-count.
+    dcount: u32,
+    /// RabbitMQ: carried shutdown count; memory: accepted shutdown retries.
+    shutdowns: u32,
+    receive_at: Instant,
+    /// Cloudflare: the retry delay the platform should apply.
+    pub(crate) cf_delay: Option<Duration>,
+}
+
+pub(crate) struct Dlv {
+    pub(crate) msg: u64,
+    pub(crate) incarnation: u32,
+    pub(crate) attempt: u32,
+    pub(crate) ended: bool,
+    pub(crate) orphaned: bool,
+}
+
+/// The shared state of a model backend and the trace.
+pub(crate) struct State {
+    pub(crate) msgs: BTreeMap<u64, Msg>,
+    pub(crate) ids: BTreeMap<String, u64>,
+    pub(crate) dlvs: BTreeMap<u64, Dlv>,
+    next_dlv: u64,
+    next_order: i64,
+    seq: u64,
+    pub(crate) trace: Vec<Entry>,
+    pub(crate) crashed: BTreeSet<u32>,
+    pub(crate) shutting: BTreeSet<u32>,
+    pub(crate) refuse: u32,
+    pub(crate) conn_epoch: u64,
+    pub(crate) pending_event: Option<(u64, Settled)>,
+    pub(crate) violations: Vec<(Option<u64>, u8, String)>,
+    pub(crate) scripts: BTreeMap<u64, crate::scenario::Script>,
+    pub(crate) deliveries: u64,
+    pub(crate) cf_marks: BTreeMap<u64, Mark>,
+    pub(crate) cf_active: BTreeSet<u64>,
+}
+
+/// What a Cloudflare message was marked with during an invocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mark {
+    Ack,
+    Retry(Option<Duration>),
+    Nothing,
+}
+
+/// A delivery taken: id, message, body, attempt, shutdown returns.
+pub(crate) type Taken = (u64, u64, Vec<u8>, u32, Option<u32>);
+
+/// A model backend's world: state, clock origin and wake-ups.
+pub struct World {
+    pub(crate) sem: Semantics,
+    pub(crate) start: Instant,
+    state: Mutex<State>,
+    pub(crate) notify: Notify,
+}
+
+impl World {
+    pub(crate) fn new(sem: Semantics) -> Arc<Self> {
+        Arc::new(World {
+            sem,
+            start: Instant::now(),
+            state: Mutex::new(State {
+                msgs: BTreeMap::new(),
+                ids: BTreeMap::new(),
+                dlvs: BTreeMap::new(),
+                next_dlv: 1,
+                next_order: 1,
+                seq: 0,
+                trace: Vec::new(),
+                crashed: BTreeSet::new(),
+                shutting: BTreeSet::new(),
+                refuse: 0,
+                conn_epoch: 0,
+                pending_event: None,
+                violations: Vec::new(),
+                scripts: BTreeMap::new(),
+                deliveries: 0,
+                cf_marks: BTreeMap::new(),
+                cf_active: BTreeSet::new(),
+            }),
+            notify: Notify::new(),
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn log(&self, st: &mut State, msg: Option<u64>, ev: Ev) {
+        st.seq += 1;
+        let entry = Entry {
+            seq: st.seq,
+            at: Instant::now() - self.start,
+            msg,
+            ev,
+        };
+        st.trace.push(entry);
+    }
+
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        let mut c = Capabilities::full();
+        match self.sem {
+            Semantics::Memory => {}
+            Semantics::Rabbit => {
+                c.max_retry_delay = Some(Duration::from_secs(BUCKETS[BUCKETS.len() - 1]));
+            }
+            Semantics::Sqs => {
+                c.max_retry_delay = Some(SQS_MAX);
+                c.reject_drops = false;
+                c.redelivery_hint = LEASE;
+            }
+            Semantics::Nats => {
+                c.max_retry_delay = None;
+                c.delayed_dispatch = false;
+                c.redelivery_hint = LEASE;
+            }
+            Semantics::Cloudflare => {
+                c.max_retry_delay = Some(CF_MAX);
+            }
+        }
+        c
+    }
+
+    fn order(st: &mut State, front: bool) -> i64 {
+        st.next_order += 1;
+        if front {
+            -st.next_order
+        } else {
+            st.next_order
+        }
+    }
+
+    pub(crate) fn add_message(&self, n: u64, queue: &str, id: &str, body: Vec<u8>, what: &str) {
+        let mut st = self.lock();
+        st.ids.insert(id.to_string(), n);
+        let order = Self::order(&mut st, false);
+        let now = Instant::now();
+        st.msgs.insert(
+            n,
+            Msg {
+                queue: queue.to_string(),
+                body,
+                state: MState::Ready,
+                avail: now,
+                order,
+                count: 0,
+                carried: 0,
+                dcount: 0,
+                shutdowns: 0,
+                receive_at: now,
+                cf_delay: None,
+            },
+        );
+        self.log(
+            &mut st,
+            Some(n),
+            Ev::Sent {
+                queue: queue.to_string(),
+                what: what.to_string(),
+            },
+        );
+        drop(st);
+        self.notify.notify_waiters();
+    }
+
+    /// Takes the next available message of `queues` (or says when one will be).
+    pub(crate) fn take(
+        &self,
+        queues: &[String],
+        incarnation: u32,
+    ) -> Result<Taken, Option<Instant>> {
+        let now = Instant::now();
+        let mut st = self.lock();
+        let mut best: Option<(i64, u64)> = None;
+        let mut wake: Option<Instant> = None;
+        for (&n, m) in &st.msgs {
+            if m.state != MState::Ready || !queues.contains(&m.queue) {
+                continue;
+            }
+            if m.avail <= now {
+                if best.is_none_or(|(o, _)| m.order < o) {
+                    best = Some((m.order, n));
+                }
+            } else if wake.is_none_or(|w| m.avail < w) {
+                wake = Some(m.avail);
+            }
+        }
+        let Some((_, n)) = best else { return Err(wake) };
+        let id = st.next_dlv;
+        st.next_dlv += 1;
+        st.deliveries += 1;
+        let sem = self.sem;
+        let m = st.msgs.get_mut(&n).expect("message");
+        m.state = MState::InFlight(id);
+        let (attempt, sr) = match sem {
+            Semantics::Memory => {
+                m.count += 1;
+                (m.count, Some(m.shutdowns))
+            }
+            Semantics::Rabbit => (m.carried + m.dcount + 1, Some(m.shutdowns)),
+            Semantics::Sqs => {
+                m.count += 1;
+                m.receive_at = now;
+                (m.count, None)
+            }
+            Semantics::Nats | Semantics::Cloudflare => {
+                m.count += 1;
+                (m.count, None)
+            }
+        };
+        let body = m.body.clone();
+        st.dlvs.insert(
+            id,
+            Dlv {
+                msg: n,
+                incarnation,
+                attempt,
+                ended: false,
+                orphaned: false,
+            },
+        );
+        self.log(
+            &mut st,
+            Some(n),
+            Ev::Delivered {
+                delivery: id,
+                attempt,
+                shutdown_returns: sr,
+                incarnation,
+            },
+        );
+        if sem == Semantics::Cloudflare {
+            st.cf_active.insert(id);
+        }
+        Ok((id, n, body, attempt, sr))
+    }
+
+    /// Puts a message back after an unsettled end of its delivery.
+    fn give_back(&self, st: &mut State, n: u64, reason: Abandon) {
+        let now = Instant::now();
+        let sem = self.sem;
+        let front = Self::order(st, true);
+        let back = Self::order(st, false);
+        let m = st.msgs.get_mut(&n).expect("message");
+        m.state = MState::Ready;
+        match sem {
+            Semantics::Memory => {
+                m.avail = now;
+                m.order = front;
+            }
+            Semantics::Rabbit => {
+                m.dcount += 1;
+                m.avail = now;
+                m.order = front;
+            }
+            Semantics::Sqs => {
+                m.avail = now + LEASE;
+                m.order = back;
+            }
+            Semantics::Nats => {
+                m.order = back;
+                m.avail = match reason {
+                    Abandon::Crash | Abandon::ConnectionLost => now + LEASE,
+                    _ => now,
+                };
+            }
+            Semantics::Cloudflare => {
+                m.order = back;
+                m.avail = now + m.cf_delay.take().unwrap_or(Duration::ZERO);
+            }
+        }
+    }
+
+    /// A delivery ended without settlement.
+    pub(crate) fn abandon(&self, id: u64, hint: Option<Abandon>) {
+        let mut st = self.lock();
+        let Some(d) = st.dlvs.get_mut(&id) else {
+            return;
+        };
+        if d.ended {
+            return;
+        }
+        d.ended = true;
+        if d.orphaned {
+            return;
+        }
+        let (n, inc) = (d.msg, d.incarnation);
+        let reason = hint.unwrap_or(if st.crashed.contains(&inc) {
+            Abandon::Crash
+        } else {
+            Abandon::Unknown
+        });
+        self.log(
+            &mut st,
+            Some(n),
+            Ev::Abandoned {
+                delivery: id,
+                reason,
+            },
+        );
+        self.give_back(&mut st, n, reason);
+        drop(st);
+        self.notify.notify_waiters();
+    }
+
+    /// Connection loss: every in-flight delivery of `incarnation` becomes unsettleable.
+    pub(crate) fn lose_connection(&self, incarnation: u32) {
+        let mut st = self.lock();
+        st.conn_epoch += 1;
+        let ids: Vec<u64> = st
+            .dlvs
+            .iter()
+            .filter(|(_, d)| d.incarnation == incarnation && !d.ended && !d.orphaned)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let d = st.dlvs.get_mut(&id).expect("delivery");
+            d.orphaned = true;
+            let n = d.msg;
+            self.log(
+                &mut st,
+                Some(n),
+                Ev::Abandoned {
+                    delivery: id,
+                    reason: Abandon::ConnectionLost,
+                },
+            );
+            self.give_back(&mut st, n, Abandon::ConnectionLost);
+        }
+        drop(st);
+        self.notify.notify_waiters();
+    }
+
+    fn finish(&self, st: &mut State, id: u64) {
+        if let Some(d) = st.dlvs.get_mut(&id) {
+            d.ended = true;
+        }
+    }
+
+    /// Carries out a settlement per the semantics. `Ok(true)`: accepted.
+    pub(crate) async fn settle(
+        &self,
+        id: u64,
+        settlement: &Settlement,
+    ) -> Result<(), (ErrorKind, Option<Abandon>)> {
+        match self.settle_step(id, settlement, false)? {
+            Some(()) => Ok(()),
+            None => {
+                // Record published; a crash here leaves the message queued.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                self.settle_step(id, settlement, true).map(|_| ())
+            }
+        }
+    }
+
+    /// `Ok(None)`: the record is published, acknowledge after a pause.
+    fn settle_step(
+        &self,
+        id: u64,
+        settlement: &Settlement,
+        resumed: bool,
+    ) -> Result<Option<()>, (ErrorKind, Option<Abandon>)> {
+        let settled = Settled::of(settlement);
+        let now = Instant::now();
+        let mut st = self.lock();
+        let (n, inc, orphaned) = {
+            let d = &st.dlvs[&id];
+            (d.msg, d.incarnation, d.orphaned)
+        };
+        let shutting_down = st.shutting.contains(&inc);
+        let refuse = |this: &Self, st: &mut State, kind: ErrorKind| {
+            this.log(
+                st,
+                Some(n),
+                Ev::Refused {
+                    delivery: id,
+                    settled: settled.clone(),
+                    kind,
+                    shutting_down,
+                },
+            );
+        };
+        if orphaned {
+            refuse(self, &mut st, ErrorKind::Connection);
+            self.finish(&mut st, id);
+            return Err((ErrorKind::Connection, None));
+        }
+        if st.refuse > 0 && !resumed {
+            st.refuse -= 1;
+            if self.sem == Semantics::Cloudflare {
+                // The edge keeps the message: retry with the default delay.
+                st.cf_marks.insert(id, Mark::Retry(None));
+            }
+            refuse(self, &mut st, ErrorKind::NotAccepted);
+            return Err((ErrorKind::NotAccepted, Some(Abandon::Refused)));
+        }
+        let sem = self.sem;
+        if sem == Semantics::Cloudflare {
+            let mark = match settlement {
+                Settlement::Ack | Settlement::Fail(_) => Mark::Ack,
+                Settlement::Reject => Mark::Nothing,
+                Settlement::Retry { delay, .. } => match delay {
+                    Some(d) if *d > CF_MAX => {
+                        st.cf_marks.insert(id, Mark::Retry(None));
+                        refuse(self, &mut st, ErrorKind::Unsupported);
+                        self.finish(&mut st, id);
+                        return Err((ErrorKind::Unsupported, None));
+                    }
+                    Some(d) => Mark::Retry(Some(Duration::from_secs(
+                        d.as_secs() + u64::from(d.subsec_nanos() > 0),
+                    ))),
+                    None => Mark::Retry(None),
+                },
+            };
+            if let Settlement::Fail(_) = settlement {
+                self.log(&mut st, Some(n), Ev::Record { delivery: id });
+            }
+            st.cf_marks.insert(id, mark);
+            return self
+                .accept(st, id, n, settled, shutting_down, false)
+                .map(Some);
+        }
+        match settlement {
+            Settlement::Ack => {}
+            Settlement::Reject => {
+                if sem == Semantics::Sqs {
+                    // No call: the message returns when its visibility runs out.
+                    let back = Self::order(&mut st, false);
+                    let m = st.msgs.get_mut(&n).expect("message");
+                    m.state = MState::Ready;
+                    m.avail = now + LEASE;
+                    m.order = back;
+                    return self
+                        .accept(st, id, n, settled, shutting_down, false)
+                        .map(Some);
+                }
+            }
+            Settlement::Retry { delay, shutdown } => {
+                let d = delay.unwrap_or(Duration::ZERO);
+                let wait = match sem {
+                    Semantics::Memory | Semantics::Nats => Some(d),
+                    Semantics::Rabbit => {
+                        if d.is_zero() {
+                            Some(d)
+                        } else {
+                            BUCKETS
+                                .iter()
+                                .map(|s| Duration::from_secs(*s))
+                                .find(|b| *b >= d)
+                        }
+                    }
+                    Semantics::Sqs => {
+                        let secs =
+                            Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0));
+                        let receive_at = st.msgs[&n].receive_at;
+                        (now + secs <= receive_at + SQS_MAX).then_some(secs)
+                    }
+                    Semantics::Cloudflare => Some(d),
+                };
+                let Some(wait) = wait else {
+                    refuse(self, &mut st, ErrorKind::Unsupported);
+                    return Err((ErrorKind::Unsupported, Some(Abandon::Unsupported)));
+                };
+                let back = Self::order(&mut st, false);
+                let attempt = st.dlvs[&id].attempt;
+                let m = st.msgs.get_mut(&n).expect("message");
+                m.state = MState::Ready;
+                m.avail = now + wait;
+                m.order = back;
+                if *shutdown {
+                    m.shutdowns += 1;
+                }
+                if sem == Semantics::Rabbit {
+                    m.carried = attempt;
+                    m.dcount = 0;
+                }
+                return self
+                    .accept(st, id, n, settled, shutting_down, false)
+                    .map(Some);
+            }
+            Settlement::Fail(_) => {
+                if !resumed {
+                    self.log(&mut st, Some(n), Ev::Record { delivery: id });
+                    if sem != Semantics::Memory {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+        if sem == Semantics::Cloudflare {
+            return self
+                .accept(st, id, n, settled, shutting_down, false)
+                .map(Some);
+        }
+        st.msgs.get_mut(&n).expect("message").state = MState::Done;
+        let how = settlement.name().to_string();
+        self.log(&mut st, Some(n), Ev::Removed(how));
+        self.accept(st, id, n, settled, shutting_down, true)
+            .map(Some)
+    }
+
+    fn accept(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        id: u64,
+        n: u64,
+        settled: Settled,
+        shutting_down: bool,
+        _terminal: bool,
+    ) -> Result<(), (ErrorKind, Option<Abandon>)> {
+        if let Some((m, s)) = st.pending_event.take() {
+            st.violations.push((
+                Some(m),
+                5,
+                format!("accepted settlement {s:?} of m{m} was never reported by an event"),
+            ));
+        }
+        st.pending_event = Some((n, settled.clone()));
+        self.log(
+            &mut st,
+            Some(n),
+            Ev::Accepted {
+                delivery: id,
+                settled,
+                shutting_down,
+            },
+        );
+        self.finish(&mut st, id);
+        drop(st);
+        self.notify.notify_waiters();
+        Ok(())
+    }
+
+    /// The event sink's view: an event must follow an accepted settlement.
+    pub(crate) fn on_event(&self, event: &Event) {
+        let mut st = self.lock();
+        let msg = st.ids.get(&event.message_id).copied();
+        self.log(
+            &mut st,
+            msg,
+            Ev::Emitted {
+                kind: event.kind.name().to_string(),
+            },
+        );
+        match st.pending_event.take() {
+            None => st.violations.push((
+                msg,
+                5,
+                format!(
+                    "event `{}` (attempt {}) emitted without an accepted settlement",
+                    event.kind.name(),
+                    event.attempt
+                ),
+            )),
+            Some((n, s)) => {
+                let ok = matches!(
+                    (&event.kind, &s),
+                    (EventKind::Succeeded { .. }, Settled::Ack)
+                        | (EventKind::Retried { .. }, Settled::Retry { .. })
+                        | (EventKind::Rejected { .. }, Settled::Reject)
+                        | (EventKind::Failed { .. }, Settled::Fail { .. })
+                );
+                if !ok || msg.is_some_and(|m| m != n) {
+                    st.violations.push((
+                        Some(n),
+                        5,
+                        format!(
+                            "event `{}` does not match the accepted settlement {s:?} of m{n}",
+                            event.kind.name()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// A recording event sink.
+pub(crate) struct Sink(pub(crate) Arc<World>);
+
+impl EventSink for Sink {
+    fn emit(&self, event: &Event) {
+        self.0.on_event(event);
+    }
+}
+
+/// The model driver, as one consumer incarnation sees it.
+pub struct Model {
+    pub(crate) world: Arc<World>,
+    pub(crate) incarnation: u32,
+}
+
+fn derr(kind: ErrorKind, text: impl Into<String>) -> DriverError {
+    DriverError::new("model", kind, text.into())
+}
+
+#[async_trait]
+impl Driver for Model {
+    fn name(&self) -> &'static str {
+        "model"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.world.capabilities()
+    }
+
+    async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
+        let n = self.world.lock().ids.get(&message.id).copied();
+        let Some(n) = n else {
+            return Err(derr(ErrorKind::NotAccepted, "unknown sim message"));
+        };
+        self.world
+            .add_message(n, queue, &message.id, message.body, "dispatch");
+        Ok(())
+    }
+
+    async fn subscribe(
+        &self,
+        queue: &str,
+        _prefetch: usize,
+    ) -> Result<Box<dyn Subscription>, DriverError> {
+        let epoch = self.world.lock().conn_epoch;
+        Ok(Box::new(ModelSubscription {
+            world: self.world.clone(),
+            queues: vec![queue.to_string()],
+            incarnation: self.incarnation,
+            epoch,
+        }))
+    }
+
+    async fn stop(&self) -> Result<(), DriverError> {
+        Ok(())
+    }
+}
+
+struct ModelSubscription {
+    world: Arc<World>,
+    queues: Vec<String>,
+    incarnation: u32,
+    epoch: u64,
+}
+
+#[async_trait]
+impl Subscription for ModelSubscription {
+    async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
+        loop {
+            let notified = self.world.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let epoch = self.world.lock().conn_epoch;
+            if epoch != self.epoch {
+                self.epoch = epoch;
+                return Some(Err(derr(ErrorKind::Connection, "connection lost")));
+            }
+            match self.world.take(&self.queues, self.incarnation) {
+                Ok((id, msg, body, attempt, sr)) => {
+                    return Some(Ok(Box::new(ModelDelivery {
+                        world: self.world.clone(),
+                        id,
+                        _msg: msg,
+                        body,
+                        attempt,
+                        sr,
+                        done: false,
+                        hint: None,
+                    })))
+                }
+                Err(Some(at)) => {
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = tokio::time::sleep_until(at) => {}
+                    }
+                }
+                Err(None) => notified.await,
+            }
+        }
+    }
+}
+
+struct ModelDelivery {
+    world: Arc<World>,
+    id: u64,
+    _msg: u64,
+    body: Vec<u8>,
+    attempt: u32,
+    sr: Option<u32>,
+    done: bool,
+    hint: Option<Abandon>,
+}
+
+impl Drop for ModelDelivery {
+    fn drop(&mut self) {
+        if !self.done {
+            self.world.abandon(self.id, self.hint);
+        }
+    }
+}
+
+#[async_trait]
+impl Delivery for ModelDelivery {
+    fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    fn shutdown_returns(&self) -> Option<u32> {
+        self.sr
+    }
+
+    async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
+        match self.world.settle(self.id, settlement).await {
+            Ok(()) => {
+                self.done = true;
+                Ok(())
+            }
+            Err((kind, hint)) => {
+                match hint {
+                    None => self.done = true,
+                    Some(h) => self.hint = Some(h),
+                }
+                Err(derr(kind, format!("settlement refused: {kind}")))
+            }
+        }
+    }
+}
+
+impl World {
+    /// Cloudflare: the invocation holding `batch` ended (`aborted`: by a panic).
+    pub(crate) fn cf_end(&self, batch: &[u64], aborted: bool, max_retries: u32) {
+        let now = Instant::now();
+        let mut st = self.lock();
+        for &id in batch {
+            if !st.cf_active.remove(&id) {
+                continue;
+            }
+            let mark = st.cf_marks.remove(&id);
+            let d = &st.dlvs[&id];
+            let (n, ended) = (d.msg, d.ended);
+            if !ended {
+                let crashed = aborted && st.crashed.contains(&st.dlvs[&id].incarnation);
+                self.finish(&mut st, id);
+                self.log(
+                    &mut st,
+                    Some(n),
+                    Ev::Abandoned {
+                        delivery: id,
+                        reason: if crashed {
+                            Abandon::Crash
+                        } else if aborted {
+                            Abandon::InvocationAborted
+                        } else {
+                            Abandon::Unknown
+                        },
+                    },
+                );
+            }
+            let retry = match mark {
+                Some(Mark::Ack) => None,
+                Some(Mark::Retry(d)) => Some(d),
+                Some(Mark::Nothing) | None if aborted => Some(None),
+                Some(Mark::Nothing) | None => None,
+            };
+            let back = Self::order(&mut st, false);
+            let m = st.msgs.get_mut(&n).expect("message");
+            match retry {
+                None => {
+                    m.state = MState::Done;
+                    let how = match mark {
+                        Some(Mark::Ack) => "ack",
+                        _ => "implicit ack",
+                    };
+                    self.log(&mut st, Some(n), Ev::Removed(how.into()));
+                }
+                Some(_) if m.count > max_retries => {
+                    m.state = MState::Done;
+                    self.log(&mut st, Some(n), Ev::Removed("dead-lettered".into()));
+                }
+                Some(d) => {
+                    m.state = MState::Ready;
+                    m.avail = now + d.unwrap_or(crate::cloudflare::DEFAULT_RETRY_DELAY);
+                    m.order = back;
+                }
+            }
+        }
+        drop(st);
+        self.notify.notify_waiters();
+    }
+}
+
+impl World {
+    /// Cloudflare: a refused settlement leaves the message marked for retry.
+    pub(crate) fn cf_refused(&self, id: u64, reason: Abandon) {
+        let mut st = self.lock();
+        let n = st.dlvs[&id].msg;
+        self.finish(&mut st, id);
+        self.log(
+            &mut st,
+            Some(n),
+            Ev::Abandoned {
+                delivery: id,
+                reason,
+            },
+        );
+    }
+}

@@ -1,0 +1,589 @@
+//! What a seed generates: jobs and their policies, messages and their
+//! outcome scripts, faults; and the scripted handlers.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use queue::{
+    BoxError, BreakerConfig, BreakerError, CircuitBreaker, Job, JobContext, JobError, Permanent,
+    Registry, Reject, RetryAfter, UnknownNameAttempts,
+};
+use rand::seq::SliceRandom;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Eff, Ev, Semantics, Sink, World};
+use crate::SimClock;
+
+/// One scripted handler execution.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Return `Ok(())`.
+    Ok,
+    /// An ordinary error.
+    Ordinary,
+    /// A retry-after marker, wrapped.
+    RetryAfter(Duration, Vec<Wrap>),
+    /// A permanent marker, wrapped.
+    Permanent(Vec<Wrap>),
+    /// A reject marker, wrapped.
+    Reject(Vec<Wrap>),
+    /// Panic before returning the future.
+    PanicBefore,
+    /// Panic inside the future.
+    PanicInside,
+    /// Sleep past the timeout ignoring the context, then fail.
+    Hang,
+    /// Wait for cancellation up to this long.
+    CooperativeCancel(Duration),
+}
+
+/// A wrapper around a marker (innermost first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wrap {
+    /// An application error whose `source()` is the inner error.
+    User,
+    /// `std::io::Error::other(inner)`.
+    Io,
+    /// `CircuitBreaker::call` returning the inner error (`BreakerError::Inner`).
+    Breaker,
+}
+
+/// A message's script: one step per execution, then `Ok`.
+pub type Script = Vec<Step>;
+
+/// What kind of message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A normal payload for a registered job.
+    Valid,
+    /// A payload the validation hook refuses.
+    Invalid,
+    /// Not an envelope.
+    Malformed,
+    /// An unknown job name.
+    UnknownName,
+    /// A payload that does not decode.
+    Undecodable,
+}
+
+impl Kind {
+    /// Whether a rule fails it without executing.
+    pub fn no_exec(self) -> bool {
+        !matches!(self, Kind::Valid)
+    }
+}
+
+/// A generated job.
+#[derive(Debug, Clone)]
+pub struct JobPlan {
+    /// Name.
+    pub name: String,
+    /// Queue.
+    pub queue: String,
+    /// Attempt cap (0: none).
+    pub cap: u32,
+    /// Tier-one attempts.
+    pub tier_one: u32,
+    /// Tier-one max wait, if set.
+    pub t1_max_wait: Option<Duration>,
+    /// Backoff: 0 none, 1 exponential, 2 function.
+    pub backoff: u8,
+    /// Timeout.
+    pub timeout: Option<Duration>,
+    /// Breaker (threshold, cool-down).
+    pub breaker: Option<(u32, Duration)>,
+    /// Validation hook.
+    pub validate: bool,
+}
+
+impl JobPlan {
+    /// The tier-one max wait in force.
+    pub fn max_wait(&self) -> Duration {
+        self.t1_max_wait.unwrap_or(Duration::from_secs(5))
+    }
+}
+
+/// A generated message.
+#[derive(Debug, Clone)]
+pub struct MsgPlan {
+    /// Number.
+    pub n: u64,
+    /// Job index (for valid/invalid/undecodable).
+    pub job: usize,
+    /// Queue.
+    pub queue: String,
+    /// Kind.
+    pub kind: Kind,
+    /// Dispatch time.
+    pub at: Duration,
+    /// Script.
+    pub script: Script,
+}
+
+/// A generated fault.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fault {
+    /// Abort the consumer, restart after the pause.
+    Crash(Duration),
+    /// Graceful shutdown, restart after the pause.
+    Shutdown(Duration),
+    /// Refuse the next n settlements.
+    Refuse(u32),
+    /// Lose the connection.
+    ConnectionLost,
+}
+
+/// Everything a seed generates.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    /// Backend.
+    pub sem: Semantics,
+    /// Jobs.
+    pub jobs: Vec<JobPlan>,
+    /// Consumer concurrency.
+    pub concurrency: usize,
+    /// Unknown-name cap.
+    pub unknown_cap: u32,
+    /// Messages.
+    pub msgs: Vec<MsgPlan>,
+    /// Faults by time.
+    pub faults: Vec<(Duration, Fault)>,
+    /// Cloudflare: batch size.
+    pub batch: usize,
+}
+
+/// The payload of every job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Payload {
+    /// Message number.
+    pub n: u64,
+    /// Refused by the validation hook.
+    #[serde(default)]
+    pub invalid: bool,
+}
+
+fn ms(r: &mut ChaCha8Rng, lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(r.gen_range(lo..=hi))
+}
+
+fn wraps(r: &mut ChaCha8Rng) -> Vec<Wrap> {
+    let k = r.gen_range(0..=3);
+    (0..k)
+        .map(|_| {
+            *[Wrap::User, Wrap::Io, Wrap::Breaker]
+                .choose(r)
+                .expect("wrap")
+        })
+        .collect()
+}
+
+fn step(r: &mut ChaCha8Rng) -> Step {
+    match r.gen_range(0..100) {
+        0..=14 => Step::Ok,
+        15..=39 => Step::Ordinary,
+        40..=49 => Step::RetryAfter(Duration::from_secs(r.gen_range(0..=8)), wraps(r)),
+        50..=57 => Step::Permanent(wraps(r)),
+        58..=63 => Step::Reject(wraps(r)),
+        64..=69 => Step::PanicBefore,
+        70..=75 => Step::PanicInside,
+        76..=81 => Step::Hang,
+        _ => Step::CooperativeCancel(ms(r, 500, 20_000)),
+    }
+}
+
+/// Generates the scenario of `seed` for `sem`.
+pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
+    let nq = r.gen_range(1..=3);
+    let queues: Vec<String> = (0..nq).map(|i| format!("q{i}")).collect();
+    let njobs = r.gen_range(1..=4);
+    let mut jobs = Vec::new();
+    for j in 0..njobs {
+        let queue = if j < nq {
+            queues[j].clone()
+        } else {
+            queues.choose(r).expect("queue").clone()
+        };
+        let cap = if r.gen_bool(0.08) {
+            0
+        } else {
+            r.gen_range(1..=5)
+        };
+        jobs.push(JobPlan {
+            name: format!("job{j}"),
+            queue,
+            cap,
+            tier_one: r.gen_range(1..=3),
+            t1_max_wait: r
+                .gen_bool(0.3)
+                .then(|| Duration::from_secs(r.gen_range(0..=3))),
+            backoff: r.gen_range(0..=2),
+            timeout: r
+                .gen_bool(0.5)
+                .then(|| Duration::from_secs(r.gen_range(1..=5))),
+            breaker: r
+                .gen_bool(0.3)
+                .then(|| (r.gen_range(1..=3), Duration::from_secs(r.gen_range(1..=10)))),
+            validate: r.gen_bool(0.3),
+        });
+    }
+    let queues: Vec<String> = {
+        let mut q: Vec<String> = jobs.iter().map(|j| j.queue.clone()).collect();
+        q.sort();
+        q.dedup();
+        q
+    };
+    let concurrency = r.gen_range(1..=4);
+    let nmsgs = r.gen_range(5..=40);
+    let spread = r.gen_range(1..=120u64);
+    let mut msgs = Vec::new();
+    for n in 1..=nmsgs {
+        let job = r.gen_range(0..jobs.len());
+        let kind = match r.gen_range(0..100) {
+            0..=4 => Kind::Malformed,
+            5..=9 => Kind::UnknownName,
+            10..=13 => Kind::Undecodable,
+            14..=19 if jobs[job].validate => Kind::Invalid,
+            _ => Kind::Valid,
+        };
+        let queue = match kind {
+            Kind::Malformed | Kind::UnknownName => queues.choose(r).expect("queue").clone(),
+            _ => jobs[job].queue.clone(),
+        };
+        let len = r.gen_range(0..=5);
+        let script = (0..len).map(|_| step(r)).collect();
+        msgs.push(MsgPlan {
+            n,
+            job,
+            queue,
+            kind,
+            at: ms(r, 0, spread * 1000),
+            script,
+        });
+    }
+    msgs.sort_by_key(|m| (m.at, m.n));
+    let nfaults = r.gen_range(0..=4);
+    let mut faults = Vec::new();
+    for _ in 0..nfaults {
+        let at = ms(r, 0, (spread + 60) * 1000);
+        let fault = match r.gen_range(0..4) {
+            0 => Fault::Crash(ms(r, 0, 60_000)),
+            1 => Fault::Shutdown(ms(r, 0, 60_000)),
+            2 => Fault::Refuse(r.gen_range(1..=3)),
+            _ if matches!(sem, Semantics::Rabbit | Semantics::Nats) => Fault::ConnectionLost,
+            _ if sem == Semantics::Cloudflare => Fault::Refuse(r.gen_range(1..=3)),
+            _ => Fault::Crash(ms(r, 0, 60_000)),
+        };
+        faults.push((at, fault));
+    }
+    faults.sort_by_key(|f| f.0);
+    Scenario {
+        sem,
+        jobs,
+        concurrency,
+        unknown_cap: r.gen_range(1..=4),
+        msgs,
+        faults,
+        batch: r.gen_range(1..=5),
+    }
+}
+
+/// An application error wrapping another.
+#[derive(Debug)]
+struct UserError(BoxError);
+
+impl fmt::Display for UserError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("while doing sim work")
+    }
+}
+
+impl StdError for UserError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+/// A concrete error with the inner error's identity for `BreakerError<E>`:
+/// transparent like `#[error(transparent)]` (Display and source forwarded),
+/// so `BreakerError<Transparent>` behaves as `BreakerError<Inner>` would.
+#[derive(Debug)]
+struct Transparent(BoxError);
+
+impl fmt::Display for Transparent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl StdError for Transparent {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.0.source()
+    }
+}
+
+/// Typed marker errors for the breaker, so a marker directly inside
+/// `BreakerError::Inner` is the marker type itself.
+async fn through_breaker(breaker: &CircuitBreaker, inner: BoxError, top: bool) -> (BoxError, bool) {
+    // If `inner` is a bare marker, keep its concrete type inside the breaker error.
+    let inner = match inner.downcast::<Permanent>() {
+        Ok(p) => {
+            return match breaker
+                .call(|| async move { Err::<(), Permanent>(*p) })
+                .await
+            {
+                Err(BreakerError::Open(o)) => (Box::new(BreakerError::<Permanent>::Open(o)), true),
+                Err(e) => (Box::new(e), false),
+                Ok(()) => unreachable!(),
+            }
+        }
+        Err(e) => e,
+    };
+    let inner = match inner.downcast::<RetryAfter>() {
+        Ok(p) => {
+            return match breaker
+                .call(|| async move { Err::<(), RetryAfter>(*p) })
+                .await
+            {
+                Err(BreakerError::Open(o)) => (Box::new(BreakerError::<RetryAfter>::Open(o)), true),
+                Err(e) => (Box::new(e), false),
+                Ok(()) => unreachable!(),
+            }
+        }
+        Err(e) => e,
+    };
+    let inner = match inner.downcast::<Reject>() {
+        Ok(p) => {
+            return match breaker.call(|| async move { Err::<(), Reject>(*p) }).await {
+                Err(BreakerError::Open(o)) => (Box::new(BreakerError::<Reject>::Open(o)), true),
+                Err(e) => (Box::new(e), false),
+                Ok(()) => unreachable!(),
+            }
+        }
+        Err(e) => e,
+    };
+    let _ = top;
+    match breaker
+        .call(|| async move { Err::<(), Transparent>(Transparent(inner)) })
+        .await
+    {
+        Err(BreakerError::Open(o)) => (Box::new(BreakerError::<Transparent>::Open(o)), true),
+        Err(e) => (Box::new(e), false),
+        Ok(()) => unreachable!(),
+    }
+}
+
+async fn marker(breaker: &CircuitBreaker, base: BoxError, wraps: &[Wrap]) -> (JobError, bool) {
+    let mut err = base;
+    let mut open = false;
+    for (i, w) in wraps.iter().enumerate() {
+        err = match w {
+            Wrap::User => Box::new(UserError(err)),
+            Wrap::Io => Box::new(std::io::Error::other(err)),
+            Wrap::Breaker => {
+                let (e, o) = through_breaker(breaker, err, i + 1 == wraps.len()).await;
+                open |= o;
+                e
+            }
+        };
+    }
+    (JobError::new(err), open)
+}
+
+fn step_name(s: &Step) -> String {
+    format!("{s:?}")
+}
+
+/// Records the start of an execution; returns the step, delivery and the world.
+fn begin(world: &World, n: u64, ctx: &JobContext) -> (Step, Option<u64>) {
+    let mut st = world.lock();
+    let idx = st
+        .dlvs
+        .iter()
+        .filter(|(_, d)| d.msg == n && d.attempt == ctx.attempt() && !d.ended)
+        .map(|(&id, _)| id)
+        .next_back();
+    let script = st.scripts.entry(n).or_default();
+    let step = if script.is_empty() {
+        Step::Ok
+    } else {
+        script.remove(0)
+    };
+    world.log(
+        &mut st,
+        Some(n),
+        Ev::Exec {
+            delivery: idx,
+            attempt: ctx.attempt(),
+            in_process: ctx.in_process_attempt(),
+            step: step_name(&step),
+        },
+    );
+    (step, idx)
+}
+
+fn result(world: &World, n: u64, delivery: Option<u64>, eff: Eff) {
+    let mut st = world.lock();
+    world.log(&mut st, Some(n), Ev::ExecResult { delivery, eff });
+}
+
+async fn run_step(
+    world: Arc<World>,
+    ctx: JobContext,
+    n: u64,
+    delivery: Option<u64>,
+    step: Step,
+    breaker: CircuitBreaker,
+    timeout: Option<Duration>,
+) -> Result<(), JobError> {
+    let (eff, res) = match step {
+        Step::Ok | Step::PanicBefore => (Eff::Ok, Ok(())),
+        Step::Ordinary => (
+            Eff::Ordinary,
+            Err(JobError::new(std::io::Error::other("sim ordinary failure"))),
+        ),
+        Step::RetryAfter(d, w) => {
+            let (e, open) = marker(&breaker, Box::new(RetryAfter::without_cause(d)), &w).await;
+            (
+                if open {
+                    Eff::BreakerOpen
+                } else {
+                    Eff::RetryAfter(d)
+                },
+                Err(e),
+            )
+        }
+        Step::Permanent(w) => {
+            let (e, open) = marker(&breaker, Box::new(Permanent::new("sim permanent")), &w).await;
+            (
+                if open {
+                    Eff::BreakerOpen
+                } else {
+                    Eff::Permanent
+                },
+                Err(e),
+            )
+        }
+        Step::Reject(w) => {
+            let (e, open) = marker(&breaker, Box::new(Reject::new("sim reject")), &w).await;
+            (if open { Eff::BreakerOpen } else { Eff::Reject }, Err(e))
+        }
+        Step::PanicInside => {
+            tokio::task::yield_now().await;
+            result(&world, n, delivery, Eff::Panic);
+            panic!("sim: panic inside the handler's future");
+        }
+        Step::Hang => {
+            tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(2)) + Duration::from_secs(1))
+                .await;
+            (
+                Eff::Ordinary,
+                Err(JobError::new(std::io::Error::other("sim hang ended"))),
+            )
+        }
+        Step::CooperativeCancel(w) => {
+            tokio::select! {
+                _ = ctx.cancelled() => {}
+                _ = tokio::time::sleep(w) => {}
+            }
+            match ctx.check_cancelled() {
+                Ok(()) => (Eff::Ok, Ok(())),
+                Err(c) => (Eff::Cancelled, Err(JobError::new(c))),
+            }
+        }
+    };
+    result(&world, n, delivery, eff);
+    res
+}
+
+/// Builds a fresh registry (a new process) for the scenario.
+pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<SimClock>) -> Registry {
+    let mut registry = Registry::new();
+    for plan in &sc.jobs {
+        let mut b = Job::<Payload>::builder(plan.name.clone())
+            .queue(plan.queue.clone())
+            .retry(plan.cap)
+            .tier_one(plan.tier_one)
+            .tier_one_backoff(Duration::from_millis(200), 2.0, Duration::from_secs(1));
+        match plan.backoff {
+            1 => b = b.backoff(Duration::from_secs(1), 2.0, Duration::from_secs(8)),
+            2 => b = b.backoff_fn(|a| Duration::from_millis(500) * a),
+            _ => {}
+        }
+        if let Some(w) = plan.t1_max_wait {
+            b = b.tier_one_max_wait(w);
+        }
+        if let Some(t) = plan.timeout {
+            b = b.timeout(t);
+        }
+        let breaker = match plan.breaker {
+            Some((threshold, cool_down)) => {
+                let br = CircuitBreaker::with_clock(
+                    format!("{}-dep", plan.name),
+                    BreakerConfig {
+                        failure_threshold: threshold,
+                        cool_down,
+                    },
+                    clock.clone(),
+                )
+                .expect("breaker");
+                b = b.breaker(br.clone());
+                br
+            }
+            None => CircuitBreaker::with_clock(
+                "standalone",
+                BreakerConfig {
+                    failure_threshold: u32::MAX,
+                    cool_down: Duration::from_secs(1),
+                },
+                clock.clone(),
+            )
+            .expect("breaker"),
+        };
+        if plan.validate {
+            b = b.validate(|p: &Payload| {
+                if p.invalid {
+                    Err("sim: invalid payload".into())
+                } else {
+                    Ok(())
+                }
+            });
+        }
+        let job = b.build().expect("valid job");
+        let world = world.clone();
+        let timeout = plan.timeout;
+        registry
+            .register(&job, move |ctx: JobContext, p: Payload| {
+                let (step, delivery) = begin(&world, p.n, &ctx);
+                if step == Step::PanicBefore {
+                    result(&world, p.n, delivery, Eff::Panic);
+                    if world.sem != Semantics::Cloudflare {
+                        panic!("sim: panic before the handler's future");
+                    }
+                }
+                let world = world.clone();
+                let breaker = breaker.clone();
+                let n = p.n;
+                async move {
+                    if world.sem == Semantics::Cloudflare
+                        && matches!(step, Step::PanicInside | Step::PanicBefore)
+                    {
+                        if step == Step::PanicInside {
+                            result(&world, n, delivery, Eff::Panic);
+                        }
+                        crate::cloudflare::abort_invocation(delivery);
+                        std::future::pending::<()>().await;
+                    }
+                    run_step(world, ctx, n, delivery, step, breaker, timeout).await
+                }
+            })
+            .expect("register");
+    }
+    registry.unknown_name_attempts(UnknownNameAttempts::limited(sc.unknown_cap));
+    registry.unknown_name_retry_delay(Duration::from_secs(1));
+    registry.event_sink(Arc::new(Sink(world.clone())));
+    registry
+}

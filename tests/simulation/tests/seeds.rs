@@ -1,0 +1,58 @@
+//! A fixed set of seeds for every backend, in bounded time.
+//!
+//! Expected to fail while the defects the simulation finds are open: each
+//! failure prints the command that replays it and the offending trace.
+
+use std::time::Instant;
+
+use queue_simulation::{run_seed, Backend};
+
+/// Seeds per backend (debug build, 2 cores: well under a minute in all).
+const SEEDS: u64 = 800;
+
+#[test]
+fn fixed_seeds_hold_every_invariant() {
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    for backend in Backend::ALL {
+        let t = Instant::now();
+        let mut failing = 0;
+        for seed in 0..SEEDS {
+            let report = run_seed(seed, Some(backend));
+            if !report.ok() {
+                failing += 1;
+                if failures.len() < 5 {
+                    failures.push(report.details());
+                }
+            }
+        }
+        println!(
+            "{}: {SEEDS} seeds, {failing} failing, {:.2}s",
+            backend.name(),
+            t.elapsed().as_secs_f64()
+        );
+    }
+    println!("total {:.2}s", started.elapsed().as_secs_f64());
+    if !failures.is_empty() {
+        for f in &failures {
+            println!("{f}");
+        }
+        panic!(
+            "{} or more seeds violated invariants (replay commands above)",
+            failures.len()
+        );
+    }
+}
+
+#[test]
+fn a_seed_replays_identically() {
+    let a = run_seed(7, Some(Backend::Rabbit));
+    let b = run_seed(7, Some(Backend::Rabbit));
+    let text = |r: &queue_simulation::Report| {
+        r.trace
+            .iter()
+            .map(|e| format!("{} {:?} {:?} {:?}", e.seq, e.at, e.msg, e.ev))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(text(&a), text(&b));
+}

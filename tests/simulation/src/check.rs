@@ -309,6 +309,13 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                 .iter()
                 .any(|d| d.abandoned.is_some_and(|a| a.injected()))
         };
+        let returned_after_reject = |i: usize| {
+            !world.capabilities().reject_drops
+                && ds[..i]
+                    .iter()
+                    .any(|d| matches!(d.settle, Some((Settled::Reject, true, _, _))))
+        };
+        let counts_shutdowns = world.capabilities().counts_shutdown_returns;
         // 2. Execution bound.
         if plan.kind == Kind::Valid && job.cap != 0 {
             let s = ds
@@ -349,8 +356,12 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                         Kind::UnknownName => *kind == FailureKind::UnknownName,
                         Kind::Undecodable => *kind == FailureKind::UndecodablePayload,
                         Kind::Invalid => *kind == FailureKind::InvalidPayload,
+                        // The crash bound: earlier deliveries ended without a
+                        // settlement (an injected fault), or came back after a
+                        // rejection the backend does not drop (SQS): both count.
                         Kind::Valid => {
-                            *kind == FailureKind::AttemptsExhausted && injected_before(i)
+                            *kind == FailureKind::AttemptsExhausted
+                                && (injected_before(i) || returned_after_reject(i))
                         }
                     };
                     if !rule {
@@ -388,10 +399,15 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                     }
                 }
             }
-            // 7. Shutdown retries keep the last execution.
+            // 7. Shutdown retries keep the last execution (where the backend
+            // cannot count them, within the one delivery of grace).
             if let (Settled::Retry { shutdown: true, .. }, true) = (settled, accepted) {
                 if let Some(next) = ds.get(i + 1) {
+                    let within_grace = counts_shutdowns
+                        || job.cap == 0
+                        || next.attempt <= job.cap + queue::SHUTDOWN_GRACE;
                     if plan.kind == Kind::Valid
+                        && within_grace
                         && next.execs == 0
                         && next.abandoned.is_none()
                         && next.settle.as_ref().is_none_or(|s| s.1)

@@ -18,7 +18,7 @@ use queue::{
 use tokio::sync::Notify;
 
 use crate::model::{Abandon, World};
-use crate::SimClock;
+use queue_native::TokioRuntime;
 
 /// The platform's retry delay when none is requested.
 pub(crate) const DEFAULT_RETRY_DELAY: Duration = Duration::from_secs(2);
@@ -84,7 +84,7 @@ impl DeliveryHandle for CfHandle {
 pub(crate) async fn run_queue(
     world: Arc<World>,
     registry: Arc<Registry>,
-    clock: Arc<SimClock>,
+    clock: Arc<TokioRuntime>,
     queue: String,
     batch_size: usize,
     concurrency: usize,

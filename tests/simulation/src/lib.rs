@@ -46,15 +46,15 @@
 //!    execution.
 //! 9. Liveness: every message is terminal by the horizon.
 //!
-//! The clock: `queue_native::TokioRuntime::now` reads `std::time::Instant`,
-//! which paused tokio time does not move, so the simulation injects
-//! [`SimClock`] (tokio's virtual clock expressed as a `queue::Instant`).
+//! The clock is the real `queue_native::TokioRuntime`, whose clock follows
+//! tokio's paused time (the simulation found that it did not: breaker
+//! cool-downs and deadlines read the wall clock while sleeps were virtual).
 
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use queue::{BoxFuture, Clock, Envelope, Runtime};
-use queue_native::{Consumer, ConsumerHandle, Driver, Outgoing};
+use queue::{Envelope, Runtime};
+use queue_native::{Consumer, ConsumerHandle, Driver, Outgoing, TokioRuntime};
 use rand::Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -125,34 +125,6 @@ impl Backend {
     }
 }
 
-/// The rules' clock on tokio's (paused, virtual) time.
-#[derive(Debug)]
-pub struct SimClock {
-    base: queue::Instant,
-    origin: tokio::time::Instant,
-}
-
-impl SimClock {
-    fn new() -> Self {
-        SimClock {
-            base: queue::Instant::now(),
-            origin: tokio::time::Instant::now(),
-        }
-    }
-}
-
-impl Clock for SimClock {
-    fn now(&self) -> queue::Instant {
-        self.base + (tokio::time::Instant::now() - self.origin)
-    }
-}
-
-impl Runtime for SimClock {
-    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
-        Box::pin(tokio::time::sleep(duration))
-    }
-}
-
 fn quiet_panics() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -193,7 +165,7 @@ enum Host {
     Edge(Vec<tokio::task::JoinHandle<()>>),
 }
 
-fn start(sc: &Scenario, world: &Arc<World>, clock: &Arc<SimClock>, inc: u32) -> Host {
+fn start(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>, inc: u32) -> Host {
     let registry = scenario::registry(sc, world, clock);
     {
         let mut st = world.lock();
@@ -292,7 +264,7 @@ fn outgoing(sc: &Scenario, m: &scenario::MsgPlan) -> (String, Vec<u8>) {
 
 async fn simulate(sc: &Scenario) -> Arc<World> {
     let world = World::new(sc.sem);
-    let clock = Arc::new(SimClock::new());
+    let clock = Arc::new(TokioRuntime);
     let t0 = tokio::time::Instant::now();
     let mut sends = Vec::new();
     {

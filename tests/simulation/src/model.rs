@@ -372,6 +372,7 @@ impl World {
             }
             Semantics::Cloudflare => {
                 c.max_retry_delay = Some(CF_MAX);
+                c.counts_shutdown_returns = false;
             }
         }
         c
@@ -454,12 +455,18 @@ impl World {
                 (m.count, Some(m.shutdowns))
             }
             Semantics::Rabbit => (m.carried + m.dcount + 1, Some(m.shutdowns)),
+            // A graceful-shutdown retry republishes with the count carried
+            // (see the retry below), as the NATS and SQS drivers do.
             Semantics::Sqs => {
                 m.count += 1;
                 m.receive_at = now;
-                (m.count, None)
+                (m.carried + m.count, Some(m.shutdowns))
             }
-            Semantics::Nats | Semantics::Cloudflare => {
+            Semantics::Nats => {
+                m.count += 1;
+                (m.carried + m.count, Some(m.shutdowns))
+            }
+            Semantics::Cloudflare => {
                 m.count += 1;
                 (m.count, None)
             }
@@ -729,6 +736,11 @@ impl World {
                 if sem == Semantics::Rabbit {
                     m.carried = attempt;
                     m.dcount = 0;
+                }
+                if *shutdown && matches!(sem, Semantics::Sqs | Semantics::Nats) {
+                    // A copy carrying the count replaces the message.
+                    m.carried = attempt;
+                    m.count = 0;
                 }
                 return self
                     .accept(st, id, n, settled, shutting_down, false)

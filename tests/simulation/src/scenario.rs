@@ -16,7 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Eff, Ev, Semantics, Sink, World};
-use crate::SimClock;
+use queue_native::TokioRuntime;
 
 /// One scripted handler execution.
 #[derive(Debug, Clone, PartialEq)]
@@ -307,9 +307,11 @@ impl StdError for UserError {
     }
 }
 
-/// A concrete error with the inner error's identity for `BreakerError<E>`:
-/// transparent like `#[error(transparent)]` (Display and source forwarded),
-/// so `BreakerError<Transparent>` behaves as `BreakerError<Inner>` would.
+/// A concrete error type holding a boxed error, for `BreakerError<E>`
+/// (which needs a sized `E`): the operation's own error, shown as it is, with
+/// the held error as its source. (A wrapper that forwarded `source()` past
+/// the held error, like thiserror's `transparent`, would hide a marker; the
+/// README says to use `#[source]` instead.)
 #[derive(Debug)]
 struct Transparent(BoxError);
 
@@ -321,7 +323,7 @@ impl fmt::Display for Transparent {
 
 impl StdError for Transparent {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.0.source()
+        Some(self.0.as_ref())
     }
 }
 
@@ -500,7 +502,7 @@ async fn run_step(
 }
 
 /// Builds a fresh registry (a new process) for the scenario.
-pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<SimClock>) -> Registry {
+pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) -> Registry {
     let mut registry = Registry::new();
     for plan in &sc.jobs {
         let mut b = Job::<Payload>::builder(plan.name.clone())

@@ -343,7 +343,7 @@ impl Registry {
             let failure = Failure {
                 kind: FailureKind::AttemptsExhausted,
                 message: format!(
-                    "delivery {} exceeds the cap of {} ({}): earlier deliveries ended without settlement",
+                    "delivery {} exceeds the cap of {} ({}): earlier deliveries ended without a settlement that retries (a worker that crashed, or a rejection the backend returned)",
                     delivery.attempt,
                     spec.retry.attempts,
                     match delivery.shutdown_returns {

@@ -11,13 +11,14 @@ use async_nats::jetstream::consumer::pull::Batch;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::message::Acker;
 use async_nats::jetstream::{AckKind, Message};
+use async_nats::HeaderMap;
 use async_trait::async_trait;
 use futures_util::{FutureExt, StreamExt};
 use queue::{FailureRecord, Settlement};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
-use super::{error, NatsDriver};
+use super::{error, NatsDriver, ATTEMPTS_HEADER, SHUTDOWNS_HEADER};
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -124,9 +125,10 @@ impl NatsSubscription {
     }
 
     fn deliver(&self, message: Message) -> Box<dyn Delivery> {
+        let headers = message.headers.as_ref();
         let (attempt, sequence, published) = match message.info() {
             Ok(info) => (
-                u32::try_from(info.delivered.max(0)).unwrap_or(u32::MAX),
+                attempt_of(headers, info.delivered),
                 info.stream_sequence,
                 info.published.unix_timestamp_nanos(),
             ),
@@ -135,6 +137,7 @@ impl NatsSubscription {
                 (0, 0, 0)
             }
         };
+        let shutdowns = header_count(headers, SHUTDOWNS_HEADER);
         let acker = Acker::new(message.context.clone(), message.reply.clone());
         let every = self.driver.inner.config.ack_wait / 2;
         let queue = self.queue.clone();
@@ -152,6 +155,7 @@ impl NatsSubscription {
             queue: self.queue.clone(),
             message,
             attempt,
+            shutdowns,
             sequence,
             published,
             lease: Some(lease),
@@ -255,11 +259,27 @@ impl Subscription for NatsSubscription {
     }
 }
 
+/// A count header, 0 when absent or unreadable, saturating at `u32::MAX`.
+fn header_count(headers: Option<&HeaderMap>, name: &str) -> u32 {
+    headers
+        .and_then(|h| h.get(name))
+        .and_then(|v| v.as_str().trim().parse::<u64>().ok())
+        .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// [`ATTEMPTS_HEADER`] + the server's delivery count, saturating.
+fn attempt_of(headers: Option<&HeaderMap>, delivered: i64) -> u32 {
+    let delivered = u32::try_from(delivered.max(0)).unwrap_or(u32::MAX);
+    header_count(headers, ATTEMPTS_HEADER).saturating_add(delivered)
+}
+
 struct NatsDelivery {
     driver: NatsDriver,
     queue: String,
     message: Message,
     attempt: u32,
+    /// Earlier deliveries a graceful shutdown handed back.
+    shutdowns: u32,
     sequence: u64,
     published: i128,
     lease: Option<JoinHandle<()>>,
@@ -316,6 +336,35 @@ impl NatsDelivery {
             .map(|v| v.to_string())
     }
 
+    /// A graceful-shutdown retry: publishes a copy carrying this delivery's
+    /// attempt and one more shutdown, then acks the original. If the copy is
+    /// not accepted the original is left (it comes back), never acked.
+    async fn hand_back(&mut self) -> Result<(), DriverError> {
+        let shutdowns = self.shutdowns.saturating_add(1);
+        // Never the original's id: the duplicate window would drop the copy.
+        let id = format!(
+            "{}:{}:{}:shutdown:{shutdowns}",
+            self.driver.stream_name(&self.queue),
+            self.sequence,
+            self.published
+        );
+        let headers = [
+            (ATTEMPTS_HEADER, self.attempt.to_string()),
+            (SHUTDOWNS_HEADER, shutdowns.to_string()),
+        ];
+        // The lease keeps running while the copy is published.
+        self.driver
+            .publish(
+                &self.driver.subject(&self.queue),
+                self.message.payload.to_vec(),
+                &id,
+                &headers,
+            )
+            .await?;
+        self.reply(AckKind::Ack, "ack after the shutdown copy")
+            .await
+    }
+
     async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {
         match self.driver.failure_subject(&self.queue) {
             Some(subject) => {
@@ -327,7 +376,7 @@ impl NatsDelivery {
                     self.published
                 );
                 self.driver
-                    .publish(&subject, record.encode(), &dedup)
+                    .publish(&subject, record.encode(), &dedup, &[])
                     .await?;
                 self.reply(AckKind::Ack, "ack after the failure transfer")
                     .await
@@ -378,6 +427,10 @@ impl Delivery for NatsDelivery {
         self.attempt
     }
 
+    fn shutdown_returns(&self) -> Option<u32> {
+        Some(self.shutdowns)
+    }
+
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         if self.driver.is_stopped() {
             self.settled = true;
@@ -389,6 +442,7 @@ impl Delivery for NatsDelivery {
         match settlement {
             Settlement::Ack => self.reply(AckKind::Ack, "ack").await,
             Settlement::Reject => self.reply(AckKind::Term, "term").await,
+            Settlement::Retry { shutdown: true, .. } => self.hand_back().await,
             Settlement::Retry { delay, .. } => match delay.filter(|d| !d.is_zero()) {
                 None => self.reply(AckKind::Nak(None), "nak").await,
                 Some(delay) if delay.as_nanos() > i64::MAX as u128 => Err(error(
@@ -399,5 +453,45 @@ impl Delivery for NatsDelivery {
             },
             Settlement::Fail(record) => self.fail(record).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempts_combine_header_and_delivery_count() {
+        let with = |pairs: &[(&str, &str)]| {
+            let mut headers = HeaderMap::new();
+            for (k, v) in pairs {
+                headers.insert(*k, *v);
+            }
+            headers
+        };
+        assert_eq!(attempt_of(None, 1), 1);
+        assert_eq!(attempt_of(None, 3), 3);
+        assert_eq!(attempt_of(Some(&with(&[])), 2), 2);
+        assert_eq!(attempt_of(Some(&with(&[(ATTEMPTS_HEADER, "4")])), 1), 5);
+        assert_eq!(attempt_of(Some(&with(&[(ATTEMPTS_HEADER, "4")])), 3), 7);
+        assert_eq!(
+            attempt_of(Some(&with(&[(ATTEMPTS_HEADER, "99999999999")])), 1),
+            u32::MAX
+        );
+        assert_eq!(
+            attempt_of(Some(&with(&[(ATTEMPTS_HEADER, &u32::MAX.to_string())])), 2),
+            u32::MAX
+        );
+        assert_eq!(attempt_of(Some(&with(&[(ATTEMPTS_HEADER, "-5")])), 1), 1);
+        assert_eq!(attempt_of(Some(&with(&[(ATTEMPTS_HEADER, "x")])), 1), 1);
+        assert_eq!(attempt_of(None, i64::MAX), u32::MAX);
+        assert_eq!(attempt_of(None, -1), 0);
+        // Graceful-shutdown returns travel in their own header; a crash (the
+        // delivery count) never adds to them.
+        let headers = with(&[(ATTEMPTS_HEADER, "2"), (SHUTDOWNS_HEADER, "2")]);
+        assert_eq!(attempt_of(Some(&headers), 2), 4);
+        assert_eq!(header_count(Some(&headers), SHUTDOWNS_HEADER), 2);
+        assert_eq!(header_count(Some(&with(&[])), SHUTDOWNS_HEADER), 0);
+        assert_eq!(header_count(None, SHUTDOWNS_HEADER), 0);
     }
 }

@@ -45,10 +45,18 @@
 //!
 //! # Attempts
 //!
-//! The attempt is the server's delivery count (`info().delivered`, first =
-//! 1). It rises on every redelivery: after a `Nak`, after AckWait expired
-//! (a crashed worker, a lost connection), so a message that kills its worker
-//! still reaches the facade's cap.
+//! The attempt is the header [`ATTEMPTS_HEADER`] (`Queue-Attempts`, 0 when
+//! absent) plus the server's delivery count (`info().delivered`, first = 1).
+//! The header is set only on the copy a graceful shutdown publishes (see
+//! below): it carries the deliveries the message consumed before that copy.
+//! The delivery count rises on every redelivery of the stored message: after
+//! a `Nak`, after AckWait expired (a crashed worker, a lost connection), so a
+//! message that kills its worker still reaches the facade's cap. A second
+//! header, [`SHUTDOWNS_HEADER`] (`Queue-Shutdowns`), counts the deliveries a
+//! graceful shutdown handed back
+//! ([`Delivery::shutdown_returns`](crate::Delivery::shutdown_returns)): they
+//! do not consume the job's cap, while a crash (no settlement, so only the
+//! delivery count rises) does.
 //!
 //! # Settlements
 //!
@@ -61,6 +69,7 @@
 //! | Ack | `+ACK` |
 //! | Retry, no delay or zero | `-NAK` (redelivered at once) |
 //! | Retry with a delay | `-NAK {"delay": ...}` (no sooner than the delay) |
+//! | Retry from a graceful shutdown | publish a copy to `<subject_prefix>.Q` with `Queue-Attempts` = this delivery's attempt and `Queue-Shutdowns` incremented, wait for its `PubAck`, then `+ACK` the original |
 //! | Reject | `+TERM` (never redelivered) |
 //! | Fail | publish [`FailureRecord::encode`] to the failure subject and wait for its `PubAck`, then `+ACK`; with no failure subject: `+ACK` and an error-level log line |
 //!
@@ -68,6 +77,18 @@
 //! message's stream, sequence and store time, so a transfer repeated after a
 //! crash between the record and the ack stores one record within the
 //! duplicate window (and at worst a duplicate, never a loss).
+//!
+//! A `-NAK` redelivers the same stored message, so its headers (the carried
+//! counts) stay valid; only a graceful shutdown needs a new message, since
+//! JetStream cannot change a stored message's headers. The copy's
+//! `Nats-Msg-Id` is derived the same way
+//! (`<stream>:<sequence>:<store time>:shutdown:<n>`), never the original's
+//! (which the duplicate window would drop, losing the message once the
+//! original is acked). If the copy is not accepted, the original is not
+//! acked and the error is returned: the message comes back with a higher
+//! delivery count. A crash between the copy and the ack duplicates the
+//! message (the copy repeated by the original's next shutdown is dropped as
+//! a duplicate within the window), never loses it.
 //!
 //! A server acknowledges an ack that arrives after AckWait as if it were in
 //! time, even though the message was already redelivered: that is why
@@ -142,6 +163,14 @@ use delivery::NatsSubscription;
 use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 
 const NAME: &str = "nats";
+
+/// The header carrying the deliveries a message consumed before it was
+/// published again by a graceful shutdown.
+pub const ATTEMPTS_HEADER: &str = "Queue-Attempts";
+
+/// The header counting deliveries a graceful shutdown handed back
+/// (see [`queue::exceeds_crash_bound`]).
+pub const SHUTDOWNS_HEADER: &str = "Queue-Shutdowns";
 
 fn config_error(message: impl Into<String>) -> DriverError {
     DriverError::new(NAME, ErrorKind::Config, message.into())
@@ -646,12 +675,14 @@ impl NatsDriver {
         lock(&self.inner.consumers).remove(queue);
     }
 
-    /// Publishes to `subject` and waits for the `PubAck`.
+    /// Publishes to `subject` with `Nats-Msg-Id` = `message_id` and the
+    /// `headers`, and waits for the `PubAck`.
     async fn publish(
         &self,
         subject: &str,
         body: Vec<u8>,
         message_id: &str,
+        headers: &[(&str, String)],
     ) -> Result<PublishAck, DriverError> {
         self.check_running()?;
         let link = self
@@ -664,9 +695,12 @@ impl NatsDriver {
                 format!("publish to `{subject}` not sent: not connected to NATS (reconnecting)"),
             ));
         }
-        let publish = PublishMessage::build()
+        let mut publish = PublishMessage::build()
             .payload(body.into())
             .message_id(message_id);
+        for (name, value) in headers {
+            publish = publish.header(*name, value.as_str());
+        }
         let ack = link
             .js
             .send_publish(subject.to_string(), publish)
@@ -830,7 +864,7 @@ impl Driver for NatsDriver {
             reject_drops: true,
             redelivery_hint: self.inner.config.ack_wait,
             counts_abandoned_deliveries: true,
-            counts_shutdown_returns: false,
+            counts_shutdown_returns: true,
         }
     }
 
@@ -849,7 +883,7 @@ impl Driver for NatsDriver {
             _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),
         })?;
         let result = self
-            .publish(&self.subject(queue), message.body, &message.id)
+            .publish(&self.subject(queue), message.body, &message.id, &[])
             .await;
         if let Err(e) = &result {
             if e.kind() == ErrorKind::NotAccepted {

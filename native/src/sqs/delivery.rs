@@ -12,7 +12,7 @@ use tracing::{debug, error, warn};
 
 use super::{
     bounded, ceil_seconds, decode_body, error, is_missing_queue, sdk_error, SqsDriver,
-    ENCODING_ATTRIBUTE, MAX_VISIBILITY,
+    ATTEMPTS_ATTRIBUTE, ENCODING_ATTRIBUTE, MAX_VISIBILITY, SHUTDOWNS_ATTRIBUTE,
 };
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
 
@@ -23,6 +23,27 @@ pub(super) fn is_base64(message: &Message) -> bool {
         .and_then(|a| a.get(ENCODING_ATTRIBUTE))
         .and_then(|v| v.string_value())
         == Some("base64")
+}
+
+/// A Number message attribute, 0 when absent or unreadable, saturating at
+/// `u32::MAX`.
+fn attribute_count(message: &Message, name: &str) -> u32 {
+    message
+        .message_attributes()
+        .and_then(|a| a.get(name))
+        .and_then(|v| v.string_value())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// `ApproximateReceiveCount` + [`ATTEMPTS_ATTRIBUTE`], saturating; 0
+/// (unknown) without a receive count.
+fn attempt_of(message: &Message) -> Option<u32> {
+    message
+        .attributes()
+        .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
+        .and_then(|n| n.parse::<u32>().ok())
+        .map(|received| received.saturating_add(attribute_count(message, ATTEMPTS_ATTRIBUTE)))
 }
 
 /// What one `ReceiveMessage` call returned.
@@ -85,7 +106,9 @@ impl SqsSubscription {
                 .visibility_timeout(config.visibility_timeout.as_secs() as i32)
                 .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
                 .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
-                .message_attribute_names(ENCODING_ATTRIBUTE);
+                .message_attribute_names(ENCODING_ATTRIBUTE)
+                .message_attribute_names(ATTEMPTS_ATTRIBUTE)
+                .message_attribute_names(SHUTDOWNS_ATTRIBUTE);
             let out = match bounded(limit, &what, ErrorKind::Connection, request.send()).await? {
                 Ok(out) => out,
                 Err(e) => {
@@ -106,14 +129,11 @@ impl SqsSubscription {
                     warn!(queue = %queue, "a received message has no receipt handle; skipped");
                     continue;
                 };
-                let attempt = message
-                    .attributes()
-                    .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .unwrap_or_else(|| {
-                        warn!(queue = %queue, "no ApproximateReceiveCount on a message: attempt unknown (0)");
-                        0
-                    });
+                let attempt = attempt_of(message).unwrap_or_else(|| {
+                    warn!(queue = %queue, "no ApproximateReceiveCount on a message: attempt unknown (0)");
+                    0
+                });
+                let shutdowns = attribute_count(message, SHUTDOWNS_ATTRIBUTE);
                 let body = decode_body(message.body().unwrap_or_default(), is_base64(message));
                 let hold = Hold::start(driver.clone(), url.clone(), receipt, received);
                 batch.push(SqsDelivery {
@@ -122,6 +142,7 @@ impl SqsSubscription {
                     message_id: message.message_id().unwrap_or_default().to_string(),
                     body,
                     attempt,
+                    shutdowns,
                     hold,
                 });
             }
@@ -331,6 +352,8 @@ pub(super) struct SqsDelivery {
     message_id: String,
     body: Vec<u8>,
     attempt: u32,
+    /// Earlier deliveries a graceful shutdown handed back.
+    shutdowns: u32,
     hold: Hold,
 }
 
@@ -355,12 +378,30 @@ impl SqsDelivery {
         self.hold.change_visibility(seconds).await
     }
 
+    /// A graceful-shutdown retry: sends a copy carrying this delivery's
+    /// attempt and one more shutdown, then deletes the original. If the copy
+    /// is not accepted the original is left (it returns when its visibility
+    /// ends), never deleted.
+    async fn hand_back(&mut self) -> Result<(), DriverError> {
+        let driver = self.hold.driver.clone();
+        let counts = [
+            (ATTEMPTS_ATTRIBUTE, self.attempt),
+            (SHUTDOWNS_ATTRIBUTE, self.shutdowns.saturating_add(1)),
+        ];
+        driver
+            .send_body(&self.queue, &self.hold.url, &self.body, 0, &counts)
+            .await?;
+        self.hold.delete().await
+    }
+
     async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {
         let driver = self.hold.driver.clone();
         match self.failure_url.clone() {
             Some(url) => {
                 let failed = driver.failure_queue_name(&self.queue).unwrap_or_default();
-                driver.send_body(&failed, &url, &record.encode(), 0).await?;
+                driver
+                    .send_body(&failed, &url, &record.encode(), 0, &[])
+                    .await?;
                 self.hold.delete().await
             }
             None => {
@@ -388,6 +429,10 @@ impl Delivery for SqsDelivery {
         self.attempt
     }
 
+    fn shutdown_returns(&self) -> Option<u32> {
+        Some(self.shutdowns)
+    }
+
     fn deadline(&self) -> Option<Instant> {
         Some(self.hold.received + MAX_VISIBILITY)
     }
@@ -402,11 +447,73 @@ impl Delivery for SqsDelivery {
         }
         match settlement {
             Settlement::Ack => self.hold.delete().await,
+            Settlement::Retry { shutdown: true, .. } => self.hand_back().await,
             Settlement::Retry { delay, .. } => self.retry(*delay).await,
             // SQS cannot drop a message without deleting it: leave it to its
             // visibility timeout and the queue's redrive policy.
             Settlement::Reject => Ok(()),
             Settlement::Fail(record) => self.fail(record).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aws_sdk_sqs::types::MessageAttributeValue;
+
+    fn message(received: Option<&str>, counts: &[(&str, &str)]) -> Message {
+        let mut builder = Message::builder();
+        if let Some(n) = received {
+            builder = builder.attributes(MessageSystemAttributeName::ApproximateReceiveCount, n);
+        }
+        for (name, value) in counts {
+            let value = MessageAttributeValue::builder()
+                .data_type("Number")
+                .string_value(*value)
+                .build()
+                .unwrap();
+            builder = builder.message_attributes(*name, value);
+        }
+        builder.build()
+    }
+
+    #[test]
+    fn attempts_combine_attribute_and_receive_count() {
+        assert_eq!(attempt_of(&message(None, &[])), None);
+        assert_eq!(
+            attempt_of(&message(None, &[(ATTEMPTS_ATTRIBUTE, "3")])),
+            None
+        );
+        assert_eq!(attempt_of(&message(Some("1"), &[])), Some(1));
+        assert_eq!(attempt_of(&message(Some("3"), &[])), Some(3));
+        assert_eq!(
+            attempt_of(&message(Some("1"), &[(ATTEMPTS_ATTRIBUTE, "4")])),
+            Some(5)
+        );
+        assert_eq!(
+            attempt_of(&message(Some("2"), &[(ATTEMPTS_ATTRIBUTE, "4")])),
+            Some(6)
+        );
+        assert_eq!(
+            attempt_of(&message(Some("2"), &[(ATTEMPTS_ATTRIBUTE, "99999999999")])),
+            Some(u32::MAX)
+        );
+        assert_eq!(
+            attempt_of(&message(Some("1"), &[(ATTEMPTS_ATTRIBUTE, "-5")])),
+            Some(1)
+        );
+        // Graceful-shutdown returns travel in their own attribute; a crash
+        // (the receive count) never adds to them.
+        let m = message(
+            Some("2"),
+            &[(ATTEMPTS_ATTRIBUTE, "2"), (SHUTDOWNS_ATTRIBUTE, "2")],
+        );
+        assert_eq!(attempt_of(&m), Some(4));
+        assert_eq!(attribute_count(&m, SHUTDOWNS_ATTRIBUTE), 2);
+        assert_eq!(
+            attribute_count(&message(Some("1"), &[]), SHUTDOWNS_ATTRIBUTE),
+            0
+        );
     }
 }

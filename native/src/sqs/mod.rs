@@ -44,8 +44,20 @@
 //! only when the consumer asks for a delivery, and buffers what one call
 //! returned. The call runs in its own task, so `next()` is cancel-safe: a
 //! dropped `next()` leaves the call and its messages to the next `next()`.
+//!
+//! # Attempts
+//!
 //! The attempt is SQS's `ApproximateReceiveCount`, which rises on every
-//! receive, including after a crash or a lost connection.
+//! receive, including after a crash or a lost connection, plus the message
+//! attribute [`ATTEMPTS_ATTRIBUTE`] (`queue-attempts`, Number, 0 when
+//! absent). That attribute is set only on the copy a graceful shutdown sends
+//! (see below): it carries the receives the message consumed before that
+//! copy, since a new message starts its receive count afresh. A second
+//! attribute, [`SHUTDOWNS_ATTRIBUTE`] (`queue-shutdowns`, Number), counts the
+//! deliveries a graceful shutdown handed back
+//! ([`Delivery::shutdown_returns`](crate::Delivery::shutdown_returns)): they
+//! do not consume the job's cap, while a crash (no settlement, so only the
+//! receive count rises) does.
 //!
 //! # Leases
 //!
@@ -68,7 +80,17 @@
 //!   12 hours after the receive is refused with [`ErrorKind::Unsupported`];
 //!   the message stays and comes back when its current visibility ends.
 //! - Retry without a delay: no request; the message comes back when its
-//!   current visibility ends (at most one visibility timeout).
+//!   current visibility ends (at most one visibility timeout). These keep
+//!   the same message, so its carried attributes stay valid.
+//! - Retry from a graceful shutdown (always without delay): `SendMessage` of
+//!   a copy (same body and encoding) to the work queue with
+//!   `queue-attempts` = this delivery's attempt and `queue-shutdowns`
+//!   incremented, then `DeleteMessage` of the original: SQS cannot change a
+//!   message's attributes, and a visibility change would count as a receive.
+//!   If the copy is not accepted the error is returned and the original is
+//!   left; it comes back when its visibility ends, with a higher receive
+//!   count. A crash between the copy and the delete duplicates the message,
+//!   never loses it.
 //! - Reject: no request; the message comes back when its visibility ends,
 //!   and the queue's own redrive policy (if any) decides its fate. SQS has no
 //!   way to drop a message other than deleting it.
@@ -114,6 +136,12 @@ const NAME: &str = "sqs";
 
 /// The message attribute marking a base64-encoded body (value `base64`).
 pub const ENCODING_ATTRIBUTE: &str = "queue-body-encoding";
+/// The message attribute (Number) carrying the receives a message consumed
+/// before it was sent again by a graceful shutdown.
+pub const ATTEMPTS_ATTRIBUTE: &str = "queue-attempts";
+/// The message attribute (Number) counting deliveries a graceful shutdown
+/// handed back (see [`queue::exceeds_crash_bound`]).
+pub const SHUTDOWNS_ATTRIBUTE: &str = "queue-shutdowns";
 /// The longest dispatch delay SQS supports, in seconds.
 pub const MAX_DELAY_SECONDS: u64 = 900;
 /// SQS's cap on a message's invisibility, counted from its receive.
@@ -604,13 +632,15 @@ impl SqsDriver {
         Ok((url, failed))
     }
 
-    /// `SendMessage` of `body` to `url` (base64 if needed).
+    /// `SendMessage` of `body` to `url` (base64 if needed), with the Number
+    /// message attributes `counts`.
     async fn send_body(
         &self,
         queue: &str,
         url: &str,
         body: &[u8],
         delay_seconds: u64,
+        counts: &[(&str, u32)],
     ) -> Result<(), DriverError> {
         let (text, base64) = encode_body(body);
         let mut request = self
@@ -634,6 +664,19 @@ impl SqsDriver {
                     )
                 })?;
             request = request.message_attributes(ENCODING_ATTRIBUTE, value);
+        }
+        for (name, count) in counts {
+            let value = MessageAttributeValue::builder()
+                .data_type("Number")
+                .string_value(count.to_string())
+                .build()
+                .map_err(|e| {
+                    error(
+                        ErrorKind::NotAccepted,
+                        format!("SendMessage to `{queue}`: {e}"),
+                    )
+                })?;
+            request = request.message_attributes(*name, value);
         }
         let what = format!("SendMessage to `{queue}`");
         let limit = self.inner.config.operation_timeout;
@@ -786,7 +829,7 @@ impl Driver for SqsDriver {
             reject_drops: false,
             redelivery_hint: self.inner.config.visibility_timeout,
             counts_abandoned_deliveries: true,
-            counts_shutdown_returns: false,
+            counts_shutdown_returns: true,
         }
     }
 
@@ -812,7 +855,7 @@ impl Driver for SqsDriver {
                 | ErrorKind::NotAccepted => e,
                 _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),
             })?;
-        self.send_body(queue, &url, &message.body, delay_seconds)
+        self.send_body(queue, &url, &message.body, delay_seconds, &[])
             .await
     }
 

@@ -218,10 +218,10 @@ pub const SHUTDOWN_GRACE: u32 = 1;
 /// back that way (`shutdown_returns`, where the backend counts them) are
 /// added to the cap. A backend that cannot count them gets
 /// [`SHUTDOWN_GRACE`] instead. So a message that kills its worker every
-/// time ends on delivery `cap + 1` where shutdowns are counted (memory,
-/// RabbitMQ) and on delivery `cap + 2` elsewhere (NATS, SQS, Cloudflare),
-/// after at most `cap` (resp. `cap + 1`) executions, plus one per graceful
-/// shutdown that interrupted it.
+/// time ends on delivery `cap + 1` where shutdowns are counted (every
+/// native driver: memory, RabbitMQ, NATS, SQS) and on delivery `cap + 2`
+/// where they are not (Cloudflare), after at most `cap` (resp. `cap + 1`)
+/// executions, plus one per graceful shutdown that interrupted it.
 pub fn exceeds_crash_bound(cap: u32, attempt: u32, shutdown_returns: Option<u32>) -> bool {
     let allowance = shutdown_returns.unwrap_or(SHUTDOWN_GRACE);
     cap != 0 && attempt > cap.saturating_add(allowance)

@@ -85,11 +85,7 @@ pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
         let result = catch_unwind(AssertUnwindSafe(f));
         hook::leave();
         result.map_err(|payload| {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".to_string());
+            let message = payload_text(payload.as_ref());
             let (location, backtrace) = hook::take();
             let message = match location {
                 Some(location) => format!("{message} (at {location})"),
@@ -102,6 +98,17 @@ pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
     {
         Ok(f())
     }
+}
+
+/// The text a panic was raised with (`panic!("...")` gives a `&str` or a
+/// `String`; anything else is named as such).
+#[cfg(panic = "unwind")]
+pub(crate) fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_string())
 }
 
 #[cfg(panic = "unwind")]

@@ -175,12 +175,7 @@ async fn guarded<T>(fut: impl std::future::Future<Output = T>) -> Result<T, Pani
             .catch_unwind()
             .await
             .map_err(|payload| {
-                let message = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic payload".to_string());
-                Panicked::new(message, String::new())
+                Panicked::new(crate::panic::payload_text(payload.as_ref()), String::new())
             })
     }
     #[cfg(not(panic = "unwind"))]

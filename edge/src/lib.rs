@@ -2,8 +2,8 @@
 //!
 //! The same [`queue::Job`] declarations and handlers that run natively run
 //! here, in a Workers queue consumer compiled to wasm32. Each message of a
-//! batch goes through [`queue::Registry::process`] (the same rules, the same
-//! two retry tiers) and is settled explicitly: ack, `retry` with
+//! batch goes through [`queue::Registry::deliver`] (the same pipeline, rules
+//! and two retry tiers as natively) and is settled explicitly: ack, `retry` with
 //! `delaySeconds`, no request for a rejection, or a terminal failure that is
 //! logged (and sent to a failure-queue binding when one is configured) before
 //! the ack. No error or panic escapes the entry point with a message left to

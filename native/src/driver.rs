@@ -2,8 +2,9 @@
 //!
 //! A driver stores messages ([`Driver::send`]), hands out deliveries
 //! ([`Driver::subscribe`]) and carries out settlements
-//! ([`Delivery::settle`]). It decides nothing: what to request for each
-//! delivery comes from [`queue::Registry::process`]. To support a new
+//! ([`Delivery::settle`]). It decides nothing: the consumer runs each
+//! delivery through [`queue::Registry::deliver`], which decides what to
+//! request and reports what the backend answered. To support a new
 //! backend, implement these three traits and run the conformance suite
 //! (`queue-conformance`) against it.
 

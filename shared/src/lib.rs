@@ -1,10 +1,11 @@
 //! The rules of the queue facade.
 //!
 //! An application declares a typed [`Job`] once and registers its handler in
-//! a [`Registry`]. Every backend (the native drivers and the Cloudflare edge)
-//! hands each delivery to [`Registry::process`], which decides how to settle
-//! it, and reports the backend's answer with [`Registry::settled`]. This
-//! crate decides; drivers act. It does no I/O, owns no async runtime and
+//! a [`Registry`]. Every host (the native worker, the Cloudflare edge and the
+//! simulation) runs each delivery through [`Registry::deliver`]: it decides
+//! how to settle it ([`Registry::process`]), has the backend carry the
+//! settlement out through a [`DeliveryHandle`], and reports the backend's
+//! answer ([`Registry::settled`]). This crate decides; drivers act. It does no I/O, owns no async runtime and
 //! builds for `wasm32-unknown-unknown` as well as native targets.
 //!
 //! # Layout

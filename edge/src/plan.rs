@@ -68,11 +68,8 @@ impl EdgeConfig {
                 // on delivery cap + 1 + SHUTDOWN_GRACE (the platform cannot
                 // tell a crash from a graceful hand-back): the platform must
                 // not give up before that.
-                let needed = spec
-                    .retry
-                    .attempts
-                    .saturating_add(1 + queue::SHUTDOWN_GRACE);
-                if spec.retry.attempts == 0 || needed > deliveries {
+                let needed = queue::deliveries_needed(spec.retry.attempts, false);
+                if needed.is_none_or(|needed| needed > deliveries) {
                     return Err(PolicyError::Invalid {
                         job: spec.name.clone(),
                         field: "retry".into(),

@@ -98,7 +98,7 @@ pub use record::{FailureRecord, RawBody};
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
-    exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind,
-    Settlement, UnknownNameAttempts, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
+    deliveries_needed, exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision,
+    Failure, FailureKind, Settlement, UnknownNameAttempts, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
 pub use stats::{JobStats, Resolution, Stats};

@@ -227,6 +227,24 @@ pub fn exceeds_crash_bound(cap: u32, attempt: u32, shutdown_returns: Option<u32>
     cap != 0 && attempt > cap.saturating_add(allowance)
 }
 
+/// The deliveries a backend must allow one message of a job capped at
+/// `cap` so that the facade, not the backend's own limit, ends it: the cap,
+/// plus the delivery on which the crash bound ([`exceeds_crash_bound`])
+/// records a message that killed its worker every time, plus
+/// [`SHUTDOWN_GRACE`] where the backend cannot count graceful-shutdown
+/// returns. `None` for a job without a cap (0): no finite limit is enough.
+/// A driver refuses a broker limit (JetStream `MaxDeliver`, SQS
+/// `maxReceiveCount`, quorum `x-delivery-limit`, Cloudflare `max_retries`)
+/// that allows fewer deliveries than this.
+pub fn deliveries_needed(cap: u32, counts_shutdown_returns: bool) -> Option<u32> {
+    let grace = if counts_shutdown_returns {
+        0
+    } else {
+        SHUTDOWN_GRACE
+    };
+    (cap != 0).then(|| cap.saturating_add(1).saturating_add(grace))
+}
+
 /// Whether the shutdown rule applies: the consumer is shutting down and the
 /// handler's error is (or wraps) the cancellation.
 pub fn is_shutdown(result: &Result<(), JobError>, cancelled: bool) -> bool {
@@ -464,6 +482,19 @@ mod tests {
             )),
             Some(FailureKind::UnknownName)
         );
+    }
+
+    #[test]
+    fn a_backend_limit_must_leave_room_for_the_crash_bound() {
+        assert_eq!(deliveries_needed(3, true), Some(4));
+        assert_eq!(deliveries_needed(3, false), Some(5));
+        assert_eq!(deliveries_needed(0, true), None);
+        assert_eq!(deliveries_needed(u32::MAX, false), Some(u32::MAX));
+        // The bound it protects: delivery cap + 1 is the one that records.
+        assert!(!exceeds_crash_bound(3, 3, Some(0)));
+        assert!(exceeds_crash_bound(3, 4, Some(0)));
+        assert!(!exceeds_crash_bound(3, 4, None));
+        assert!(exceeds_crash_bound(3, 5, None));
     }
 
     #[test]

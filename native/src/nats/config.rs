@@ -33,7 +33,8 @@ pub struct NatsConfig {
     pub ack_wait: Duration,
     /// The consumer's `MaxDeliver`. `None` (default, recommended): unlimited
     /// (`-1`), so the server never stops redelivering a message on its own.
-    /// If set, it must be at least [`largest_attempt_cap`](Self::largest_attempt_cap).
+    /// If set, it must be at least [`largest_attempt_cap`](Self::largest_attempt_cap)
+    /// plus one (see [`queue::deliveries_needed`]).
     pub max_deliver: Option<u32>,
     /// The largest attempt cap of any job (and of the unknown-name rule)
     /// consumed through this driver. A [`max_deliver`](Self::max_deliver)
@@ -132,10 +133,12 @@ impl NatsConfig {
             }
         }
         if let Some(limit) = self.max_deliver {
-            if limit < self.largest_attempt_cap {
+            let needed = queue::deliveries_needed(self.largest_attempt_cap, true).unwrap_or(0);
+            if limit < needed {
                 return Err(config_error(format!(
-                    "MaxDeliver {limit} is below the largest attempt cap {}: the server would stop \
-                     delivering messages before the facade's cap; raise it or leave it unset",
+                    "MaxDeliver {limit} is below {needed}, the largest attempt cap {} plus the delivery \
+                     that records a message which crashed its worker every time: the server would stop \
+                     delivering messages before the facade ends them; raise it or leave it unset",
                     self.largest_attempt_cap
                 )));
             }
@@ -332,6 +335,11 @@ mod tests {
         c.max_deliver = Some(3);
         assert!(c.validate().unwrap_err().to_string().contains("MaxDeliver"));
         c.max_deliver = Some(10);
+        assert!(
+            c.validate().is_err(),
+            "the cap itself leaves no room for the crash bound"
+        );
+        c.max_deliver = Some(11);
         assert!(c.validate().is_ok());
         let c = NatsConfig::new("nats://localhost").failure_subject(Some("failed"));
         assert!(c.validate().is_err());

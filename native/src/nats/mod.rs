@@ -108,8 +108,10 @@
 //! By default the consumer has no MaxDeliver (`-1`): the server never stops
 //! delivering a message before the facade's cap. If
 //! [`max_deliver`](NatsConfig::max_deliver) is set it must be at least
-//! [`largest_attempt_cap`](NatsConfig::largest_attempt_cap), otherwise the
-//! driver refuses to start ([`ErrorKind::Config`]).
+//! [`largest_attempt_cap`](NatsConfig::largest_attempt_cap) plus one
+//! ([`queue::deliveries_needed`]: the extra delivery is the one on which the
+//! facade records a message that crashed its worker every time), otherwise
+//! the driver refuses to start ([`ErrorKind::Config`]).
 //!
 //! # Consumption and reconnection
 //!

@@ -161,7 +161,10 @@ impl RabbitConfig {
             }
         }
         if let Some(limit) = self.delivery_limit {
-            if limit < self.largest_attempt_cap {
+            // The limit counts returns to the queue: it allows limit + 1
+            // deliveries of a message that crashes its worker every time.
+            let needed = queue::deliveries_needed(self.largest_attempt_cap, true).unwrap_or(0);
+            if limit.saturating_add(1) < needed {
                 return Err(config_error(format!(
                     "x-delivery-limit {limit} is below the largest attempt cap {}: the broker would drop \
                      messages before the facade's cap; raise it or leave it unset",

@@ -17,9 +17,11 @@
 //! could make two facade queues share one SQS queue.
 //!
 //! A work queue with a redrive policy (`RedrivePolicy`, native dead-lettering)
-//! whose `maxReceiveCount` is below [`SqsConfig::largest_attempt_cap`] is
+//! whose `maxReceiveCount` is below [`SqsConfig::largest_attempt_cap`] plus
+//! one ([`queue::deliveries_needed`]: the extra receive is the one on which
+//! the facade records a message that crashed its worker every time) is
 //! refused with [`ErrorKind::Config`]: SQS would move a message to its
-//! dead-letter queue before the facade's cap is reached.
+//! dead-letter queue before the facade ends it.
 //!
 //! # Dispatch
 //!
@@ -608,11 +610,13 @@ impl SqsDriver {
             serde_json::Value::String(s) => s.parse().ok(),
             _ => None,
         };
-        let cap = u64::from(self.inner.config.largest_attempt_cap);
+        let cap = self.inner.config.largest_attempt_cap;
+        let needed = u64::from(queue::deliveries_needed(cap, true).unwrap_or(0));
         match max {
-            Some(max) if max < cap => Err(config_error(format!(
-                "queue `{name}` has a redrive policy with maxReceiveCount {max}, below the largest attempt cap {cap}: \
-                 SQS would move messages to its dead-letter queue before the facade's cap; raise it or remove the policy"
+            Some(max) if max < needed => Err(config_error(format!(
+                "queue `{name}` has a redrive policy with maxReceiveCount {max}, below {needed} (the largest attempt \
+                 cap {cap} plus the delivery that records a message which crashed its worker every time): SQS would \
+                 move messages to its dead-letter queue before the facade ends them; raise it or remove the policy"
             ))),
             Some(_) => Ok(()),
             None => Err(config_error(format!(

@@ -214,7 +214,13 @@ async fn max_deliver_below_the_cap_is_refused() {
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     assert!(err.to_string().contains("MaxDeliver 3"), "{err}");
     config.largest_attempt_cap = 3;
-    NatsDriver::new(config).expect("a MaxDeliver equal to the cap is accepted");
+    let err = NatsDriver::new(config.clone()).unwrap_err();
+    assert!(
+        err.to_string().contains("crashed its worker"),
+        "a MaxDeliver equal to the cap leaves no room for the crash bound: {err}"
+    );
+    config.largest_attempt_cap = 2;
+    NatsDriver::new(config).expect("a MaxDeliver of the cap plus one is accepted");
 }
 
 /// A delivery dropped without settlement is handed back at once (`-NAK`),

@@ -343,6 +343,26 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                     ),
                 );
             }
+            // 10. The crash bound: deliveries that ran the handler, crashed
+            // ones included, stay within the cap plus the graceful-shutdown
+            // returns (plus the one delivery of grace where those cannot be
+            // counted), so a message that kills its worker every time ends.
+            let ran = ds.iter().filter(|d| d.execs > 0).count() as u32;
+            let grace = if counts_shutdowns {
+                0
+            } else {
+                queue::SHUTDOWN_GRACE
+            };
+            if ran > job.cap + s + grace {
+                push(
+                    10,
+                    n,
+                    format!(
+                        "{what}: {ran} deliveries ran the handler, beyond the crash bound of cap {} + {s} shutdown returns + {grace} grace",
+                        job.cap
+                    ),
+                );
+            }
         }
         for (i, d) in ds.iter().enumerate() {
             let Some((settled, accepted, at, shutting)) = &d.settle else {

@@ -21,7 +21,7 @@
 //! malformed, with unknown job names, undecodable or invalid), one outcome
 //! script per message (one scripted outcome per handler execution, then
 //! success) and up to four faults (crash, graceful shutdown, refused
-//! settlements, lost connection). The [`model`] backends mimic memory,
+//! settlements, lost connection, a handler that kills its worker). The [`model`] backends mimic memory,
 //! RabbitMQ, SQS, NATS JetStream and Cloudflare Queues (attempt counting,
 //! redelivery timing, what reject and fail do) and record one trace. After
 //! the run, [`check`] checks the invariants below against that trace.
@@ -45,6 +45,12 @@
 //! 8. The settlement matches the outcome table for the delivery's last
 //!    execution.
 //! 9. Liveness: every message is terminal by the horizon.
+//! 10. The crash bound: the deliveries that ran the handler (crashed ones
+//!     included) stay within the cap plus the graceful-shutdown returns
+//!     (plus one of grace where those cannot be counted), so a message
+//!     that kills its worker every time ends in a failure record; a
+//!     broker's own delivery limit set to the least a driver accepts never
+//!     ends a message before the facade does (checked under invariant 1).
 //!
 //! The clock is the real `queue_native::TokioRuntime`, whose clock follows
 //! tokio's paused time (the simulation found that it did not: breaker
@@ -245,6 +251,20 @@ async fn stop(host: Host, world: &World, inc: u32, graceful: bool) {
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
 
+/// A handler killed its worker: abort the consumer (nothing settled) and
+/// start a new one, as a process supervisor would.
+async fn crash_and_restart(
+    sc: &Scenario,
+    world: &Arc<World>,
+    clock: &Arc<TokioRuntime>,
+    host: Host,
+    inc: u32,
+) -> (Host, u32) {
+    stop(host, world, inc, false).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    (start(sc, world, clock, inc + 1), inc + 1)
+}
+
 fn outgoing(sc: &Scenario, m: &scenario::MsgPlan) -> (String, Vec<u8>) {
     let job = &sc.jobs[m.job].name;
     let env = match m.kind {
@@ -264,6 +284,7 @@ fn outgoing(sc: &Scenario, m: &scenario::MsgPlan) -> (String, Vec<u8>) {
 
 async fn simulate(sc: &Scenario) -> Arc<World> {
     let world = World::new(sc.sem);
+    world.lock().broker_limit = sc.broker_limit;
     let clock = Arc::new(TokioRuntime);
     let t0 = tokio::time::Instant::now();
     let mut sends = Vec::new();
@@ -298,7 +319,15 @@ async fn simulate(sc: &Scenario) -> Arc<World> {
     let mut inc = 0;
     let mut host = start(sc, &world, &clock, inc);
     for (at, fault) in &sc.faults {
-        tokio::time::sleep_until(t0 + *at).await;
+        loop {
+            tokio::select! {
+                biased;
+                _ = tokio::time::sleep_until(t0 + *at) => break,
+                _ = world.crash_requested.notified() => {
+                    (host, inc) = crash_and_restart(sc, &world, &clock, host, inc).await;
+                }
+            }
+        }
         match fault {
             Fault::Crash(pause) | Fault::Shutdown(pause) => {
                 stop(host, &world, inc, matches!(fault, Fault::Shutdown(_))).await;
@@ -335,7 +364,13 @@ async fn simulate(sc: &Scenario) -> Arc<World> {
         if done || runaway || tokio::time::Instant::now() >= horizon {
             break;
         }
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        tokio::select! {
+            biased;
+            _ = world.crash_requested.notified() => {
+                (host, inc) = crash_and_restart(sc, &world, &clock, host, inc).await;
+            }
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
     }
     stop(host, &world, inc, true).await;
     world

@@ -289,6 +289,9 @@ pub(crate) struct State {
     pub(crate) deliveries: u64,
     pub(crate) cf_marks: BTreeMap<u64, Mark>,
     pub(crate) cf_active: BTreeSet<u64>,
+    /// The broker's own delivery limit, in deliveries (see
+    /// `Scenario::broker_limit`).
+    pub(crate) broker_limit: Option<u32>,
 }
 
 /// What a Cloudflare message was marked with during an invocation.
@@ -308,6 +311,8 @@ pub struct World {
     pub(crate) start: Instant,
     state: Mutex<State>,
     pub(crate) notify: Notify,
+    /// A handler killed its worker: the run loop crashes the consumer.
+    pub(crate) crash_requested: Notify,
 }
 
 impl World {
@@ -333,8 +338,10 @@ impl World {
                 deliveries: 0,
                 cf_marks: BTreeMap::new(),
                 cf_active: BTreeSet::new(),
+                broker_limit: None,
             }),
             notify: Notify::new(),
+            crash_requested: Notify::new(),
         })
     }
 
@@ -351,6 +358,11 @@ impl World {
             ev,
         };
         st.trace.push(entry);
+    }
+
+    /// A handler killed its worker process.
+    pub(crate) fn request_crash(&self) {
+        self.crash_requested.notify_one();
     }
 
     pub(crate) fn capabilities(&self) -> Capabilities {
@@ -443,6 +455,42 @@ impl World {
             }
         }
         let Some((_, n)) = best else { return Err(wake) };
+        if let Some(limit) = st.broker_limit {
+            // The broker's count since the message was (re)published.
+            let m = &st.msgs[&n];
+            let native = match self.sem {
+                Semantics::Rabbit => m.dcount + 1,
+                Semantics::Sqs | Semantics::Nats => m.count + 1,
+                Semantics::Memory | Semantics::Cloudflare => 0,
+            };
+            if native > limit {
+                st.msgs.get_mut(&n).expect("message").state = MState::Done;
+                self.log(
+                    &mut st,
+                    Some(n),
+                    Ev::Removed(format!("ended by the broker's delivery limit of {limit}")),
+                );
+                // The limit leaves room for the crash bound; only settlements
+                // the backend kept refusing (an injected fault no limit can
+                // outlast) may run a message into it.
+                // Nor a message whose record the facade already wrote (a crash
+                // took the acknowledgement after it): it has ended.
+                let excused = st.trace.iter().any(|e| {
+                    e.msg == Some(n) && matches!(e.ev, Ev::Refused { .. } | Ev::Record { .. })
+                });
+                if !excused {
+                    st.violations.push((
+                        Some(n),
+                        1,
+                        format!(
+                            "m{n} was ended by the broker's own delivery limit ({limit} deliveries) before the facade ended it"
+                        ),
+                    ));
+                }
+                drop(st);
+                return self.take(queues, incarnation);
+            }
+        }
         let id = st.next_dlv;
         st.next_dlv += 1;
         st.deliveries += 1;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use queue::{
-    BoxError, BreakerConfig, BreakerError, CircuitBreaker, Job, JobContext, JobError, Permanent,
-    Registry, Reject, RetryAfter, UnknownNameAttempts,
+    BoxError, BoxFuture, BreakerConfig, BreakerError, CircuitBreaker, Job, JobContext, JobError,
+    Permanent, Registry, Reject, RetryAfter, UnknownNameAttempts,
 };
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -39,6 +39,10 @@ pub enum Step {
     Hang,
     /// Wait for cancellation up to this long.
     CooperativeCancel(Duration),
+    /// The worker process dies while running it (the OOM killer, a
+    /// segfault in a native library): the consumer is aborted, settling
+    /// nothing, and a new one starts. At the edge, the instance dies.
+    KillsWorker,
 }
 
 /// A wrapper around a marker (innermost first).
@@ -154,6 +158,11 @@ pub struct Scenario {
     pub faults: Vec<(Duration, Fault)>,
     /// Cloudflare: batch size.
     pub batch: usize,
+    /// The broker's own delivery limit (JetStream `MaxDeliver`, SQS
+    /// `maxReceiveCount`, quorum `x-delivery-limit`), in deliveries: `None`,
+    /// or the least the drivers accept, [`queue::deliveries_needed`] for
+    /// the largest cap. A message the broker ends by it is a violation.
+    pub broker_limit: Option<u32>,
 }
 
 /// The payload of every job.
@@ -280,7 +289,7 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
         faults.push((at, fault));
     }
     faults.sort_by_key(|f| f.0);
-    Scenario {
+    let mut sc = Scenario {
         sem,
         jobs,
         concurrency,
@@ -288,7 +297,27 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
         msgs,
         faults,
         batch: r.gen_range(1..=5),
+        broker_limit: None,
+    };
+    let limited = matches!(sem, Semantics::Rabbit | Semantics::Sqs | Semantics::Nats)
+        && r.gen_bool(0.5)
+        && sc.jobs.iter().all(|j| j.cap != 0);
+    if limited {
+        let largest = sc.jobs.iter().map(|j| j.cap).chain([sc.unknown_cap]).max();
+        sc.broker_limit = largest.and_then(|cap| queue::deliveries_needed(cap, true));
     }
+    // Crash loops: a few messages kill their worker every time (or once).
+    for m in &mut sc.msgs {
+        match r.gen_range(0..100) {
+            0..=3 => m.script = vec![Step::KillsWorker; 12],
+            4..=7 => {
+                let at = r.gen_range(0..=m.script.len());
+                m.script.insert(at, Step::KillsWorker);
+            }
+            _ => {}
+        }
+    }
+    sc
 }
 
 /// An application error wrapping another.
@@ -442,7 +471,7 @@ async fn run_step(
     timeout: Option<Duration>,
 ) -> Result<(), JobError> {
     let (eff, res) = match step {
-        Step::Ok | Step::PanicBefore => (Eff::Ok, Ok(())),
+        Step::Ok | Step::PanicBefore | Step::KillsWorker => (Eff::Ok, Ok(())),
         Step::Ordinary => (
             Eff::Ordinary,
             Err(JobError::new(std::io::Error::other("sim ordinary failure"))),
@@ -560,6 +589,17 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
         registry
             .register(&job, move |ctx: JobContext, p: Payload| {
                 let (step, delivery) = begin(&world, p.n, &ctx);
+                if step == Step::KillsWorker {
+                    let world = world.clone();
+                    return Box::pin(async move {
+                        if world.sem == Semantics::Cloudflare {
+                            crate::cloudflare::abort_invocation(delivery);
+                        } else {
+                            world.request_crash();
+                        }
+                        std::future::pending::<Result<(), JobError>>().await
+                    }) as BoxFuture<'static, Result<(), JobError>>;
+                }
                 if step == Step::PanicBefore {
                     result(&world, p.n, delivery, Eff::Panic);
                     if world.sem != Semantics::Cloudflare {
@@ -569,7 +609,7 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
                 let world = world.clone();
                 let breaker = breaker.clone();
                 let n = p.n;
-                async move {
+                Box::pin(async move {
                     if world.sem == Semantics::Cloudflare
                         && matches!(step, Step::PanicInside | Step::PanicBefore)
                     {
@@ -580,7 +620,7 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
                         std::future::pending::<()>().await;
                     }
                     run_step(world, ctx, n, delivery, step, breaker, timeout).await
-                }
+                })
             })
             .expect("register");
     }

@@ -656,31 +656,24 @@ impl SqsDriver {
         if delay_seconds > 0 {
             request = request.delay_seconds(delay_seconds as i32);
         }
-        if base64 {
-            let value = MessageAttributeValue::builder()
-                .data_type("String")
-                .string_value("base64")
+        let attribute = |data_type: &str, value: String| {
+            MessageAttributeValue::builder()
+                .data_type(data_type)
+                .string_value(value)
                 .build()
                 .map_err(|e| {
                     error(
                         ErrorKind::NotAccepted,
                         format!("SendMessage to `{queue}`: {e}"),
                     )
-                })?;
-            request = request.message_attributes(ENCODING_ATTRIBUTE, value);
+                })
+        };
+        if base64 {
+            request = request
+                .message_attributes(ENCODING_ATTRIBUTE, attribute("String", "base64".into())?);
         }
         for (name, count) in counts {
-            let value = MessageAttributeValue::builder()
-                .data_type("Number")
-                .string_value(count.to_string())
-                .build()
-                .map_err(|e| {
-                    error(
-                        ErrorKind::NotAccepted,
-                        format!("SendMessage to `{queue}`: {e}"),
-                    )
-                })?;
-            request = request.message_attributes(*name, value);
+            request = request.message_attributes(*name, attribute("Number", count.to_string())?);
         }
         let what = format!("SendMessage to `{queue}`");
         let limit = self.inner.config.operation_timeout;

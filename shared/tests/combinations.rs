@@ -358,6 +358,7 @@ fn an_attached_breaker_opens_on_the_jobs_failures() {
         [2, 1, 1],
         "open after two failures, then one per delivery"
     );
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
 }
 
 #[test]

@@ -5,8 +5,8 @@ use std::sync::{Arc, Once};
 
 use futures_util::StreamExt;
 use queue::{
-    BoxFuture, CancelToken, Delivery, DeliveryHandle, Instant, PolicyError, Registry, Runtime,
-    Settlement, SettlementError,
+    BoxFuture, CancelToken, DeliveryHandle, Instant, PolicyError, Registry, Runtime, Settlement,
+    SettlementError,
 };
 use wasm_bindgen::JsCast;
 use worker::{console_error, worker_sys, Env};
@@ -112,29 +112,17 @@ impl EdgeConsumer {
                     };
                     let delivered = if self.runtime.now() >= work_end {
                         summary.borrow_mut().deferred += 1;
-                        let delivery = Delivery {
-                            queue,
-                            body: &handle.body,
-                            attempt: handle.attempt,
-                            shutdown_returns: None,
-                            deadline: Some(work_end),
-                        };
-                        let processed = self.registry.defer(
-                            delivery,
-                            "invocation budget ran out before the message started",
-                        );
-                        let outcome = handle.settle(&processed.settlement).await;
+                        let reason = "invocation budget ran out before the message started";
                         self.registry
-                            .settled(&processed, outcome.as_ref().map(|_| ()));
-                        outcome
+                            .hand_back(queue, handle, reason, &self.runtime)
+                            .await
                     } else {
                         self.registry
                             .deliver(queue, handle, &self.runtime, cancel)
                             .await
-                            .outcome
                     };
                     forget(&message);
-                    if let Err(e) = &delivered {
+                    if let Err(e) = &delivered.outcome {
                         summary.borrow_mut().settlement_errors += 1;
                         console_error!("queue-edge: settlement of {} failed: {e}", message.id());
                     }

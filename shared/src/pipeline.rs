@@ -156,11 +156,43 @@ impl Registry {
             // redeliver it at once, again and again.
             Err(panicked) => self.recover(delivery, &panicked),
         };
-        let outcome =
-            match guarded(settle_within_budget(handle, &processed.settlement, runtime)).await {
-                Ok(outcome) => outcome,
-                Err(panicked) => Err(SettlementError::new(ErrorKind::Uncertain, panicked)),
-            };
+        self.settle_and_report(handle, processed, runtime).await
+    }
+
+    /// Hands a delivery back without running it (the edge's invocation
+    /// budget ran low before it started): [`Registry::defer`]'s zero-delay
+    /// retry, settled and reported as [`Registry::deliver`] settles and
+    /// reports.
+    pub async fn hand_back<H: DeliveryHandle>(
+        &self,
+        queue: &str,
+        handle: H,
+        reason: &str,
+        runtime: &Arc<dyn Runtime>,
+    ) -> Delivered {
+        let delivery = Delivery {
+            queue,
+            body: handle.body(),
+            attempt: handle.attempt(),
+            shutdown_returns: handle.shutdown_returns(),
+            deadline: handle.deadline(),
+        };
+        let processed = self.defer(delivery, reason);
+        self.settle_and_report(handle, processed, runtime).await
+    }
+
+    /// Settles through `handle` within the budget, then counts and reports.
+    async fn settle_and_report<H: DeliveryHandle>(
+        &self,
+        handle: H,
+        processed: Processed,
+        runtime: &Arc<dyn Runtime>,
+    ) -> Delivered {
+        let settling = settle_within_budget(handle, &processed.settlement, runtime);
+        let outcome = match guarded(settling).await {
+            Ok(outcome) => outcome,
+            Err(panicked) => Err(SettlementError::new(ErrorKind::Uncertain, panicked)),
+        };
         self.settled(&processed, outcome.as_ref().map(|_| ()));
         Delivered { processed, outcome }
     }

@@ -463,28 +463,6 @@ mod tests {
     }
 
     #[test]
-    fn a_zero_unknown_name_cap_means_the_default_of_ten() {
-        let cap = UnknownNameAttempts::limited(0);
-        assert_eq!(cap.limit(), Some(10));
-        for attempt in 1..10 {
-            assert_eq!(
-                settle_unknown_name("new-job", attempt, cap, UNKNOWN_NAME_RETRY_DELAY),
-                retry(Some(S(30))),
-                "attempt {attempt}"
-            );
-        }
-        assert_eq!(
-            kind(&settle_unknown_name(
-                "new-job",
-                10,
-                cap,
-                UNKNOWN_NAME_RETRY_DELAY
-            )),
-            Some(FailureKind::UnknownName)
-        );
-    }
-
-    #[test]
     fn a_backend_limit_must_leave_room_for_the_crash_bound() {
         assert_eq!(deliveries_needed(3, true), Some(4));
         assert_eq!(deliveries_needed(3, false), Some(5));
@@ -499,22 +477,29 @@ mod tests {
 
     #[test]
     fn unknown_names() {
-        let cap = UnknownNameAttempts::default();
-        for attempt in 1..10 {
+        // The default, and a zero cap (which means the default of 10).
+        for cap in [
+            UnknownNameAttempts::default(),
+            UnknownNameAttempts::limited(0),
+        ] {
+            for attempt in 1..10 {
+                assert_eq!(
+                    settle_unknown_name("new-job", attempt, cap, UNKNOWN_NAME_RETRY_DELAY),
+                    retry(Some(S(30))),
+                    "{cap:?} attempt {attempt}"
+                );
+            }
             assert_eq!(
-                settle_unknown_name("new-job", attempt, cap, UNKNOWN_NAME_RETRY_DELAY),
-                retry(Some(S(30)))
+                kind(&settle_unknown_name(
+                    "new-job",
+                    10,
+                    cap,
+                    UNKNOWN_NAME_RETRY_DELAY
+                )),
+                Some(FailureKind::UnknownName)
             );
         }
-        assert_eq!(
-            kind(&settle_unknown_name(
-                "new-job",
-                10,
-                cap,
-                UNKNOWN_NAME_RETRY_DELAY
-            )),
-            Some(FailureKind::UnknownName)
-        );
+        let cap = UnknownNameAttempts::default();
         assert_eq!(UnknownNameAttempts::limited(0), cap);
         assert_eq!(cap.limit(), Some(DEFAULT_UNKNOWN_NAME_ATTEMPTS));
         assert_eq!(UnknownNameAttempts::unlimited().limit(), None);

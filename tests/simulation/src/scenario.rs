@@ -356,66 +356,45 @@ impl StdError for Transparent {
     }
 }
 
-/// Typed marker errors for the breaker, so a marker directly inside
-/// `BreakerError::Inner` is the marker type itself.
-async fn through_breaker(breaker: &CircuitBreaker, inner: BoxError, top: bool) -> (BoxError, bool) {
-    // If `inner` is a bare marker, keep its concrete type inside the breaker error.
+/// Runs a failing call with `err` through `breaker`: the boxed
+/// `BreakerError::Inner(err)`, or the breaker's refusal (`true`) if it is open.
+async fn call_failing<E>(breaker: &CircuitBreaker, err: E) -> (BoxError, bool)
+where
+    E: StdError + Send + Sync + 'static,
+{
+    match breaker.call(|| async move { Err::<(), E>(err) }).await {
+        Err(BreakerError::Open(o)) => (Box::new(BreakerError::<E>::Open(o)), true),
+        Err(e) => (Box::new(e), false),
+        Ok(()) => unreachable!("the call always fails"),
+    }
+}
+
+/// A marker directly inside `BreakerError::Inner` keeps its own type there;
+/// anything else is held by [`Transparent`].
+async fn through_breaker(breaker: &CircuitBreaker, inner: BoxError) -> (BoxError, bool) {
     let inner = match inner.downcast::<Permanent>() {
-        Ok(p) => {
-            return match breaker
-                .call(|| async move { Err::<(), Permanent>(*p) })
-                .await
-            {
-                Err(BreakerError::Open(o)) => (Box::new(BreakerError::<Permanent>::Open(o)), true),
-                Err(e) => (Box::new(e), false),
-                Ok(()) => unreachable!(),
-            }
-        }
+        Ok(p) => return call_failing(breaker, *p).await,
         Err(e) => e,
     };
     let inner = match inner.downcast::<RetryAfter>() {
-        Ok(p) => {
-            return match breaker
-                .call(|| async move { Err::<(), RetryAfter>(*p) })
-                .await
-            {
-                Err(BreakerError::Open(o)) => (Box::new(BreakerError::<RetryAfter>::Open(o)), true),
-                Err(e) => (Box::new(e), false),
-                Ok(()) => unreachable!(),
-            }
-        }
+        Ok(p) => return call_failing(breaker, *p).await,
         Err(e) => e,
     };
-    let inner = match inner.downcast::<Reject>() {
-        Ok(p) => {
-            return match breaker.call(|| async move { Err::<(), Reject>(*p) }).await {
-                Err(BreakerError::Open(o)) => (Box::new(BreakerError::<Reject>::Open(o)), true),
-                Err(e) => (Box::new(e), false),
-                Ok(()) => unreachable!(),
-            }
-        }
-        Err(e) => e,
-    };
-    let _ = top;
-    match breaker
-        .call(|| async move { Err::<(), Transparent>(Transparent(inner)) })
-        .await
-    {
-        Err(BreakerError::Open(o)) => (Box::new(BreakerError::<Transparent>::Open(o)), true),
-        Err(e) => (Box::new(e), false),
-        Ok(()) => unreachable!(),
+    match inner.downcast::<Reject>() {
+        Ok(p) => call_failing(breaker, *p).await,
+        Err(e) => call_failing(breaker, Transparent(e)).await,
     }
 }
 
 async fn marker(breaker: &CircuitBreaker, base: BoxError, wraps: &[Wrap]) -> (JobError, bool) {
     let mut err = base;
     let mut open = false;
-    for (i, w) in wraps.iter().enumerate() {
+    for w in wraps {
         err = match w {
             Wrap::User => Box::new(UserError(err)),
             Wrap::Io => Box::new(std::io::Error::other(err)),
             Wrap::Breaker => {
-                let (e, o) = through_breaker(breaker, err, i + 1 == wraps.len()).await;
+                let (e, o) = through_breaker(breaker, err).await;
                 open |= o;
                 e
             }

@@ -1,0 +1,161 @@
+//! The one pipeline every host calls: settle, then report only what the
+//! backend accepted; a settlement that never finishes ends at the budget on
+//! the injected clock; a handed-back delivery is settled and reported alike.
+
+use std::sync::{Arc, Mutex};
+
+use futures_executor::block_on;
+use queue::{
+    BoxFuture, CancelToken, DeliveryHandle, Envelope, ErrorKind, Event, EventKind, EventSink, Job,
+    JobContext, Registry, Runtime, Settlement, SettlementError, VirtualRuntime, SETTLEMENT_BUDGET,
+};
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// What the host did with its delivery.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Answer {
+    Accept,
+    Refuse,
+    Hang,
+}
+
+struct Handle {
+    body: Vec<u8>,
+    answer: Answer,
+    seen: Arc<Mutex<Vec<Settlement>>>,
+}
+
+impl DeliveryHandle for Handle {
+    fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    fn attempt(&self) -> u32 {
+        1
+    }
+
+    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
+    where
+        Self: 'a,
+    {
+        self.seen.lock().unwrap().push(settlement.clone());
+        match self.answer {
+            Answer::Accept => Box::pin(std::future::ready(Ok(()))),
+            Answer::Refuse => Box::pin(std::future::ready(Err(SettlementError::new(
+                ErrorKind::NotAccepted,
+                "the backend said no",
+            )))),
+            Answer::Hang => Box::pin(std::future::pending()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Sink {
+    emitted: Mutex<Vec<Event>>,
+    failed: Mutex<Vec<(Event, ErrorKind)>>,
+}
+
+impl EventSink for Sink {
+    fn emit(&self, event: &Event) {
+        self.emitted.lock().unwrap().push(event.clone());
+    }
+    fn settlement_failed(&self, event: &Event, error: &SettlementError) {
+        self.failed
+            .lock()
+            .unwrap()
+            .push((event.clone(), error.kind()));
+    }
+}
+
+fn setup() -> (Registry, Arc<Sink>) {
+    let job = Job::<u32>::builder("work").retry(3).build().unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |_: JobContext, _: u32| async { Ok(()) })
+        .unwrap();
+    let sink = Arc::new(Sink::default());
+    registry.event_sink(sink.clone());
+    (registry, sink)
+}
+
+fn handle(answer: Answer) -> (Handle, Arc<Mutex<Vec<Settlement>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let h = Handle {
+        body: Envelope::new("work", serde_json::json!(7)).encode(),
+        answer,
+        seen: seen.clone(),
+    };
+    (h, seen)
+}
+
+#[test]
+fn only_accepted_settlements_are_reported() {
+    let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+    let (registry, sink) = setup();
+    let (h, seen) = handle(Answer::Accept);
+    let delivered = block_on(registry.deliver("q", h, &runtime, &CancelToken::new()));
+    assert!(delivered.outcome.is_ok());
+    assert_eq!(*seen.lock().unwrap(), [Settlement::Ack]);
+    assert_eq!(sink.emitted.lock().unwrap().len(), 1);
+    assert_eq!(registry.stats().job("work").first_attempt, 1);
+
+    let (h, _) = handle(Answer::Refuse);
+    let delivered = block_on(registry.deliver("q", h, &runtime, &CancelToken::new()));
+    assert_eq!(
+        delivered.outcome.unwrap_err().kind(),
+        ErrorKind::NotAccepted
+    );
+    assert_eq!(sink.emitted.lock().unwrap().len(), 1, "no outcome event");
+    let failed = sink.failed.lock().unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(
+        failed[0].1,
+        ErrorKind::NotAccepted,
+        "the kind reaches the sink"
+    );
+    let stats = registry.stats().job("work");
+    assert_eq!((stats.first_attempt, stats.settlement_errors), (1, 1));
+}
+
+#[test]
+fn a_settlement_that_never_finishes_ends_at_the_budget() {
+    let clock = VirtualRuntime::new();
+    let runtime: Arc<dyn Runtime> = Arc::new(clock.clone());
+    let (registry, sink) = setup();
+    let (h, _) = handle(Answer::Hang);
+    let delivered = block_on(registry.deliver("q", h, &runtime, &CancelToken::new()));
+    let err = delivered.outcome.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Uncertain, "{err}");
+    assert_eq!(
+        clock.sleeps(),
+        [SETTLEMENT_BUDGET],
+        "measured on the injected clock"
+    );
+    assert!(sink.emitted.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_handed_back_delivery_is_settled_and_reported_like_any_other() {
+    let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+    let (registry, sink) = setup();
+    let (h, seen) = handle(Answer::Accept);
+    let delivered = block_on(registry.hand_back("q", h, "budget ran out", &runtime));
+    assert!(delivered.outcome.is_ok());
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [Settlement::Retry {
+            delay: Some(std::time::Duration::ZERO),
+            shutdown: true
+        }]
+    );
+    let emitted = sink.emitted.lock().unwrap();
+    assert!(
+        matches!(&emitted[0].kind, EventKind::Retried { shutdown: true, error, .. } if error == "budget ran out"),
+        "{emitted:?}"
+    );
+    assert_eq!(emitted[0].executions, 0);
+    assert_eq!(registry.stats().job("work").retried, 1);
+}

@@ -1,0 +1,1350 @@
+//! Cloudflare Queues in a native test: run a worker's jobs and handlers
+//! under the platform's delivery rules with `cargo test`, without wrangler.
+//!
+//! [`CloudflareQueues`] is an in-memory model of the queues a worker's
+//! wrangler.toml declares. It builds each queue's consumer exactly as the
+//! Worker does ([`crate::build_consumer`]: the operator variables, the check
+//! of wrangler.toml against the jobs, the settlement log) and hands it batches
+//! through the same batch loop the Worker runs ([`crate::EdgeConsumer`]), so
+//! a message settles here as it would under `wrangler dev`. Time is virtual:
+//! nothing sleeps, and a test of a job with a 30-second backoff and a
+//! 12-hour unknown-name delay finishes at once.
+//!
+//! ```
+//! use queue::{Job, JobContext, JobError, Registry};
+//! use queue_edge::testing::{CloudflareQueues, MessageState};
+//!
+//! const WRANGLER: &str = r#"
+//! [[queues.producers]]
+//! queue = "failed"
+//! binding = "FAILED"
+//!
+//! [[queues.consumers]]
+//! queue = "jobs"
+//! max_retries = 10
+//! dead_letter_queue = "jobs-dlq"
+//! "#;
+//!
+//! fn job() -> Job<u32> {
+//!     Job::<u32>::builder("double").queue("jobs").retry(3).build().unwrap()
+//! }
+//!
+//! fn jobs() -> Result<Registry, queue::RegistryError> {
+//!     let mut registry = Registry::new();
+//!     registry.register(&job(), |_ctx: JobContext, n: u32| async move {
+//!         if n == 0 { Err(JobError::permanent("zero")) } else { Ok(()) }
+//!     })?;
+//!     Ok(registry)
+//! }
+//!
+//! let options = queue_edge::Options {
+//!     failure_queue: Some("FAILED"),
+//!     ..queue_edge::Options::DEFAULT
+//! };
+//! let mut cf = CloudflareQueues::new(WRANGLER, jobs, options).unwrap();
+//! let good = cf.send(&job(), &21);
+//! let bad = cf.send(&job(), &0);
+//! cf.run_until_idle();
+//!
+//! assert_eq!(cf.state(&good), &MessageState::Acked);
+//! assert_eq!(cf.message(&bad).attempts(), [1]);
+//! let record = cf.message(&bad).failure_record().unwrap();
+//! assert_eq!(record.kind, queue::FailureKind::Permanent);
+//! assert_eq!(cf.failure_records().len(), 1);
+//! ```
+//!
+//! # The model
+//!
+//! Facts about the platform come from Cloudflare's Queues documentation
+//! ("Configure Queues", "Batching, Retries and Delays", "Dead Letter Queues",
+//! "JavaScript APIs").
+//!
+//! - **Queues and consumers.** The queues the worker consumes with its jobs
+//!   (those the jobs name, and those of [`Options::queue_concurrency`]) are
+//!   consumed with the settings of their `[[queues.consumers]]` entry:
+//!   `max_batch_size` (default 10), `max_batch_timeout` (default 5 s),
+//!   `max_retries` (default 3), `retry_delay` (default none) and
+//!   `dead_letter_queue` ([`crate::wrangler::ConsumerSettings`]). Any other
+//!   queue (a dead-letter queue, the failure queue, a queue the Worker hands
+//!   to its `other_queues` hook) is not consumed: its messages stay there,
+//!   readable with [`CloudflareQueues::queued`].
+//! - **Messages.** A message has an id, a body and a delivery count
+//!   (`attempts`, 1 on the first delivery). It becomes visible after its send
+//!   delay, or its retry delay.
+//! - **Batches.** A batch holds up to `max_batch_size` visible messages of one
+//!   queue, in the order they became visible. The platform delivers it as soon
+//!   as it is full, or `max_batch_timeout` after the batch's window opened:
+//!   when its first message became visible, or when the queue's previous
+//!   batch went out if that was later. Messages sent
+//!   together are delivered together; a redelivered message joins whatever is
+//!   visible when its batch goes out. One invocation runs at a time.
+//! - **Settling.** Within an invocation a message's first explicit call wins
+//!   (later ones are ignored, as on the platform). When the invocation
+//!   returns, `ack()` removes the message; `retry(delaySeconds)` makes it
+//!   visible again after the delay (none given: the consumer's `retry_delay`)
+//!   with one more attempt; a message with no call is acknowledged, because
+//!   the invocation returned normally (that is how a rejection ends).
+//! - **Giving up.** A message retried on its delivery `max_retries + 1` is
+//!   moved to the consumer's dead-letter queue (a new message there, with
+//!   the same body), or deleted when the consumer has none
+//!   ([`MessageState::DeadLettered`], [`MessageState::Dropped`]).
+//! - **Sending.** A failure record sent through a producer binding
+//!   (`[[queues.producers]]`, resolved binding to queue) is appended to that
+//!   queue. [`CloudflareQueues::fail_sends`] makes sends through a binding fail,
+//!   to test that a failed failure-queue send keeps the message.
+//!
+//! # Time
+//!
+//! The clock is a [`queue::VirtualRuntime`]; the consumer and the handlers
+//! get a runtime on it. Sleeps on that runtime (backoff, tier one's waits,
+//! [`queue::JobContext::sleep`]) complete when the clock reaches their end,
+//! and the clock jumps to the next one whenever nothing else can run, just as
+//! [`CloudflareQueues::run_batch`] jumps it to the next batch. Work that does
+//! not sleep takes no virtual time, so the invocation budget
+//! (`EDGE_BUDGET_MS`) runs out only through sleeps. A handler that awaits
+//! something else (real I/O) is waited for in real time, at most
+//! [`EXTERNAL_WAIT_LIMIT`] at a stretch.
+//!
+//! # The Worker's configuration
+//!
+//! `[vars]` of the given wrangler.toml are the operator variables
+//! ([`crate::options::VARIABLES`]), and [`CloudflareQueues::var`] overrides
+//! one, as `wrangler dev --var` would. The check of wrangler.toml against the
+//! jobs runs with them, as in the Worker, and a configuration the Worker
+//! would refuse is refused by [`CloudflareQueues::new`] and
+//! [`CloudflareQueues::var`], naming the job and the field.
+//!
+//! # What the model leaves out
+//!
+//! - **Panics.** Natively a handler's panic is caught inside the pipeline and
+//!   is an ordinary error, which tier one may retry within the delivery. At
+//!   the edge (wasm32) a panic aborts the instance: that message's execution
+//!   ends there, tier one does not retry it, and the Worker settles it by the
+//!   job's retry policy as one failed execution
+//!   ([`queue::Registry::crashed`]) while its batch-mates carry on. So for a
+//!   job without tier one (`tier_one(1)`, the default) the settlements here
+//!   and at the edge are identical; with tier one a panicking message may use
+//!   more executions here (and may succeed in-process where the edge retries
+//!   it through the platform). At the edge, with a consumer `concurrency`
+//!   above 1, the batch-mates that were running when the instance aborted
+//!   start again from the beginning: one more (partial) execution each.
+//! - **Concurrency of invocations.** One invocation at a time; the
+//!   platform's `max_concurrency` and parallel invocations of one queue are
+//!   not modelled (the consumer's own `concurrency` within an invocation is).
+//! - **Duplicates.** The platform delivers at least once; the harness never
+//!   redelivers a message that was acknowledged.
+//! - **Limits.** Message and batch sizes, retention (a message left on a
+//!   queue stays forever), the platform's wall-clock and CPU limits, and a
+//!   producer's `delivery_delay` are not modelled. Send delays are limited to
+//!   [`crate::plan::MAX_DELAY`].
+//! - **Hooks.** The `consumer!` macro's `other_queues` and `after_batch`
+//!   hooks take JavaScript values and are not run.
+//! - **Order.** The platform's order within a batch is best effort; the
+//!   harness's is fixed, so a test that passes may rely on an order the
+//!   platform does not promise.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::future::Future;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use queue::{
+    BoxFuture, Clock, Envelope, Event, EventKind, EventSink, Failure, FailureRecord, Instant, Job,
+    Registry, Runtime, SettlementError, VirtualRuntime,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::batch::{BatchSummary, Bindings, EdgeConsumer, Progress, QueueMessage};
+use crate::options::{build_consumer, Options, VARIABLES};
+use crate::plan::{delay_seconds, EdgeError, EdgeErrorKind};
+use crate::wrangler::{ConsumerSettings, Wrangler};
+
+/// How many invocations [`CloudflareQueues::run_until_idle`] runs before it
+/// decides the queues will never be idle, unless
+/// [`CloudflareQueues::max_invocations`] says otherwise.
+pub const DEFAULT_MAX_INVOCATIONS: usize = 10_000;
+
+/// The longest a batch may wait, in real time, for something other than the
+/// virtual clock (a handler awaiting real I/O) before the harness panics.
+pub const EXTERNAL_WAIT_LIMIT: Duration = Duration::from_secs(60);
+
+/// An explicit call the consumer made on a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// `message.ack()`.
+    Ack,
+    /// `message.retry({ delaySeconds })`.
+    Retry {
+        /// The delay asked for, in whole seconds (rounded up from the rules'
+        /// delay, as the platform takes it); `None`: the consumer's
+        /// `retry_delay`.
+        delay_seconds: Option<u32>,
+    },
+}
+
+/// An outcome event the consumer reported for a message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventRecord {
+    /// The platform id of the message it concerns (empty if the event came
+    /// from outside any message's work, which the batch loop never does).
+    pub message: String,
+    /// When, on the virtual clock (time since the harness was created).
+    pub at: Duration,
+    /// The event.
+    pub event: Event,
+    /// `None` when the platform accepted the settlement (the event is an
+    /// outcome); `Some(error)` when it refused it (the event is what would
+    /// have been reported, and the message was kept for redelivery).
+    pub refused: Option<String>,
+}
+
+/// One delivery of a message: the batch it came in and what became of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeliveryReport {
+    /// The message's `attempts` on this delivery (first = 1).
+    pub attempt: u32,
+    /// The invocation, an index into [`CloudflareQueues::batches`].
+    pub batch: usize,
+    /// When the batch was delivered, on the virtual clock.
+    pub delivered_at: Duration,
+    /// The events reported during this delivery, in order.
+    pub events: Vec<EventRecord>,
+    /// The explicit call that decided the delivery (`None`: no call; the
+    /// message was acknowledged when the invocation returned).
+    pub call: Option<Call>,
+    /// When the call was made, on the virtual clock.
+    pub called_at: Option<Duration>,
+}
+
+impl DeliveryReport {
+    /// Handler executions during this delivery (0 for a message handed back
+    /// without running, or failed before any handler ran).
+    pub fn executions(&self) -> u32 {
+        self.events.iter().map(|e| e.event.executions).sum()
+    }
+
+    /// The outcome the platform accepted for this delivery, if any.
+    pub fn outcome(&self) -> Option<&Event> {
+        self.events
+            .iter()
+            .rev()
+            .find(|e| e.refused.is_none())
+            .map(|e| &e.event)
+    }
+}
+
+/// Where a message stands.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MessageState {
+    /// On its queue, waiting for a delivery (or, on a queue the harness does
+    /// not consume, waiting to be read).
+    Pending,
+    /// Acknowledged after its work was done (explicitly, or with no call
+    /// when the invocation returned without a rejection).
+    Acked,
+    /// Rejected by its handler: no call was made, and the platform
+    /// acknowledged it when the invocation returned. No failure record.
+    Rejected,
+    /// Failed terminally and acknowledged.
+    Failed {
+        /// Why.
+        failure: Failure,
+        /// The record sent to the failure queue; `None` when the worker has
+        /// no failure queue (the record was only logged).
+        record: Option<Box<FailureRecord>>,
+    },
+    /// The platform gave up after `max_retries` and moved it to the
+    /// consumer's dead-letter queue.
+    DeadLettered {
+        /// The dead-letter queue.
+        queue: String,
+        /// The id of the copy there.
+        id: String,
+    },
+    /// The platform gave up after `max_retries` and deleted it (the
+    /// consumer has no dead-letter queue).
+    Dropped,
+}
+
+/// The life of one message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MessageReport {
+    /// The platform id (for [`CloudflareQueues::send`], the envelope's id).
+    pub id: String,
+    /// The queue it was sent to.
+    pub queue: String,
+    /// Its body.
+    pub body: Vec<u8>,
+    /// When it was sent, on the virtual clock.
+    pub sent_at: Duration,
+    /// Its deliveries, in order.
+    pub deliveries: Vec<DeliveryReport>,
+    /// Where it stands now.
+    pub state: MessageState,
+}
+
+impl MessageReport {
+    /// The `attempts` of each delivery, in order (`[1, 2, 3]` for a message
+    /// delivered three times).
+    pub fn attempts(&self) -> Vec<u32> {
+        self.deliveries.iter().map(|d| d.attempt).collect()
+    }
+
+    /// Handler executions over all deliveries.
+    pub fn executions(&self) -> u32 {
+        self.deliveries.iter().map(DeliveryReport::executions).sum()
+    }
+
+    /// The delay of each retry call, in order, in whole seconds (`None`: the
+    /// consumer's `retry_delay`).
+    pub fn retry_delays(&self) -> Vec<Option<u32>> {
+        self.deliveries
+            .iter()
+            .filter_map(|d| match d.call {
+                Some(Call::Retry { delay_seconds }) => Some(delay_seconds),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every event reported for it, accepted or refused, in order.
+    pub fn events(&self) -> impl Iterator<Item = &EventRecord> {
+        self.deliveries.iter().flat_map(|d| d.events.iter())
+    }
+
+    /// The failure record sent for it, if it failed with one.
+    pub fn failure_record(&self) -> Option<&FailureRecord> {
+        match &self.state {
+            MessageState::Failed {
+                record: Some(record),
+                ..
+            } => Some(record),
+            _ => None,
+        }
+    }
+}
+
+/// A message waiting on a queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Queued {
+    /// The platform id.
+    pub id: String,
+    /// The body.
+    pub body: Vec<u8>,
+    /// Deliveries so far.
+    pub attempts: u32,
+    /// When it is (or became) visible, on the virtual clock.
+    pub visible_at: Duration,
+}
+
+/// One invocation of the consumer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRun {
+    /// Its index in [`CloudflareQueues::batches`].
+    pub index: usize,
+    /// The queue.
+    pub queue: String,
+    /// When the batch was delivered, on the virtual clock.
+    pub started: Duration,
+    /// When the invocation returned.
+    pub finished: Duration,
+    /// The platform ids of its messages, in batch order.
+    pub messages: Vec<String>,
+    /// What the batch loop reported.
+    pub summary: BatchSummary,
+}
+
+/// The queues of one worker, in memory, on a virtual clock. See the
+/// [module documentation](self).
+pub struct CloudflareQueues {
+    jobs: Box<dyn Fn() -> Result<Registry, String>>,
+    options: Options,
+    wrangler: Wrangler,
+    vars: BTreeMap<String, String>,
+    runtime: SimRuntime,
+    /// The consumed queues: consumer and settings.
+    consumers: BTreeMap<String, (EdgeConsumer, ConsumerSettings)>,
+    queues: BTreeMap<String, Vec<Queued>>,
+    last_batch: BTreeMap<String, Duration>,
+    reports: Vec<MessageReport>,
+    by_id: HashMap<String, usize>,
+    events: Vec<EventRecord>,
+    batches: Vec<BatchRun>,
+    shared: Arc<Mutex<Shared>>,
+    max_invocations: usize,
+}
+
+impl fmt::Debug for CloudflareQueues {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CloudflareQueues")
+            .field("now", &self.now())
+            .field("consumed", &self.consumers.keys().collect::<Vec<_>>())
+            .field(
+                "waiting",
+                &self
+                    .queues
+                    .iter()
+                    .map(|(queue, waiting)| (queue, waiting.len()))
+                    .collect::<BTreeMap<_, _>>(),
+            )
+            .field("batches", &self.batches.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CloudflareQueues {
+    /// The queues of a worker whose wrangler.toml is `wrangler_toml`, whose
+    /// jobs `jobs` builds (called for each consumer, as the Worker does), and
+    /// whose options are `options` (its `wrangler` field is replaced by
+    /// `wrangler_toml`).
+    ///
+    /// Refuses what the Worker would refuse: a wrangler.toml that does not
+    /// parse or does not fit the jobs (every problem named with its job and
+    /// field), an operator variable in `[vars]` that is not a number, or jobs
+    /// that do not build.
+    pub fn new<F, E>(wrangler_toml: &str, jobs: F, options: Options) -> Result<Self, String>
+    where
+        F: Fn() -> Result<Registry, E> + 'static,
+        E: fmt::Display,
+    {
+        let wrangler = Wrangler::parse(wrangler_toml).map_err(|e| e.to_string())?;
+        let vars = vars_of(wrangler_toml)?;
+        // `Options` holds the text for the life of the program (the macro
+        // embeds it); a test's copy is kept as long.
+        let text: &'static str = Box::leak(wrangler_toml.to_owned().into_boxed_str());
+        let mut harness = CloudflareQueues {
+            jobs: Box::new(move || jobs().map_err(|e| format!("the jobs do not build: {e}"))),
+            options: Options {
+                wrangler: text,
+                ..options
+            },
+            wrangler,
+            vars,
+            runtime: SimRuntime::default(),
+            consumers: BTreeMap::new(),
+            queues: BTreeMap::new(),
+            last_batch: BTreeMap::new(),
+            reports: Vec::new(),
+            by_id: HashMap::new(),
+            events: Vec::new(),
+            batches: Vec::new(),
+            shared: Arc::default(),
+            max_invocations: DEFAULT_MAX_INVOCATIONS,
+        };
+        harness.consumers = harness.build_consumers()?;
+        Ok(harness)
+    }
+
+    /// Sets the operator variable `name` (one of [`VARIABLES`], such as
+    /// `EDGE_BUDGET_MS`) to `value`, overriding `[vars]`, and rebuilds the
+    /// consumers with it (their registries and counters start afresh, as
+    /// after a redeploy).
+    /// Refuses an unknown name, a value the Worker would not read, and a
+    /// value with which wrangler.toml no longer fits the jobs; the previous
+    /// value is kept then.
+    pub fn var(&mut self, name: &str, value: &str) -> Result<&mut Self, String> {
+        if !VARIABLES.contains(&name) {
+            return Err(format!(
+                "`{name}` is not an operator variable of the consumer (one of {})",
+                VARIABLES.join(", ")
+            ));
+        }
+        let previous = self.vars.insert(name.to_string(), value.to_string());
+        match self.build_consumers() {
+            Ok(consumers) => {
+                self.consumers = consumers;
+                Ok(self)
+            }
+            Err(e) => {
+                match previous {
+                    Some(previous) => self.vars.insert(name.to_string(), previous),
+                    None => self.vars.remove(name),
+                };
+                Err(e)
+            }
+        }
+    }
+
+    /// Caps the invocations one [`run_until_idle`](Self::run_until_idle)
+    /// may run (default [`DEFAULT_MAX_INVOCATIONS`]).
+    pub fn max_invocations(&mut self, invocations: usize) -> &mut Self {
+        self.max_invocations = invocations;
+        self
+    }
+
+    /// Makes the next `times` sends through the producer binding `binding`
+    /// fail (an error whose outcome is uncertain, as a failed `send()` is).
+    pub fn fail_sends(&mut self, binding: &str, times: usize) -> &mut Self {
+        lock(&self.shared)
+            .send_failures
+            .insert(binding.to_string(), times);
+        self
+    }
+
+    /// Sends `payload` for `job` to the job's queue, as the Worker's
+    /// `EdgeProducer::dispatch` does (a fresh [`Envelope`] as JSON text),
+    /// visible at once. Returns the message id (the envelope's id).
+    ///
+    /// # Panics
+    ///
+    /// If `payload` does not serialize.
+    pub fn send<P: Serialize>(&mut self, job: &Job<P>, payload: &P) -> String {
+        self.send_with_delay(job, payload, Duration::ZERO)
+    }
+
+    /// Sends like [`send`](Self::send), visible only after `delay` (rounded
+    /// up to whole seconds, as the platform takes `delaySeconds`).
+    ///
+    /// # Panics
+    ///
+    /// If `payload` does not serialize, or `delay` is above the platform's
+    /// limit ([`crate::plan::MAX_DELAY`]).
+    pub fn send_with_delay<P: Serialize>(
+        &mut self,
+        job: &Job<P>,
+        payload: &P,
+        delay: Duration,
+    ) -> String {
+        self.send_envelope(job.queue(), job, payload, delay)
+    }
+
+    /// Sends like [`send`](Self::send), to `queue` instead of the job's own
+    /// queue (a second queue the worker consumes with the same jobs, such as
+    /// one listed in `Options::queue_concurrency`).
+    ///
+    /// # Panics
+    ///
+    /// If `payload` does not serialize.
+    pub fn send_to<P: Serialize>(&mut self, queue: &str, job: &Job<P>, payload: &P) -> String {
+        self.send_envelope(queue, job, payload, Duration::ZERO)
+    }
+
+    fn send_envelope<P: Serialize>(
+        &mut self,
+        queue: &str,
+        job: &Job<P>,
+        payload: &P,
+        delay: Duration,
+    ) -> String {
+        let payload = serde_json::to_value(payload).unwrap_or_else(|e| {
+            panic!(
+                "the payload for job `{}` does not serialize: {e}",
+                job.name()
+            )
+        });
+        let envelope = Envelope::new(job.name(), payload);
+        let id = envelope.id.clone();
+        let visible_at = self.now() + whole_seconds(delay);
+        self.enqueue(queue, id.clone(), envelope.encode(), visible_at);
+        id
+    }
+
+    /// Sends `body` as is to `queue` (a malformed body, an envelope of a job
+    /// this worker does not know, or any queue of the model), visible at
+    /// once. Returns the new message's id.
+    pub fn send_raw(&mut self, queue: &str, body: impl Into<Vec<u8>>) -> String {
+        let id = queue::envelope::new_message_id();
+        let now = self.now();
+        self.enqueue(queue, id.clone(), body.into(), now);
+        id
+    }
+
+    /// Moves the virtual clock forward by `by` without delivering anything.
+    pub fn advance(&mut self, by: Duration) {
+        self.runtime.clock.advance(by);
+    }
+
+    /// Runs one invocation: the next batch the platform would deliver (moving
+    /// the clock to its delivery), through the Worker's batch loop, then the
+    /// platform's handling of each message's call. `None` when no consumed
+    /// queue holds a message.
+    pub fn run_batch(&mut self) -> Option<BatchRun> {
+        let (queue, at) = self.next_batch()?;
+        let now = self.now();
+        if at > now {
+            self.runtime.clock.advance(at - now);
+        }
+        let started = self.now();
+        self.last_batch.insert(queue.clone(), started);
+        let (consumer, settings) = &self.consumers[&queue];
+        let batch = take_batch(
+            self.queues.entry(queue.clone()).or_default(),
+            started,
+            settings.max_batch_size,
+        );
+
+        let index = self.batches.len();
+        let mut messages = Vec::with_capacity(batch.len());
+        let mut calls = Vec::with_capacity(batch.len());
+        for queued in &batch {
+            let call = Arc::new(Mutex::new(None));
+            calls.push(call.clone());
+            messages.push(HarnessMessage {
+                id: queued.id.clone(),
+                attempts: queued.attempts,
+                body: queued.body.clone(),
+                call,
+                clock: self.runtime.clock.clone(),
+            });
+            if let Some(&i) = self.by_id.get(&queued.id) {
+                self.reports[i].deliveries.push(DeliveryReport {
+                    attempt: queued.attempts,
+                    batch: index,
+                    delivered_at: started,
+                    events: Vec::new(),
+                    call: None,
+                    called_at: None,
+                });
+            }
+        }
+
+        let bindings = HarnessBindings {
+            shared: self.shared.clone(),
+            wrangler: &self.wrangler,
+            clock: self.runtime.clock.clone(),
+        };
+        let tracker = Tracker(self.shared.clone());
+        let summary = drive(
+            consumer.consume_observed(
+                &queue,
+                messages,
+                &bindings,
+                self.runtime.now(),
+                None,
+                &tracker,
+            ),
+            &self.runtime,
+        );
+        let settings = settings.clone();
+        let finished = self.now();
+
+        let (observed, outbox) = {
+            let mut shared = lock(&self.shared);
+            shared.current = None;
+            (
+                std::mem::take(&mut shared.observed),
+                std::mem::take(&mut shared.outbox),
+            )
+        };
+        for record in observed {
+            if let Some(delivery) = self
+                .by_id
+                .get(&record.message)
+                .and_then(|&i| self.reports[i].deliveries.last_mut())
+            {
+                delivery.events.push(record.clone());
+            }
+            self.events.push(record);
+        }
+        let mut records = HashMap::new();
+        for sent in outbox {
+            if let (Some(message), Ok(record)) = (&sent.message, FailureRecord::decode(&sent.body))
+            {
+                records.insert(message.clone(), record);
+            }
+            let id = queue::envelope::new_message_id();
+            self.enqueue(&sent.queue, id, sent.body, sent.at);
+        }
+
+        let ids: Vec<String> = batch.iter().map(|m| m.id.clone()).collect();
+        for (queued, call) in batch.into_iter().zip(calls) {
+            let call = lock(&call).take();
+            self.settle(&queue, &settings, queued, call, &mut records, finished);
+        }
+
+        let run = BatchRun {
+            index,
+            queue,
+            started,
+            finished,
+            messages: ids,
+            summary,
+        };
+        self.batches.push(run.clone());
+        Some(run)
+    }
+
+    /// Runs invocations until no consumed queue holds a message, moving the
+    /// clock to each batch; returns how many ran.
+    ///
+    /// # Panics
+    ///
+    /// If the queues are still not idle after
+    /// [`max_invocations`](Self::max_invocations) invocations.
+    pub fn run_until_idle(&mut self) -> usize {
+        let mut invocations = 0;
+        loop {
+            if invocations >= self.max_invocations && self.next_batch().is_some() {
+                panic!(
+                    "the queues are not idle after {invocations} invocations (raise the limit with max_invocations if that is expected): {self:?}"
+                );
+            }
+            match self.run_batch() {
+                Some(_) => invocations += 1,
+                None => return invocations,
+            }
+        }
+    }
+
+    /// Time on the virtual clock since the harness was created.
+    pub fn now(&self) -> Duration {
+        self.runtime.clock.elapsed()
+    }
+
+    /// The life of message `id` so far.
+    ///
+    /// # Panics
+    ///
+    /// If no message has that id.
+    pub fn message(&self, id: &str) -> &MessageReport {
+        self.find(id)
+            .unwrap_or_else(|| panic!("no message with id `{id}`"))
+    }
+
+    /// The life of message `id`, if there is one.
+    pub fn find(&self, id: &str) -> Option<&MessageReport> {
+        self.by_id.get(id).map(|&i| &self.reports[i])
+    }
+
+    /// Where message `id` stands.
+    ///
+    /// # Panics
+    ///
+    /// If no message has that id.
+    pub fn state(&self, id: &str) -> &MessageState {
+        &self.message(id).state
+    }
+
+    /// Every message, in the order they were sent (failure records and
+    /// dead-letter copies included).
+    pub fn messages(&self) -> &[MessageReport] {
+        &self.reports
+    }
+
+    /// Every event the consumers reported, in order.
+    pub fn events(&self) -> &[EventRecord] {
+        &self.events
+    }
+
+    /// Every invocation so far.
+    pub fn batches(&self) -> &[BatchRun] {
+        &self.batches
+    }
+
+    /// The messages waiting on `queue` (on a queue the harness does not
+    /// consume, everything ever sent there).
+    pub fn queued(&self, queue: &str) -> &[Queued] {
+        self.queues.get(queue).map_or(&[], Vec::as_slice)
+    }
+
+    /// The failure records on the failure queue (the queue of the options'
+    /// `failure_queue` binding), in the order they were sent; empty when the
+    /// worker has none.
+    pub fn failure_records(&self) -> Vec<FailureRecord> {
+        self.options
+            .failure_queue
+            .and_then(|binding| self.wrangler.producer_binding(binding))
+            .map(|queue| {
+                self.queued(queue)
+                    .iter()
+                    .filter_map(|m| FailureRecord::decode(&m.body).ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The messages waiting on the dead-letter queue of `queue`'s consumer
+    /// (empty when it has none).
+    pub fn dead_letter(&self, queue: &str) -> &[Queued] {
+        self.wrangler
+            .consumer(queue)
+            .and_then(|c| c.dead_letter_queue.as_deref())
+            .map_or(&[], |dlq| self.queued(dlq))
+    }
+
+    /// The consumer of `queue`, as the Worker would hold it (for its
+    /// registry's counters and its settings); `None` for a queue the harness
+    /// does not consume.
+    pub fn consumer(&self, queue: &str) -> Option<&EdgeConsumer> {
+        self.consumers.get(queue).map(|(consumer, _)| consumer)
+    }
+
+    /// The consumer of every queue the worker consumes with its jobs (the
+    /// queues the jobs name and those of `Options::queue_concurrency`),
+    /// built as the Worker builds it, with the events recorded for the
+    /// harness.
+    fn build_consumers(
+        &self,
+    ) -> Result<BTreeMap<String, (EdgeConsumer, ConsumerSettings)>, String> {
+        let var = |name: &str| self.vars.get(name).cloned();
+        let probe = (self.jobs)()?;
+        let mut queues = probe.queues();
+        for (queue, _) in self.options.queue_concurrency {
+            if !queues.iter().any(|q| q == queue) {
+                queues.push(queue.to_string());
+            }
+        }
+        if queues.is_empty() {
+            // No consumer to build: the check still runs.
+            crate::options::check(&probe, &self.options, None)?;
+        }
+        let mut probe = Some(probe);
+        let mut consumers = BTreeMap::new();
+        for queue in queues {
+            let mut registry = match probe.take() {
+                Some(registry) => registry,
+                None => (self.jobs)()?,
+            };
+            let inner = registry.current_event_sink();
+            registry.event_sink(Arc::new(Recorder {
+                inner,
+                shared: self.shared.clone(),
+                clock: self.runtime.clock.clone(),
+            }));
+            let consumer = build_consumer(
+                &queue,
+                registry,
+                &self.options,
+                &var,
+                Arc::new(self.runtime.clone()),
+            )?;
+            let settings = self.wrangler.consumer(&queue).cloned().ok_or_else(|| {
+                format!("wrangler.toml has no [[queues.consumers]] entry for `{queue}`")
+            })?;
+            consumers.insert(queue, (consumer, settings));
+        }
+        Ok(consumers)
+    }
+
+    fn enqueue(&mut self, queue: &str, id: String, body: Vec<u8>, visible_at: Duration) {
+        let sent_at = self.now().min(visible_at);
+        self.by_id.insert(id.clone(), self.reports.len());
+        self.reports.push(MessageReport {
+            id: id.clone(),
+            queue: queue.to_string(),
+            body: body.clone(),
+            sent_at,
+            deliveries: Vec::new(),
+            state: MessageState::Pending,
+        });
+        self.queues
+            .entry(queue.to_string())
+            .or_default()
+            .push(Queued {
+                id,
+                body,
+                attempts: 0,
+                visible_at,
+            });
+    }
+
+    /// The platform's handling of one message once the invocation returned.
+    fn settle(
+        &mut self,
+        queue: &str,
+        settings: &ConsumerSettings,
+        mut queued: Queued,
+        call: Option<(Call, Duration)>,
+        records: &mut HashMap<String, FailureRecord>,
+        now: Duration,
+    ) {
+        let Some(&index) = self.by_id.get(&queued.id) else {
+            return;
+        };
+        let (outcome, call_kind) = {
+            let delivery = self.reports[index]
+                .deliveries
+                .last_mut()
+                .expect("a delivered message has a delivery");
+            delivery.call = call.map(|(c, _)| c);
+            delivery.called_at = call.map(|(_, at)| at);
+            (delivery.outcome().map(|e| e.kind.clone()), delivery.call)
+        };
+        let state = match call_kind {
+            Some(Call::Ack) => match outcome {
+                Some(EventKind::Failed { failure }) => MessageState::Failed {
+                    failure,
+                    record: records.remove(&queued.id).map(Box::new),
+                },
+                _ => MessageState::Acked,
+            },
+            None => match outcome {
+                Some(EventKind::Rejected { .. }) => MessageState::Rejected,
+                _ => MessageState::Acked,
+            },
+            Some(Call::Retry { .. }) if queued.attempts >= settings.deliveries() => {
+                match &settings.dead_letter_queue {
+                    Some(dlq) => {
+                        let id = queue::envelope::new_message_id();
+                        self.enqueue(dlq, id.clone(), queued.body, now);
+                        MessageState::DeadLettered {
+                            queue: dlq.clone(),
+                            id,
+                        }
+                    }
+                    None => MessageState::Dropped,
+                }
+            }
+            Some(Call::Retry { delay_seconds }) => {
+                let delay = delay_seconds
+                    .map_or(settings.retry_delay, |s| Duration::from_secs(u64::from(s)));
+                queued.visible_at = now + delay;
+                self.queues
+                    .entry(queue.to_string())
+                    .or_default()
+                    .push(queued);
+                MessageState::Pending
+            }
+        };
+        self.reports[index].state = state;
+    }
+
+    /// The queue whose batch the platform delivers next, and when.
+    fn next_batch(&self) -> Option<(String, Duration)> {
+        let now = self.now();
+        let mut next: Option<(Duration, &String)> = None;
+        for (queue, (_, settings)) in &self.consumers {
+            let mut times: Vec<Duration> =
+                self.queued(queue).iter().map(|m| m.visible_at).collect();
+            if times.is_empty() {
+                continue;
+            }
+            times.sort();
+            // The batch window opens with its first visible message, and no
+            // earlier than the queue's previous batch.
+            let opens = times[0].max(self.last_batch.get(queue).copied().unwrap_or_default());
+            let mut at = opens.saturating_add(settings.max_batch_timeout);
+            if let Some(&full) = times.get(settings.max_batch_size.max(1) as usize - 1) {
+                at = at.min(full.max(opens));
+            }
+            let at = at.max(now);
+            if next.is_none_or(|(best, _)| at < best) {
+                next = Some((at, queue));
+            }
+        }
+        next.map(|(at, queue)| (queue.clone(), at))
+    }
+}
+
+/// Takes the batch out of `waiting`: up to `size` messages visible at `now`,
+/// in the order they became visible (then the order they were queued).
+fn take_batch(waiting: &mut Vec<Queued>, now: Duration, size: u32) -> Vec<Queued> {
+    let mut order: Vec<usize> = (0..waiting.len())
+        .filter(|&i| waiting[i].visible_at <= now)
+        .collect();
+    order.sort_by_key(|&i| (waiting[i].visible_at, i));
+    order.truncate(size.max(1) as usize);
+    let mut slots: Vec<Option<Queued>> = waiting.drain(..).map(Some).collect();
+    let batch = order
+        .iter()
+        .filter_map(|&i| slots[i].take())
+        .map(|mut m| {
+            m.attempts += 1;
+            m
+        })
+        .collect();
+    waiting.extend(slots.into_iter().flatten());
+    batch
+}
+
+/// `delay` as the platform takes it: whole seconds, rounded up.
+fn whole_seconds(delay: Duration) -> Duration {
+    match delay_seconds(Some(delay)) {
+        Ok(seconds) => Duration::from_secs(u64::from(seconds.unwrap_or(0))),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The `[vars]` of a wrangler.toml, as the Worker's `env.var` reads them.
+fn vars_of(text: &str) -> Result<BTreeMap<String, String>, String> {
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    struct File {
+        vars: BTreeMap<String, toml::Value>,
+    }
+    let file: File = toml::from_str(text).map_err(|e| format!("wrangler.toml: {e}"))?;
+    Ok(file
+        .vars
+        .into_iter()
+        .filter_map(|(name, value)| {
+            let text = match value {
+                toml::Value::String(s) => s,
+                toml::Value::Integer(n) => n.to_string(),
+                toml::Value::Float(x) => x.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                _ => return None,
+            };
+            Some((name, text))
+        })
+        .collect())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the consumer did during an invocation, gathered for the harness.
+#[derive(Default)]
+struct Shared {
+    /// The message whose work is being polled.
+    current: Option<String>,
+    observed: Vec<EventRecord>,
+    outbox: Vec<Sent>,
+    send_failures: BTreeMap<String, usize>,
+}
+
+/// A message sent through a producer binding during an invocation.
+struct Sent {
+    /// The message whose settlement sent it.
+    message: Option<String>,
+    queue: String,
+    body: Vec<u8>,
+    at: Duration,
+}
+
+/// Records events for the harness, then passes them on.
+struct Recorder {
+    inner: Option<Arc<dyn EventSink>>,
+    shared: Arc<Mutex<Shared>>,
+    clock: VirtualRuntime,
+}
+
+impl Recorder {
+    fn record(&self, event: &Event, refused: Option<String>) {
+        let mut shared = lock(&self.shared);
+        let message = shared.current.clone().unwrap_or_default();
+        shared.observed.push(EventRecord {
+            message,
+            at: self.clock.elapsed(),
+            event: event.clone(),
+            refused,
+        });
+    }
+}
+
+impl EventSink for Recorder {
+    fn emit(&self, event: &Event) {
+        self.record(event, None);
+        if let Some(inner) = &self.inner {
+            inner.emit(event);
+        }
+    }
+
+    fn settlement_failed(&self, event: &Event, error: &SettlementError) {
+        self.record(event, Some(error.to_string()));
+        if let Some(inner) = &self.inner {
+            inner.settlement_failed(event, error);
+        }
+    }
+}
+
+/// Knows which message's work is running, so events and sends are
+/// attributed to it (the Worker uses the same hook for crash recovery).
+struct Tracker(Arc<Mutex<Shared>>);
+
+impl Progress for Tracker {
+    fn current(&self, id: &str, active: bool) {
+        lock(&self.0).current = active.then(|| id.to_string());
+    }
+
+    fn settled(&self, _: &str) {}
+}
+
+/// One message of a batch.
+struct HarnessMessage {
+    id: String,
+    attempts: u32,
+    body: Vec<u8>,
+    call: Arc<Mutex<Option<(Call, Duration)>>>,
+    clock: VirtualRuntime,
+}
+
+impl HarnessMessage {
+    /// The platform keeps the first call and ignores the rest.
+    fn call(&self, call: Call) {
+        let mut slot = lock(&self.call);
+        if slot.is_none() {
+            *slot = Some((call, self.clock.elapsed()));
+        }
+    }
+}
+
+impl QueueMessage for HarnessMessage {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+
+    fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    fn body(&self) -> Vec<u8> {
+        self.body.clone()
+    }
+
+    fn ack(&self) -> Result<(), EdgeError> {
+        self.call(Call::Ack);
+        Ok(())
+    }
+
+    fn retry(&self, delay_seconds: Option<u32>) -> Result<(), EdgeError> {
+        self.call(Call::Retry { delay_seconds });
+        Ok(())
+    }
+}
+
+/// The worker's producer bindings.
+struct HarnessBindings<'w> {
+    shared: Arc<Mutex<Shared>>,
+    wrangler: &'w Wrangler,
+    clock: VirtualRuntime,
+}
+
+impl HarnessBindings<'_> {
+    fn send(&self, binding: &str, text: String) -> Result<(), EdgeError> {
+        let Some(queue) = self.wrangler.producer_binding(binding) else {
+            return Err(EdgeError::new(
+                EdgeErrorKind::Config,
+                format!("failure queue binding `{binding}`: no such queue binding"),
+            ));
+        };
+        let mut shared = lock(&self.shared);
+        if let Some(left) = shared.send_failures.get_mut(binding).filter(|n| **n > 0) {
+            *left -= 1;
+            return Err(EdgeError::uncertain(
+                &format!("failure queue `{binding}`"),
+                "the send failed (CloudflareQueues::fail_sends)",
+            ));
+        }
+        let message = shared.current.clone();
+        shared.outbox.push(Sent {
+            message,
+            queue: queue.to_string(),
+            body: text.into_bytes(),
+            at: self.clock.elapsed(),
+        });
+        Ok(())
+    }
+}
+
+impl Bindings for HarnessBindings<'_> {
+    fn send_text<'a>(
+        &'a self,
+        binding: &'a str,
+        text: String,
+    ) -> BoxFuture<'a, Result<(), EdgeError>> {
+        Box::pin(std::future::ready(self.send(binding, text)))
+    }
+}
+
+/// The virtual clock with timers: a sleep completes once the clock reaches
+/// its end, and [`drive`] moves the clock to the next end when nothing else
+/// can run. (A [`VirtualRuntime`]'s own sleep moves the clock as soon as it
+/// is created, even when it loses a race, as the settlement budget's does.)
+#[derive(Clone, Default)]
+struct SimRuntime {
+    clock: VirtualRuntime,
+    timers: Arc<Mutex<Timers>>,
+}
+
+#[derive(Default)]
+struct Timers {
+    next_id: u64,
+    /// Polled, unfinished sleeps: their end and their waker.
+    waiting: BTreeMap<u64, (Duration, Waker)>,
+}
+
+impl SimRuntime {
+    /// Moves the clock to the earliest pending sleep's end and wakes every
+    /// sleep due by then; `false` if no sleep is pending.
+    fn fire_next_timer(&self) -> bool {
+        let due = {
+            let mut timers = lock(&self.timers);
+            let Some(end) = timers.waiting.values().map(|(end, _)| *end).min() else {
+                return false;
+            };
+            let now = self.clock.elapsed();
+            if end > now {
+                self.clock.advance(end - now);
+            }
+            let now = self.clock.elapsed();
+            let ids: Vec<u64> = timers
+                .waiting
+                .iter()
+                .filter(|(_, (end, _))| *end <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| timers.waiting.remove(&id))
+                .map(|(_, waker)| waker)
+                .collect::<Vec<_>>()
+        };
+        for waker in due {
+            waker.wake();
+        }
+        true
+    }
+}
+
+impl Clock for SimRuntime {
+    fn now(&self) -> Instant {
+        self.clock.now()
+    }
+}
+
+impl Runtime for SimRuntime {
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        Box::pin(Sleep {
+            end: self.clock.elapsed().saturating_add(duration),
+            id: None,
+            runtime: self.clone(),
+        })
+    }
+}
+
+struct Sleep {
+    end: Duration,
+    id: Option<u64>,
+    runtime: SimRuntime,
+}
+
+impl Future for Sleep {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        let mut timers = lock(&this.runtime.timers);
+        if this.runtime.clock.elapsed() >= this.end {
+            if let Some(id) = this.id.take() {
+                timers.waiting.remove(&id);
+            }
+            return Poll::Ready(());
+        }
+        let id = *this.id.get_or_insert_with(|| {
+            timers.next_id += 1;
+            timers.next_id
+        });
+        timers.waiting.insert(id, (this.end, cx.waker().clone()));
+        Poll::Pending
+    }
+}
+
+impl Drop for Sleep {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            lock(&self.runtime.timers).waiting.remove(&id);
+        }
+    }
+}
+
+/// Wakes the thread running [`drive`].
+struct Signal {
+    woken: AtomicBool,
+    thread: std::thread::Thread,
+}
+
+impl Wake for Signal {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::SeqCst);
+        self.thread.unpark();
+    }
+}
+
+/// Runs `future` to completion on this thread, on `runtime`'s virtual clock:
+/// when the future waits and nothing has woken it, the clock moves to the
+/// next sleep's end; with no sleep pending, it waits in real time for a wake
+/// from elsewhere (at most [`EXTERNAL_WAIT_LIMIT`]).
+fn drive<F: Future>(future: F, runtime: &SimRuntime) -> F::Output {
+    let signal = Arc::new(Signal {
+        woken: AtomicBool::new(false),
+        thread: std::thread::current(),
+    });
+    let waker = Waker::from(signal.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut future = pin!(future);
+    loop {
+        signal.woken.store(false, Ordering::SeqCst);
+        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
+            return output;
+        }
+        if signal.woken.load(Ordering::SeqCst) || runtime.fire_next_timer() {
+            continue;
+        }
+        let waiting = std::time::Instant::now();
+        while !signal.woken.load(Ordering::SeqCst) {
+            let Some(left) = EXTERNAL_WAIT_LIMIT.checked_sub(waiting.elapsed()) else {
+                panic!(
+                    "a batch waited {EXTERNAL_WAIT_LIMIT:?} of real time for something other than the harness's clock"
+                );
+            };
+            std::thread::park_timeout(left);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sleeps_end_in_order_on_the_virtual_clock() {
+        let runtime = SimRuntime::default();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let sleeper = |secs: u64| {
+            let (runtime, order) = (runtime.clone(), order.clone());
+            async move {
+                runtime.sleep(Duration::from_secs(secs)).await;
+                lock(&order).push((secs, runtime.clock.elapsed()));
+            }
+        };
+        drive(
+            futures_util::future::join3(sleeper(3), sleeper(1), sleeper(2)),
+            &runtime,
+        );
+        let s = Duration::from_secs;
+        assert_eq!(*lock(&order), [(1, s(1)), (2, s(2)), (3, s(3))]);
+        assert_eq!(runtime.clock.elapsed(), s(3));
+    }
+
+    #[test]
+    fn a_sleep_that_loses_a_race_does_not_move_the_clock() {
+        let runtime = SimRuntime::default();
+        let short = runtime.sleep(Duration::from_secs(1));
+        let long = runtime.sleep(Duration::from_secs(30));
+        drive(futures_util::future::select(short, long), &runtime);
+        assert_eq!(runtime.clock.elapsed(), Duration::from_secs(1));
+        assert!(
+            lock(&runtime.timers).waiting.is_empty(),
+            "dropped sleeps unregister"
+        );
+    }
+
+    #[test]
+    fn a_batch_window_closes_when_full_or_at_the_timeout() {
+        let queued = |visible: u64| Queued {
+            id: visible.to_string(),
+            body: Vec::new(),
+            attempts: 0,
+            visible_at: Duration::from_secs(visible),
+        };
+        let mut waiting = vec![queued(5), queued(0), queued(9), queued(0)];
+        let batch = take_batch(&mut waiting, Duration::from_secs(5), 2);
+        let ids: Vec<&str> = batch.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["0", "0"],
+            "the earliest visible first, at most the size"
+        );
+        assert!(batch.iter().all(|m| m.attempts == 1));
+        let left: Vec<&str> = waiting.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(left, ["5", "9"]);
+    }
+}

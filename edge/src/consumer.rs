@@ -1,235 +1,338 @@
-//! The batch loop of a Workers queue consumer.
+//! The Worker side of the batch loop: the platform's message and binding
+//! objects, the panic hook, and the entry points the [`crate::consumer!`]
+//! macro exports.
 
 use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::{Arc, Once};
+use std::time::Duration;
 
-use futures_util::StreamExt;
-use queue::{
-    BoxFuture, CancelToken, DeliveryHandle, Instant, PolicyError, Registry, Runtime, Settlement,
-    SettlementError,
-};
+use queue::{BoxFuture, Instant, PolicyError, Registry};
+use wasm_bindgen::prelude::*;
 use wasm_bindgen::JsCast;
 use worker::{console_error, worker_sys, Env};
 
+use crate::batch::{BatchSummary, Bindings, EdgeConsumer, Progress, QueueMessage};
 use crate::js::{body_bytes, describe, retry_options, JsMessage};
-use crate::plan::{delay_seconds, EdgeConfig, EdgeError, EdgeErrorKind};
+use crate::plan::{EdgeConfig, EdgeError, EdgeErrorKind};
 use crate::runtime::WorkersRuntime;
 
+#[wasm_bindgen(module = "/js/invocation.js")]
+extern "C" {
+    /// The JavaScript record of one invocation (survives an abort).
+    #[derive(Clone)]
+    pub type Invocation;
+
+    #[wasm_bindgen(constructor)]
+    fn new(batch: &JsValue, env: &JsValue) -> Invocation;
+
+    #[wasm_bindgen(method, getter)]
+    fn batch(this: &Invocation) -> JsValue;
+
+    #[wasm_bindgen(method, getter)]
+    fn env(this: &Invocation) -> JsValue;
+
+    #[wasm_bindgen(method, getter, js_name = crashedId)]
+    fn crashed_id(this: &Invocation) -> Option<String>;
+
+    #[wasm_bindgen(method, getter, js_name = crashMessage)]
+    fn crash_message(this: &Invocation) -> Option<String>;
+
+    #[wasm_bindgen(method, js_name = elapsedMs)]
+    fn elapsed_ms(this: &Invocation) -> f64;
+
+    #[wasm_bindgen(method, js_name = setActive)]
+    fn set_active(this: &Invocation, id: &str, active: bool);
+
+    #[wasm_bindgen(method)]
+    fn settled(this: &Invocation, id: &str);
+
+    #[wasm_bindgen(method, js_name = isSettled)]
+    fn is_settled(this: &Invocation, id: &str) -> bool;
+
+    #[wasm_bindgen(method)]
+    fn crashed(this: &Invocation, message: &str);
+
+    fn drive(
+        invocation: &Invocation,
+        first: js_sys::Promise,
+        resume: &JsValue,
+        reset: &JsValue,
+    ) -> js_sys::Promise;
+}
+
+// The module's own exports, as the bundler sees them: the resume entry point
+// the `consumer!` macro exports, and wasm-bindgen's instance reset.
+#[wasm_bindgen(raw_module = "./index.js")]
+extern "C" {
+    #[wasm_bindgen(thread_local_v2, js_name = __queue_edge_resume)]
+    static RESUME: JsValue;
+    #[wasm_bindgen(thread_local_v2, js_name = __wbg_reset_state)]
+    static RESET: JsValue;
+}
+
 thread_local! {
-    /// Messages of the current invocation not yet settled. If handler code
-    /// panics (wasm32 cannot unwind, so the instance is lost), the panic
-    /// hook marks each of them for redelivery, so none is left to the
-    /// platform's implicit handling of a failed invocation.
-    static UNSETTLED: RefCell<Vec<JsMessage>> = const { RefCell::new(Vec::new()) };
+    /// The invocations running in this instance: the panic hook reports a
+    /// crash to each of them.
+    static RUNNING: RefCell<Vec<Invocation>> = const { RefCell::new(Vec::new()) };
 }
 
 static HOOK: Once = Once::new();
 
 fn install_panic_hook() {
     HOOK.call_once(|| {
+        // Chained after the hook of the `worker` crate (installed at start),
+        // which marks the instance for reset.
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            let pending = UNSETTLED.with(|u| std::mem::take(&mut *u.borrow_mut()));
-            for message in &pending {
-                let _ = message.retry(&wasm_bindgen::JsValue::UNDEFINED);
+            let message = match info.payload().downcast_ref::<&str>() {
+                Some(s) => (*s).to_string(),
+                None => info
+                    .payload()
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .unwrap_or_else(|| info.to_string()),
+            };
+            let location = info
+                .location()
+                .map(|l| format!(" at {}:{}", l.file(), l.line()))
+                .unwrap_or_default();
+            let text = format!("{message}{location}");
+            let running = RUNNING.with(|r| std::mem::take(&mut *r.borrow_mut()));
+            for invocation in &running {
+                invocation.crashed(&text);
             }
-            console_error!(
-                "queue-edge: handler panicked ({info}); {} unsettled message(s) marked for redelivery",
-                pending.len()
-            );
             previous(info);
         }));
     });
 }
 
-fn forget(message: &JsMessage) {
-    UNSETTLED.with(|u| u.borrow_mut().retain(|m| !js_sys::Object::is(m, message)));
+impl Progress for Invocation {
+    fn current(&self, id: &str, active: bool) {
+        self.set_active(id, active);
+    }
+
+    fn settled(&self, id: &str) {
+        Invocation::settled(self, id);
+    }
 }
 
-/// What one invocation did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BatchSummary {
-    /// Messages in the batch.
-    pub messages: usize,
-    /// Messages retried at once without running because the budget ran low.
-    pub deferred: usize,
-    /// Settlements the platform refused (the message was kept for redelivery).
-    pub settlement_errors: usize,
+impl QueueMessage for JsMessage {
+    fn id(&self) -> String {
+        JsMessage::id(self)
+    }
+
+    fn attempts(&self) -> u32 {
+        JsMessage::attempts(self) as u32
+    }
+
+    fn body(&self) -> Vec<u8> {
+        body_bytes(&JsMessage::body(self))
+    }
+
+    fn ack(&self) -> Result<(), EdgeError> {
+        JsMessage::ack(self).map_err(|e| EdgeError::uncertain("ack", describe(&e)))
+    }
+
+    fn retry(&self, delay_seconds: Option<u32>) -> Result<(), EdgeError> {
+        JsMessage::retry(self, &retry_options(delay_seconds))
+            .map_err(|e| EdgeError::uncertain("retry", describe(&e)))
+    }
 }
 
-/// A Workers queue consumer running the registry's jobs.
-pub struct EdgeConsumer {
-    registry: Registry,
-    config: EdgeConfig,
-    runtime: Arc<dyn Runtime>,
+/// The Worker's `env`, for failure-queue sends.
+struct EnvBindings<'e>(&'e Env);
+
+impl Bindings for EnvBindings<'_> {
+    fn send_text<'a>(
+        &'a self,
+        binding: &'a str,
+        text: String,
+    ) -> BoxFuture<'a, Result<(), EdgeError>> {
+        Box::pin(async move {
+            let queue = self.0.queue(binding).map_err(|e| {
+                EdgeError::new(
+                    EdgeErrorKind::Config,
+                    format!("failure queue binding `{binding}`: {e}"),
+                )
+            })?;
+            queue
+                .send(
+                    worker::MessageBuilder::new(text)
+                        .content_type(worker::QueueContentType::Text)
+                        .build(),
+                )
+                .await
+                .map_err(|e| EdgeError::uncertain(&format!("failure queue `{binding}`"), e))
+        })
+    }
 }
 
 impl EdgeConsumer {
-    /// A consumer of `registry`'s jobs; refuses an inconsistent configuration.
+    /// A consumer of `registry`'s jobs on the Workers timer; refuses an
+    /// inconsistent configuration.
     pub fn new(registry: Registry, config: EdgeConfig) -> Result<Self, PolicyError> {
-        config.validate(&registry)?;
         install_panic_hook();
-        Ok(EdgeConsumer {
-            registry,
-            config,
-            runtime: Arc::new(WorkersRuntime),
-        })
+        Self::with_runtime(registry, config, Arc::new(WorkersRuntime))
     }
 
-    /// The registry (for its counters).
-    pub fn registry(&self) -> &Registry {
-        &self.registry
-    }
-
-    /// Handles one batch. Never fails: every message ends acked, marked for
-    /// retry, or (for a rejection) left to the platform.
-    pub async fn consume(&self, batch: &worker_sys::MessageBatch, env: &Env) -> BatchSummary {
-        let started = self.runtime.now();
+    /// Handles one platform batch (the `queue` handler's first argument).
+    /// Prefer the [`crate::consumer!`] macro, which also recovers from a
+    /// panic in one message without failing the others; this call leaves a
+    /// panic to the platform.
+    pub async fn consume_batch(&self, batch: &worker_sys::MessageBatch, env: &Env) -> BatchSummary {
         let queue: String = batch.queue().map(String::from).unwrap_or_default();
-        let messages: Vec<JsMessage> = batch
-            .messages()
-            .map(|a| a.iter().map(|m| m.unchecked_into::<JsMessage>()).collect())
-            .unwrap_or_default();
-        UNSETTLED.with(|u| u.borrow_mut().extend(messages.iter().cloned()));
-        let invocation_end = started + self.config.budget;
-        let work_end = invocation_end - self.config.settlement_reserve;
-        let cancel = CancelToken::new();
-        let summary = RefCell::new(BatchSummary {
-            messages: messages.len(),
-            ..BatchSummary::default()
-        });
-        futures_util::stream::iter(messages)
-            .for_each_concurrent(self.config.concurrency, |message| {
-                let (queue, cancel, summary) = (&queue, &cancel, &summary);
-                async move {
-                    let handle = EdgeMessage {
-                        consumer: self,
-                        env,
-                        body: body_bytes(&message.body()),
-                        attempt: message.attempts() as u32,
-                        deadline: work_end,
-                        message: message.clone(),
-                    };
-                    let delivered = if self.runtime.now() >= work_end {
-                        summary.borrow_mut().deferred += 1;
-                        let reason = "invocation budget ran out before the message started";
-                        self.registry
-                            .hand_back(queue, handle, reason, &self.runtime)
-                            .await
-                    } else {
-                        self.registry
-                            .deliver(queue, handle, &self.runtime, cancel)
-                            .await
-                    };
-                    forget(&message);
-                    if let Err(e) = &delivered.outcome {
-                        summary.borrow_mut().settlement_errors += 1;
-                        console_error!("queue-edge: settlement of {} failed: {e}", message.id());
-                    }
-                }
-            })
-            .await;
-        summary.into_inner()
-    }
-}
-
-/// One message of a batch, as the rules' pipeline sees it.
-struct EdgeMessage<'c> {
-    consumer: &'c EdgeConsumer,
-    env: &'c Env,
-    message: JsMessage,
-    body: Vec<u8>,
-    attempt: u32,
-    deadline: Instant,
-}
-
-impl DeliveryHandle for EdgeMessage<'_> {
-    fn body(&self) -> &[u8] {
-        &self.body
-    }
-
-    fn attempt(&self) -> u32 {
-        self.attempt
-    }
-
-    fn deadline(&self) -> Option<Instant> {
-        Some(self.deadline)
-    }
-
-    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
-    where
-        Self: 'a,
-    {
-        Box::pin(async move {
-            settle(self.consumer, &self.message, settlement, self.env)
-                .await
-                .map_err(SettlementError::from)
-        })
-    }
-}
-
-/// Carries out a settlement. On failure the message is marked for
-/// redelivery with the consumer's default delay, so it is never lost.
-async fn settle(
-    consumer: &EdgeConsumer,
-    message: &JsMessage,
-    settlement: &Settlement,
-    env: &Env,
-) -> Result<(), EdgeError> {
-    let uncertain = |what: &str, e: wasm_bindgen::JsValue| {
-        EdgeError::new(
-            EdgeErrorKind::Uncertain,
-            format!("{what}: {}", describe(&e)),
+        self.consume(
+            &queue,
+            messages(batch.as_ref(), None),
+            &EnvBindings(env),
+            Instant::now(),
+            None,
         )
-    };
-    let keep = |error: EdgeError| {
-        let _ = message.retry(&wasm_bindgen::JsValue::UNDEFINED);
-        Err(error)
-    };
-    match settlement {
-        Settlement::Ack => message.ack().map_err(|e| uncertain("ack", e)),
-        Settlement::Retry { delay, .. } => match delay_seconds(*delay) {
-            Ok(seconds) => message
-                .retry(&retry_options(seconds))
-                .map_err(|e| uncertain("retry", e)),
-            Err(e) => keep(e),
-        },
-        // No request: the platform's own policy decides (an invocation that
-        // returns normally acknowledges unmarked messages).
-        Settlement::Reject => Ok(()),
-        Settlement::Fail(record) => {
-            let text = String::from_utf8_lossy(&record.encode()).into_owned();
-            match &consumer.config.failure_queue {
-                Some(binding) => {
-                    let sent = match env.queue(binding) {
-                        Ok(q) => q
-                            .send(
-                                worker::MessageBuilder::new(text)
-                                    .content_type(worker::QueueContentType::Text)
-                                    .build(),
-                            )
-                            .await
-                            .map_err(|e| {
-                                EdgeError::new(
-                                    EdgeErrorKind::Uncertain,
-                                    format!("failure queue `{binding}`: {e}"),
-                                )
-                            }),
-                        Err(e) => Err(EdgeError::new(
-                            EdgeErrorKind::Config,
-                            format!("failure queue binding `{binding}`: {e}"),
-                        )),
-                    };
-                    match sent {
-                        Ok(()) => message.ack().map_err(|e| uncertain("ack", e)),
-                        Err(e) => keep(e),
-                    }
+        .await
+    }
+}
+
+fn messages(batch: &JsValue, invocation: Option<&Invocation>) -> Vec<JsMessage> {
+    let list = js_sys::Reflect::get(batch, &"messages".into()).unwrap_or(JsValue::UNDEFINED);
+    js_sys::Array::from(&list)
+        .iter()
+        .map(|m| m.unchecked_into::<JsMessage>())
+        .filter(|m| invocation.is_none_or(|i| !i.is_settled(&JsMessage::id(m))))
+        .collect()
+}
+
+type LocalFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+/// A worker declared with [`crate::consumer!`].
+#[doc(hidden)]
+pub struct WorkerSpec {
+    /// The jobs and their handlers.
+    pub jobs: fn() -> Result<Registry, String>,
+    /// The options, wrangler.toml included.
+    pub options: crate::Options,
+    /// Handles batches of queues no job names.
+    pub other_queues: Option<fn(JsValue, Env) -> LocalFuture>,
+    /// Runs after each batch (before the invocation returns).
+    pub after_batch: Option<fn(Env) -> LocalFuture>,
+}
+
+thread_local! {
+    static CONSUMERS: RefCell<std::collections::HashMap<String, Rc<EdgeConsumer>>> =
+        RefCell::new(std::collections::HashMap::new());
+}
+
+fn consumer_for(queue: &str, env: &Env, spec: &WorkerSpec) -> Result<Rc<EdgeConsumer>, String> {
+    if let Some(existing) = CONSUMERS.with(|c| c.borrow().get(queue).cloned()) {
+        return Ok(existing);
+    }
+    install_panic_hook();
+    let registry = (spec.jobs)()?;
+    let var = |name: &str| env.var(name).ok().map(|v| v.to_string());
+    let consumer = Rc::new(crate::options::build_consumer(
+        queue,
+        registry,
+        &spec.options,
+        &var,
+        Arc::new(WorkersRuntime),
+    )?);
+    CONSUMERS.with(|c| c.borrow_mut().insert(queue.to_string(), consumer.clone()));
+    Ok(consumer)
+}
+
+/// The `queue` entry point: runs `batch`, resuming after a panic in one
+/// message's code. Exported by the [`crate::consumer!`] macro.
+#[doc(hidden)]
+pub fn entry(batch: JsValue, env: JsValue, spec: &'static WorkerSpec) -> js_sys::Promise {
+    install_panic_hook();
+    let invocation = Invocation::new(&batch, &env);
+    let first = run(invocation.clone(), spec);
+    RESUME.with(|resume| RESET.with(|reset| drive(&invocation, first, resume, reset)))
+}
+
+/// The resume entry point, called by the invocation driver in a fresh
+/// instance after a crash.
+#[doc(hidden)]
+pub fn resume(invocation: JsValue, spec: &'static WorkerSpec) -> js_sys::Promise {
+    install_panic_hook();
+    run(invocation.unchecked_into(), spec)
+}
+
+fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
+    worker::wasm_bindgen_futures::future_to_promise(async move {
+        RUNNING.with(|r| r.borrow_mut().push(invocation.clone()));
+        let env: Env = invocation.env().unchecked_into();
+        let batch = invocation.batch();
+        let queue = js_sys::Reflect::get(&batch, &"queue".into())
+            .ok()
+            .and_then(|q| q.as_string())
+            .unwrap_or_default();
+        if let Some(other) = spec.other_queues {
+            let consumed_with_jobs = spec
+                .options
+                .queue_concurrency
+                .iter()
+                .any(|(q, _)| *q == queue)
+                || (spec.jobs)()
+                    .map(|r| r.queues().contains(&queue))
+                    .unwrap_or(true);
+            if !consumed_with_jobs {
+                other(batch, env.clone()).await;
+                RUNNING.with(|r| {
+                    r.borrow_mut()
+                        .retain(|i| !js_sys::Object::is(i, &invocation))
+                });
+                if let Some(after) = spec.after_batch {
+                    after(env).await;
                 }
-                None => {
-                    console_error!("queue-edge: terminal failure ({}): {text}", record.reason);
-                    message.ack().map_err(|e| uncertain("ack", e))
-                }
+                return Ok(JsValue::UNDEFINED);
             }
         }
+        let started =
+            Instant::now() - Duration::from_millis(invocation.elapsed_ms().max(0.0) as u64);
+        let crashed_id = invocation.crashed_id();
+        let crash_message = invocation.crash_message().unwrap_or_default();
+        let crashed = crashed_id.as_deref().map(|id| (id, crash_message.as_str()));
+        match consumer_for(&queue, &env, spec) {
+            Ok(consumer) => {
+                consumer
+                    .consume_observed(
+                        &queue,
+                        messages(&batch, Some(&invocation)),
+                        &EnvBindings(&env),
+                        started,
+                        crashed,
+                        &invocation,
+                    )
+                    .await;
+            }
+            Err(e) => misconfigured(&queue, &messages(&batch, Some(&invocation)), &e),
+        }
+        RUNNING.with(|r| {
+            r.borrow_mut()
+                .retain(|i| !js_sys::Object::is(i, &invocation))
+        });
+        if let Some(after) = spec.after_batch {
+            after(env).await;
+        }
+        Ok(JsValue::UNDEFINED)
+    })
+}
+
+/// A worker that cannot build its consumer runs nothing and loses nothing:
+/// every message is handed back with the longest delay the platform allows,
+/// so an operator has hours to deploy a fix before the consumer's
+/// `max_retries` sends it to the dead-letter queue.
+fn misconfigured(queue: &str, messages: &[JsMessage], error: &str) {
+    console_error!(
+        "queue-edge: the consumer of `{queue}` is misconfigured, {} message(s) handed back for {} s: {error}",
+        messages.len(),
+        crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs()
+    );
+    for message in messages {
+        let _ = QueueMessage::retry(
+            message,
+            Some(crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs() as u32),
+        );
     }
 }

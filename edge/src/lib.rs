@@ -48,7 +48,13 @@
 //! Deferral happens only when a batch is slower than the budget, so size
 //! `max_batch_size` and the budget so that it is rare.
 
+pub mod batch;
+mod log;
+pub mod options;
 pub mod plan;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
+pub mod wrangler;
 
 #[cfg(target_arch = "wasm32")]
 mod consumer;
@@ -59,10 +65,138 @@ mod producer;
 #[cfg(target_arch = "wasm32")]
 mod runtime;
 
-#[cfg(target_arch = "wasm32")]
-pub use consumer::{BatchSummary, EdgeConsumer};
+pub use batch::{BatchSummary, Bindings, EdgeConsumer, QueueMessage};
+pub use log::LogSink;
+pub use options::{build_consumer, check, Options};
 pub use plan::{EdgeConfig, EdgeError, EdgeErrorKind};
 #[cfg(target_arch = "wasm32")]
 pub use producer::EdgeProducer;
 #[cfg(target_arch = "wasm32")]
 pub use runtime::WorkersRuntime;
+
+/// What the [`consumer!`] macro expands to; not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    #[cfg(target_arch = "wasm32")]
+    pub use crate::consumer::{entry, resume, WorkerSpec};
+    #[cfg(target_arch = "wasm32")]
+    pub use {js_sys, wasm_bindgen, worker};
+}
+
+/// Declares a Worker's queue consumer: one line wires the jobs to the
+/// platform.
+///
+/// `consumer!(jobs)` takes a function `fn() -> Result<queue::Registry, E>`
+/// (`E: Display`) and exports the Worker's `queue` handler for wasm32. The
+/// worker's `wrangler.toml`, next to its `Cargo.toml`, is embedded and
+/// checked against the jobs when the consumer starts (see
+/// [`wrangler::Wrangler::check`]); on native targets the macro instead adds a
+/// test, `wrangler_toml_fits_the_jobs`, that runs the same check, so
+/// `cargo test` (which the template's build command runs) refuses a drifted
+/// configuration before anything is deployed.
+///
+/// Optional, in this order, by name:
+/// - `options = EXPR`: an [`Options`] (failure queue, concurrency; its
+///   `wrangler` field is filled in by the macro unless `wrangler = PATH` is
+///   given);
+/// - `wrangler = "path"`: wrangler.toml relative to the crate's manifest;
+/// - `other_queues = FN`: `async fn(JsValue, worker::Env)` for batches of
+///   queues no job names (the batch object as the platform passed it);
+/// - `after_batch = FN`: `async fn(worker::Env)`, run after every batch.
+///
+/// A message whose code panics does not fail the rest of its batch: the
+/// instance is reset and the batch continues, the panicking message settled
+/// by its job's retry policy as one failed execution.
+#[macro_export]
+macro_rules! consumer {
+    ($jobs:path $(, options = $options:expr)? $(, wrangler = $wrangler:literal)? $(, other_queues = $other:path)? $(, after_batch = $after:path)? $(,)?) => {
+        #[cfg(not(target_arch = "wasm32"))]
+        #[cfg(test)]
+        #[test]
+        fn wrangler_toml_fits_the_jobs() {
+            let options = $crate::Options {
+                wrangler: $crate::__wrangler_text!($($wrangler)?),
+                ..$crate::__options!($($options)?)
+            };
+            let registry = $jobs().unwrap_or_else(|e| panic!("the jobs do not build: {e}"));
+            if let Err(problems) = $crate::options::check(&registry, &options, None) {
+                panic!("{problems}");
+            }
+        }
+
+        #[cfg(target_arch = "wasm32")]
+        static __QUEUE_EDGE_WORKER: $crate::__private::WorkerSpec = $crate::__private::WorkerSpec {
+            jobs: || $jobs().map_err(|e| e.to_string()),
+            options: $crate::Options {
+                wrangler: $crate::__wrangler_text!($($wrangler)?),
+                ..$crate::__options!($($options)?)
+            },
+            other_queues: $crate::__hook2!($($other)?),
+            after_batch: $crate::__hook1!($($after)?),
+        };
+
+        /// The Worker's queue handler.
+        #[cfg(target_arch = "wasm32")]
+        #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(wasm_bindgen = $crate::__private::wasm_bindgen)]
+        pub fn queue(
+            batch: $crate::__private::wasm_bindgen::JsValue,
+            env: $crate::__private::wasm_bindgen::JsValue,
+            _ctx: $crate::__private::wasm_bindgen::JsValue,
+        ) -> $crate::__private::js_sys::Promise {
+            $crate::__private::entry(batch, env, &__QUEUE_EDGE_WORKER)
+        }
+
+        /// Continues an invocation after a panic (called by queue-edge).
+        #[cfg(target_arch = "wasm32")]
+        #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(wasm_bindgen = $crate::__private::wasm_bindgen)]
+        pub fn __queue_edge_resume(
+            invocation: $crate::__private::wasm_bindgen::JsValue,
+        ) -> $crate::__private::js_sys::Promise {
+            $crate::__private::resume(invocation, &__QUEUE_EDGE_WORKER)
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __wrangler_text {
+    () => {
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/wrangler.toml"))
+    };
+    ($path:literal) => {
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/", $path))
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __options {
+    () => {
+        $crate::Options::DEFAULT
+    };
+    ($options:expr) => {
+        $options
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __hook2 {
+    () => {
+        None
+    };
+    ($f:path) => {
+        Some(|batch, env| Box::pin($f(batch, env)))
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __hook1 {
+    () => {
+        None
+    };
+    ($f:path) => {
+        Some(|env| Box::pin($f(env)))
+    };
+}

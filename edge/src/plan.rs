@@ -9,6 +9,10 @@ use queue::{PolicyError, Registry};
 /// The longest delay Cloudflare accepts for a retry or a delayed send.
 pub const MAX_DELAY: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// How long a misconfigured worker hands each message back for: long
+/// enough for an operator to deploy a fix, within the platform's delay limit.
+pub const MISCONFIGURED_RETRY_DELAY: Duration = Duration::from_secs(12 * 60 * 60);
+
 /// Consumer settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EdgeConfig {
@@ -62,25 +66,8 @@ impl EdgeConfig {
             return Err(invalid("edge.concurrency", "must be at least 1".into()));
         }
         if let Some(max_retries) = self.platform_max_retries {
-            let deliveries = max_retries.saturating_add(1);
             for spec in registry.specs() {
-                // A message that crashes the instance every time is recorded
-                // on delivery cap + 1 + SHUTDOWN_GRACE (the platform cannot
-                // tell a crash from a graceful hand-back): the platform must
-                // not give up before that.
-                let needed = queue::deliveries_needed(spec.retry.attempts, false);
-                if needed.is_none_or(|needed| needed > deliveries) {
-                    return Err(PolicyError::Invalid {
-                        job: spec.name.clone(),
-                        field: "retry".into(),
-                        reason: format!(
-                            "the platform stops after {deliveries} deliveries (max_retries = {max_retries}), \
-                             before this job's cap of {} plus the crash bound (a failure record for a message \
-                             that crashes every time is written on delivery cap + 2): raise max_retries in wrangler.toml",
-                            if spec.retry.attempts == 0 { "unlimited".to_string() } else { spec.retry.attempts.to_string() }
-                        ),
-                    });
-                }
+                crate::wrangler::job_max_retries(spec, max_retries)?;
             }
         }
         Ok(())

@@ -302,9 +302,47 @@ impl Wrangler {
         registry: &Registry,
         failure_queue_binding: Option<&str>,
     ) -> Result<Checked, Vec<PolicyError>> {
+        self.check_consumed(registry, failure_queue_binding, &[])
+    }
+
+    /// [`Wrangler::check`], for a worker that also consumes `also_consumed`
+    /// with the same jobs (a second queue the producers send the same jobs
+    /// to): each of those queues is held to every job's cap and to every rule
+    /// a job queue is held to.
+    pub fn check_consumed(
+        &self,
+        registry: &Registry,
+        failure_queue_binding: Option<&str>,
+        also_consumed: &[&str],
+    ) -> Result<Checked, Vec<PolicyError>> {
         let consumers_table = self.table("consumers");
-        let job_queues = registry.queues();
+        let mut job_queues = registry.queues();
         let mut problems = Vec::new();
+        for queue in also_consumed {
+            if !job_queues.iter().any(|q| q == queue) {
+                job_queues.push(queue.to_string());
+            }
+            match self.consumer(queue) {
+                None => problems.push(invalid(
+                    "*",
+                    "queue",
+                    format!("no {consumers_table} entry consumes `{queue}`, which the worker consumes with its jobs"),
+                )),
+                Some(consumer) => {
+                    for spec in registry.specs() {
+                        if let Err(PolicyError::Invalid { job, field, reason }) =
+                            job_max_retries(spec, consumer.max_retries)
+                        {
+                            problems.push(PolicyError::Invalid {
+                                job,
+                                field,
+                                reason: format!("on queue `{queue}`: {reason}"),
+                            });
+                        }
+                    }
+                }
+            }
+        }
 
         for spec in registry.specs() {
             match self.consumer(&spec.queue) {

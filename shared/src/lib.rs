@@ -93,7 +93,7 @@ pub use event::{Event, EventKind, EventSink};
 pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
-pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
+pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY};
 pub use record::{FailureRecord, RawBody};
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};

@@ -181,6 +181,27 @@ impl Registry {
         self.settle_and_report(handle, processed, runtime).await
     }
 
+    /// Settles a delivery whose execution brought the host down (a panic
+    /// where panics abort): [`Registry::crashed`]'s decision, settled and
+    /// reported as [`Registry::deliver`] settles and reports.
+    pub async fn settle_crashed<H: DeliveryHandle>(
+        &self,
+        queue: &str,
+        handle: H,
+        panic_message: &str,
+        runtime: &Arc<dyn Runtime>,
+    ) -> Delivered {
+        let delivery = Delivery {
+            queue,
+            body: handle.body(),
+            attempt: handle.attempt(),
+            shutdown_returns: handle.shutdown_returns(),
+            deadline: handle.deadline(),
+        };
+        let processed = self.crashed(delivery, panic_message);
+        self.settle_and_report(handle, processed, runtime).await
+    }
+
     /// Settles through `handle` within the budget, then counts and reports.
     async fn settle_and_report<H: DeliveryHandle>(
         &self,

@@ -237,11 +237,24 @@ impl Registry {
         self
     }
 
+    /// The cap set with [`Registry::unknown_name_attempts`] (the default
+    /// unless it was changed). A backend's own delivery limit must leave
+    /// room for it, so a host reads it to check that limit.
+    pub fn unknown_name_attempts_setting(&self) -> UnknownNameAttempts {
+        self.unknown_name_attempts
+    }
+
     /// How long an unknown job name waits before its next delivery (default
     /// 30 s: time for the deployment that knows the name to roll out).
     pub fn unknown_name_retry_delay(&mut self, delay: Duration) -> &mut Self {
         self.unknown_name_delay = delay;
         self
+    }
+
+    /// The event sink set with [`Registry::event_sink`], if any (a host that
+    /// adds its own sink forwards to it).
+    pub fn current_event_sink(&self) -> Option<Arc<dyn EventSink>> {
+        self.sink.clone()
     }
 
     /// Where events go.
@@ -416,6 +429,42 @@ impl Registry {
                 shutdown: true,
             },
         }
+    }
+
+    /// The settlement of a delivery whose execution brought its host down (a
+    /// handler panic on a target where panics abort, such as wasm32): decided
+    /// as if that one execution had returned the panic as its error, so the
+    /// job's retry policy and cap apply as they do where panics unwind. The
+    /// host calls it once it is running again, before anything else runs the
+    /// delivery. A body that is not a known job's envelope is settled as
+    /// [`Registry::process`] would settle it, without running anything.
+    pub fn crashed(&self, delivery: Delivery<'_>, panic_message: &str) -> Processed {
+        let Ok(envelope) = Envelope::decode(delivery.body) else {
+            return self.recover(
+                delivery,
+                &Panicked::new(panic_message.to_string(), String::new()),
+            );
+        };
+        let Some(job) = self.jobs.get(&envelope.job) else {
+            return self.recover(
+                delivery,
+                &Panicked::new(panic_message.to_string(), String::new()),
+            );
+        };
+        let spec = job.spec();
+        let result: Result<(), JobError> = Err(JobError::from(Panicked::new(
+            panic_message.to_string(),
+            String::new(),
+        )));
+        let decision = settle(&spec.retry, delivery.attempt, &result, false);
+        self.stats.update(&envelope.job, |s| s.executions += 1);
+        let summary = RunSummary {
+            executions: 1,
+            resolution: None,
+            error: result.as_ref().err().map(JobError::chain_text),
+            shutdown: false,
+        };
+        self.finish(delivery, &envelope, decision, summary)
     }
 
     /// The settlement of a delivery whose processing panicked outside the

@@ -159,3 +159,119 @@ fn a_handed_back_delivery_is_settled_and_reported_like_any_other() {
     assert_eq!(emitted[0].executions, 0);
     assert_eq!(registry.stats().job("work").retried, 1);
 }
+
+/// A delivery at a chosen attempt, recording what it was settled with.
+struct AtAttempt {
+    body: Vec<u8>,
+    attempt: u32,
+    seen: Arc<Mutex<Vec<Settlement>>>,
+}
+
+impl DeliveryHandle for AtAttempt {
+    fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
+    where
+        Self: 'a,
+    {
+        self.seen.lock().unwrap().push(settlement.clone());
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+/// Where a panic aborts the host (wasm32), the host settles the delivery
+/// after the fact with `settle_crashed`; where panics unwind, `deliver`
+/// catches the panic itself. For a job without tier one both must settle
+/// every delivery the same way: same settlement, same event, one execution.
+#[cfg(panic = "unwind")]
+#[test]
+fn a_crashed_execution_settles_like_a_caught_panic() {
+    use std::time::Duration;
+    let job = Job::<u32>::builder("boom")
+        .retry(3)
+        .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |_: JobContext, n: u32| async move {
+            panic!("renderer bug {n}");
+        })
+        .unwrap();
+    let sink = Arc::new(Sink::default());
+    registry.event_sink(sink.clone());
+    let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+    let body = Envelope::new("boom", serde_json::json!(7)).encode();
+    for attempt in 1..=4 {
+        let (caught, crashed) = (Arc::default(), Arc::default());
+        let handle = |seen: &Arc<Mutex<Vec<Settlement>>>| AtAttempt {
+            body: body.clone(),
+            attempt,
+            seen: seen.clone(),
+        };
+        let native =
+            block_on(registry.deliver("q", handle(&caught), &runtime, &CancelToken::new()));
+        let edge =
+            block_on(registry.settle_crashed("q", handle(&crashed), "renderer bug 7", &runtime));
+        let (native_seen, edge_seen) = (caught.lock().unwrap(), crashed.lock().unwrap());
+        match (&native_seen[0], &edge_seen[0]) {
+            (Settlement::Fail(a), Settlement::Fail(b)) => {
+                assert_eq!(a.kind, b.kind, "attempt {attempt}");
+                assert_eq!(a.attempt, b.attempt);
+                assert_eq!(a.executions, 1);
+                assert_eq!(b.executions, 1);
+            }
+            (a, b) => assert_eq!(a, b, "attempt {attempt}"),
+        }
+        assert_eq!(
+            native.processed.event.kind.name(),
+            edge.processed.event.kind.name()
+        );
+        assert_eq!(
+            native.processed.event.executions,
+            edge.processed.event.executions
+        );
+        assert_eq!(edge.processed.event.executions, 1, "attempt {attempt}");
+    }
+    assert!(
+        matches!(
+            sink.emitted.lock().unwrap().last().unwrap(),
+            Event {
+                kind: EventKind::Failed { .. },
+                ..
+            }
+        ),
+        "the cap ends it"
+    );
+}
+
+/// A crash blamed on a body that is not a known job's envelope is handed
+/// back after a pause, never run and never dropped.
+#[test]
+fn a_crash_on_an_unknown_body_is_handed_back_after_a_pause() {
+    let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+    let (registry, _sink) = setup();
+    for body in [
+        b"not an envelope".to_vec(),
+        Envelope::new("nobody", serde_json::json!(1)).encode(),
+    ] {
+        let seen = Arc::default();
+        let handle = AtAttempt {
+            body,
+            attempt: 1,
+            seen: Arc::clone(&seen),
+        };
+        block_on(registry.settle_crashed("q", handle, "boom", &runtime));
+        let seen = seen.lock().unwrap();
+        assert!(
+            matches!(seen[0], Settlement::Retry { delay: Some(d), shutdown: false } if d == queue::PANICKED_BACKOFF_DELAY),
+            "{seen:?}"
+        );
+    }
+}

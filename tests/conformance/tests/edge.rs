@@ -5,8 +5,10 @@
 //! records that arrived on its failure queue.
 //!
 //! `tests/run` builds the worker, starts `wrangler dev`, and runs these with
-//! `--ignored --test-threads=1`: they share one queue, and a panic at the
-//! edge takes its whole batch down, so the phases must not overlap.
+//! `--ignored --test-threads=1`: they share one queue and one log, so the
+//! phases must not overlap. The budget scenario runs against a second
+//! instance started with a short invocation budget. The test routes need the
+//! bearer token `EDGE_TOKEN` (the worker's `TEST_ROUTES_TOKEN` secret).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,8 +27,14 @@ fn base() -> String {
         .expect("EDGE_URL names the worker under `wrangler dev` (tests/run sets it)")
 }
 
+fn token() -> String {
+    std::env::var("EDGE_TOKEN")
+        .expect("EDGE_TOKEN is the worker's TEST_ROUTES_TOKEN (tests/run sets both)")
+}
+
 fn post(path: &str, body: Value) -> Value {
     ureq::post(&format!("{}{path}", base()))
+        .set("Authorization", &format!("Bearer {}", token()))
         .send_json(body)
         .unwrap_or_else(|e| panic!("POST {path}: {e}"))
         .into_json()
@@ -35,6 +43,7 @@ fn post(path: &str, body: Value) -> Value {
 
 fn log() -> Vec<Value> {
     ureq::get(&format!("{}/log", base()))
+        .set("Authorization", &format!("Bearer {}", token()))
         .call()
         .expect("GET /log")
         .into_json()
@@ -169,8 +178,8 @@ type MainPhase = (
     Vec<(String, String)>,
 );
 
-/// The messages of the main phase, by label. Healthy reports first; no
-/// panics (they take their batch down: see `panics_are_contained`).
+/// The messages of the main phase, by label (panics have their own
+/// scenarios: `panics_are_contained` and the batch scenarios).
 fn main_phase_messages(base_id: u64) -> MainPhase {
     let behaviours = [
         Behaviour::Healthy,
@@ -460,11 +469,10 @@ fn budget_defers_what_cannot_start_in_time() {
     );
 }
 
-/// A panic at the edge aborts the wasm instance. The message is redelivered
-/// (attempt 2 succeeds); one that panics every time is stopped by the crash
-/// bound, counted across the crashed deliveries, with a failure record: the
-/// platform cannot say which deliveries a graceful hand-back ended, so one
-/// delivery of grace past the cap of 3 runs (and crashes) too.
+/// A panic at the edge aborts the wasm instance; the consumer resets it and
+/// settles the message by the job's retry policy as one failed execution, as
+/// natively: a report that panics once succeeds on its second delivery, one
+/// that panics every time ends in one failure record at the cap of 3.
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn panics_are_contained() {
@@ -478,7 +486,10 @@ fn panics_are_contained() {
     let steps = edge_steps(&log);
     assert_eq!(
         plain(&steps[&once_id]),
-        [(2, "succeeded:tier_two".to_string(), 1)]
+        [
+            (1, "retried:1000ms".to_string(), 1),
+            (2, "succeeded:tier_two".to_string(), 1)
+        ]
     );
 
     let always = post(
@@ -493,15 +504,175 @@ fn panics_are_contained() {
     let steps = edge_steps(&log);
     assert_eq!(
         plain(&steps[&always_id]),
-        [(5, "failed:attempts_exhausted".to_string(), 0)],
-        "three crashed deliveries spend the cap of 3, a fourth the grace"
+        [
+            (1, "retried:1000ms".to_string(), 1),
+            (2, "retried:2000ms".to_string(), 1),
+            (3, "failed:attempts_exhausted".to_string(), 1)
+        ],
+        "each crash is one failed execution; the cap of 3 ends it"
     );
     let records = failure_records(&log);
     let record = records
         .iter()
         .find(|r| r["message_id"] == always_id.as_str())
         .expect("a failure record");
-    assert_eq!(record["attempt"], 5);
+    assert_eq!(record["attempt"], 3);
+}
+
+/// Sends `reports` in one batch request (the platform delivers them
+/// together, up to the consumer's batch size) and returns their ids.
+fn dispatch_batch(reports: &[BuildReport]) -> Vec<String> {
+    let answer = post("/dispatch", json!({ "batch": reports }));
+    answer["batch"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Runs a batch scenario at the edge and natively; checks that every report
+/// that does not panic settles as on the memory driver, that each report
+/// ends in at most one failure record, and that a report that panics every
+/// time ends in exactly one, at its cap or within the crash bound.
+fn batch_scenario(labelled: Vec<(String, BuildReport)>) {
+    let reports: Vec<BuildReport> = labelled.iter().map(|(_, r)| r.clone()).collect();
+    let ids = dispatch_batch(&reports);
+    let labels: BTreeMap<String, String> = ids
+        .iter()
+        .cloned()
+        .zip(labelled.iter().map(|(l, _)| l.clone()))
+        .collect();
+    wait_terminal(&ids);
+    let always: Vec<&String> = labels
+        .iter()
+        .filter(|(_, l)| l.starts_with("AlwaysPanics"))
+        .map(|(id, _)| id)
+        .collect();
+    wait_records("the reports that always panic", always.len(), |r| {
+        r["message_id"]
+            .as_str()
+            .is_some_and(|id| always.iter().any(|a| *a == id))
+    });
+    // Let stray redeliveries (there should be none) show up before judging.
+    std::thread::sleep(Duration::from_secs(3));
+    let log = self::log();
+    let steps = edge_steps(&log);
+    let records = failure_records(&log);
+    let mut edge: BTreeMap<String, Vec<(u64, String, u64)>> = BTreeMap::new();
+    for (id, label) in &labels {
+        edge.insert(
+            label.clone(),
+            plain(steps.get(id).map(Vec::as_slice).unwrap_or_default()),
+        );
+        let recorded = records
+            .iter()
+            .filter(|r| r["message_id"] == id.as_str())
+            .count();
+        assert!(recorded <= 1, "{label}: {recorded} failure records");
+        let failed = edge[label]
+            .last()
+            .is_some_and(|(_, o, _)| o.starts_with("failed"));
+        assert_eq!(recorded, usize::from(failed), "{label}: failure records");
+    }
+    let native = run_natively(&labelled, &[]);
+    let mut mismatches = vec![];
+    for (label, steps) in &edge {
+        if label.starts_with("AlwaysPanics") {
+            let last = steps.last().expect("settled");
+            assert_eq!(last.1, "failed:attempts_exhausted", "{label}: {steps:?}");
+            assert!(
+                last.0 <= u64::from(queue::deliveries_needed(3, false).unwrap()),
+                "{label}: failed on delivery {} beyond the crash bound",
+                last.0
+            );
+        } else if label.starts_with("Panics") {
+            assert_eq!(
+                steps.last().map(|s| s.1.as_str()),
+                Some("succeeded:tier_two"),
+                "{label}: {steps:?}"
+            );
+        } else if native[label] != *steps {
+            mismatches.push(format!(
+                "{label}: edge {steps:?}, native {:?}",
+                native[label]
+            ));
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "settled differently from the memory driver:\n{}",
+        mismatches.join("\n")
+    );
+}
+
+/// `[always panics, healthy x3]` in one batch: the healthy reports run once
+/// and are acknowledged; the panicking one ends in one failure record.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn a_panic_does_not_fail_its_batch() {
+    let base_id = fresh_id();
+    let mut labelled = vec![(
+        "AlwaysPanics".to_string(),
+        report(base_id, Behaviour::AlwaysPanics),
+    )];
+    for i in 1..=3 {
+        labelled.push((
+            format!("Healthy{i}"),
+            report(base_id + i, Behaviour::Healthy),
+        ));
+    }
+    batch_scenario(labelled);
+}
+
+/// Twenty reports, two of each behaviour, sent together and delivered in
+/// batches of four: every report that does not panic settles as natively.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn a_mixed_batch_of_twenty_settles_like_native() {
+    let base_id = fresh_id();
+    let behaviours = [
+        Behaviour::Healthy,
+        Behaviour::Blip,
+        Behaviour::BadHost,
+        Behaviour::RateLimited,
+        Behaviour::Missing,
+        Behaviour::Broken,
+        Behaviour::Rejected,
+        Behaviour::Panics,
+        Behaviour::AlwaysPanics,
+        Behaviour::Slow,
+    ];
+    let mut labelled = vec![];
+    for round in 0..2u64 {
+        for (i, b) in behaviours.iter().enumerate() {
+            labelled.push((
+                format!("{b:?}#{round}"),
+                report(base_id + round * 100 + i as u64, *b),
+            ));
+        }
+    }
+    batch_scenario(labelled);
+}
+
+/// The test routes are closed to a request without the operator's token.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn test_routes_refuse_a_request_without_the_token() {
+    let get = ureq::get(&format!("{}/log", base())).call();
+    assert!(
+        matches!(get, Err(ureq::Error::Status(401, _))),
+        "GET /log without a token: {get:?}"
+    );
+    let post = ureq::post(&format!("{}/dispatch", base()))
+        .set("Authorization", "Bearer not-the-token")
+        .send_json(json!({ "reports": [report(fresh_id(), Behaviour::Healthy)] }));
+    assert!(
+        matches!(post, Err(ureq::Error::Status(401, _))),
+        "POST /dispatch with a wrong token: {post:?}"
+    );
+    let health = ureq::get(&format!("{}/health", base())).call();
+    assert!(health.is_ok(), "the health check stays open");
 }
 
 /// A delayed dispatch is not delivered before its delay.

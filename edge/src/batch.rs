@@ -189,6 +189,32 @@ impl EdgeConsumer {
     }
 }
 
+/// What a worker that cannot build its consumer does with a batch (a
+/// wrangler.toml that does not fit the jobs, a bad operator variable): it
+/// runs nothing and loses nothing. Every message is handed back with
+/// [`MISCONFIGURED_RETRY_DELAY`](crate::plan::MISCONFIGURED_RETRY_DELAY), so
+/// an operator has hours to deploy a fix before the consumer's
+/// `max_retries` moves it to the dead-letter queue (which the check requires
+/// on every consumer). Returns how many were handed back.
+pub fn hand_back_misconfigured<M: QueueMessage>(queue: &str, messages: &[M], error: &str) -> usize {
+    let delay = crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs() as u32;
+    log_error(&format!(
+        "queue-edge: the consumer of `{queue}` is misconfigured; {} message(s) handed back for {delay} s: {error}",
+        messages.len()
+    ));
+    let mut handed_back = 0;
+    for message in messages {
+        match message.retry(Some(delay)) {
+            Ok(()) => handed_back += 1,
+            Err(e) => log_error(&format!(
+                "queue-edge: handing back {} failed ({e}); the platform redelivers it",
+                message.id()
+            )),
+        }
+    }
+    handed_back
+}
+
 /// Tells `progress` which message is being polled, so a panic can be
 /// attributed to the message whose code raised it.
 struct Tracked<'a, F, P: Progress> {
@@ -298,5 +324,51 @@ impl EdgeError {
     /// A failed platform call whose effect is unknown.
     pub fn uncertain(what: &str, detail: impl std::fmt::Display) -> Self {
         EdgeError::new(EdgeErrorKind::Uncertain, format!("{what}: {detail}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    struct Recorded {
+        calls: Mutex<Vec<String>>,
+    }
+
+    impl QueueMessage for Recorded {
+        fn id(&self) -> String {
+            "m".into()
+        }
+        fn attempts(&self) -> u32 {
+            1
+        }
+        fn body(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn ack(&self) -> Result<(), EdgeError> {
+            self.calls.lock().unwrap().push("ack".into());
+            Ok(())
+        }
+        fn retry(&self, delay_seconds: Option<u32>) -> Result<(), EdgeError> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("retry {delay_seconds:?}"));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_misconfigured_worker_hands_every_message_back_for_hours() {
+        let messages: Vec<Recorded> = (0..3)
+            .map(|_| Recorded {
+                calls: Mutex::new(Vec::new()),
+            })
+            .collect();
+        assert_eq!(hand_back_misconfigured("q", &messages, "drift"), 3);
+        for m in &messages {
+            assert_eq!(*m.calls.lock().unwrap(), ["retry Some(43200)"]);
+        }
     }
 }

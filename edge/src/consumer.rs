@@ -10,7 +10,7 @@ use std::time::Duration;
 use queue::{BoxFuture, Instant, PolicyError, Registry};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen::JsCast;
-use worker::{console_error, worker_sys, Env};
+use worker::{worker_sys, Env};
 
 use crate::batch::{BatchSummary, Bindings, EdgeConsumer, Progress, QueueMessage};
 use crate::js::{body_bytes, describe, retry_options, JsMessage};
@@ -306,7 +306,13 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
                     )
                     .await;
             }
-            Err(e) => misconfigured(&queue, &messages(&batch, Some(&invocation)), &e),
+            Err(e) => {
+                crate::batch::hand_back_misconfigured(
+                    &queue,
+                    &messages(&batch, Some(&invocation)),
+                    &e,
+                );
+            }
         }
         RUNNING.with(|r| {
             r.borrow_mut()
@@ -317,22 +323,4 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
         }
         Ok(JsValue::UNDEFINED)
     })
-}
-
-/// A worker that cannot build its consumer runs nothing and loses nothing:
-/// every message is handed back with the longest delay the platform allows,
-/// so an operator has hours to deploy a fix before the consumer's
-/// `max_retries` sends it to the dead-letter queue.
-fn misconfigured(queue: &str, messages: &[JsMessage], error: &str) {
-    console_error!(
-        "queue-edge: the consumer of `{queue}` is misconfigured, {} message(s) handed back for {} s: {error}",
-        messages.len(),
-        crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs()
-    );
-    for message in messages {
-        let _ = QueueMessage::retry(
-            message,
-            Some(crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs() as u32),
-        );
-    }
 }

@@ -82,7 +82,7 @@ pub struct EdgeConsumer {
 
 impl EdgeConsumer {
     /// A consumer of `registry`'s jobs timed on `runtime`; refuses an
-    /// inconsistent configuration. On wasm32, [`EdgeConsumer::new`] uses the
+    /// inconsistent configuration. On wasm32, `EdgeConsumer::new` uses the
     /// Workers timer.
     pub fn with_runtime(
         registry: Registry,

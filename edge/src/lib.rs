@@ -21,19 +21,70 @@
 //!
 //! # Wiring a worker
 //!
-//! workers-rs's `#[event(queue)]` hides the message's `attempts`, so the
-//! queue entry point is exported directly:
+//! A worker is its jobs, their handlers, and one line: [`consumer!`] exports
+//! the Worker's queue handler, embeds the crate's `wrangler.toml` and checks
+//! it against the jobs (when the Worker starts, and natively in a test the
+//! build command runs). This is the whole `src/lib.rs` of the template that
+//! `templates/new-edge-worker <dir> <name>` copies
+//! (`templates/edge-worker/`, with its wrangler.toml, Cargo.toml and a test
+//! under [`testing`]); `tests/run` builds it for wasm32, and a test keeps this
+//! example and the template equal.
 //!
-//! ```ignore
-//! use queue_edge::{EdgeConfig, EdgeConsumer};
-//! use worker::{wasm_bindgen, wasm_bindgen::prelude::*, worker_sys, Env};
+//! ```no_run
+//! use std::time::Duration;
 //!
-//! #[wasm_bindgen]
-//! pub async fn queue(batch: worker_sys::MessageBatch, env: Env, _ctx: worker_sys::Context) -> Result<JsValue, JsValue> {
-//!     let consumer = EdgeConsumer::new(registry(), EdgeConfig::default()).expect("valid configuration");
-//!     consumer.consume(&batch, &env).await;
-//!     Ok(JsValue::UNDEFINED)
+//! use queue::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
+//! use serde::{Deserialize, Serialize};
+//!
+//! /// The message: what one welcome email needs.
+//! #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+//! pub struct WelcomeEmail {
+//!     /// The account to welcome.
+//!     pub user_id: u64,
+//!     /// Where to send the email.
+//!     pub address: String,
 //! }
+//!
+//! /// The job: its name on the wire, its queue, and how it is retried
+//! /// (5 deliveries, 10 s, 20 s, 40 s, 80 s apart).
+//! pub fn job() -> Result<Job<WelcomeEmail>, PolicyError> {
+//!     Job::<WelcomeEmail>::builder("send-welcome-email")
+//!         .queue("emails")
+//!         .retry(5)
+//!         .backoff(Duration::from_secs(10), 2.0, Duration::from_secs(600))
+//!         .timeout(Duration::from_secs(30))
+//!         .build()
+//! }
+//!
+//! /// The handler. `Ok(())` acknowledges the message. An error is retried by
+//! /// the job's policy (`JobError::new`, or `JobError::retry_after` to choose
+//! /// the delay), fails the message at once with a failure record
+//! /// (`JobError::permanent`), or drops it (`JobError::reject`).
+//! pub async fn handle(_ctx: JobContext, email: WelcomeEmail) -> Result<(), JobError> {
+//!     if !email.address.contains('@') {
+//!         return Err(JobError::permanent(format!(
+//!             "user {}: `{}` is not an email address",
+//!             email.user_id, email.address
+//!         )));
+//!     }
+//!     // Send the email here (your mail provider's API); return its errors.
+//!     Ok(())
+//! }
+//!
+//! /// Every job this worker consumes, with its handler.
+//! pub fn jobs() -> Result<Registry, RegistryError> {
+//!     let mut registry = Registry::new();
+//!     registry.register(&job()?, handle)?;
+//!     Ok(registry)
+//! }
+//!
+//! /// Terminal failures are recorded on the queue of the `FAILED` binding.
+//! pub const OPTIONS: queue_edge::Options = queue_edge::Options {
+//!     failure_queue: Some("FAILED"),
+//!     ..queue_edge::Options::DEFAULT
+//! };
+//!
+//! queue_edge::consumer!(jobs, options = OPTIONS);
 //! ```
 //!
 //! # Attempts and the invocation budget

@@ -11,13 +11,21 @@
 //!
 //! # Layout
 //!
+//! - [`batch`]: the batch loop ([`EdgeConsumer`]), written once for the
+//!   Worker and the native harness over two small traits
+//!   ([`QueueMessage`], [`Bindings`]).
+//! - [`options`]: how the Worker builds a consumer from the jobs, the
+//!   embedded wrangler.toml and the operator's variables.
+//! - [`wrangler`]: reading wrangler.toml and checking it against the jobs.
 //! - [`plan`]: how a settlement maps onto the platform (delay rounding, the
-//!   24-hour limit, the invocation budget, the `max_retries` check). Pure.
-//! - `consumer`: [`EdgeConsumer`], the batch loop (wasm32 only).
-//! - `producer`: [`EdgeProducer`], typed dispatch through a Queue binding
-//!   (wasm32 only).
-//! - `js`: the bindings workers-rs 0.8 does not expose (`Message.attempts`).
-//! - `runtime`: the Workers timer behind the rules' injected sleep.
+//!   24-hour limit, the invocation budget). Pure.
+//! - [`testing`] (native): Cloudflare Queues semantics without wrangler.
+//! - `consumer` (wasm32): the platform's objects, the panic hook and the
+//!   resumable invocation behind [`consumer!`].
+//! - `producer` (wasm32): `EdgeProducer`, typed dispatch through a Queue
+//!   binding.
+//! - `js`, `runtime` (wasm32): the bindings workers-rs 0.8 does not expose
+//!   (`Message.attempts`) and the Workers timer behind the rules' sleep.
 //!
 //! # Wiring a worker
 //!

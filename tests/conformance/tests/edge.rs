@@ -576,9 +576,16 @@ fn batch_scenario(labelled: Vec<(String, BuildReport)>) {
         assert_eq!(recorded, usize::from(failed), "{label}: failure records");
     }
     let native = run_natively(&labelled, &[]);
-    println!("{:<16} {:<60} native", "report", "edge (attempt, outcome, executions)");
+    println!(
+        "{:<16} {:<60} native",
+        "report", "edge (attempt, outcome, executions)"
+    );
     for (label, steps) in &edge {
-        println!("{label:<16} {:<60} {:?}", format!("{steps:?}"), native[label]);
+        println!(
+            "{label:<16} {:<60} {:?}",
+            format!("{steps:?}"),
+            native[label]
+        );
     }
     let mut mismatches = vec![];
     for (label, steps) in &edge {

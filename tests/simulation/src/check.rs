@@ -1,19 +1,104 @@
 //! The invariants, checked against the trace after a run.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
 use queue::FailureKind;
 
 use crate::model::{Abandon, Eff, Entry, Ev, Settled, World};
-use crate::scenario::{Kind, Scenario};
+use crate::scenario::{panics, Kind, Scenario, Step};
 use crate::Backend;
+
+/// How near the end of its invocation's work time a Cloudflare delivery may
+/// settle and still be sure the budget changed nothing: tier one skips a
+/// wait that would end past the deadline, and no tier-one wait in a scenario
+/// exceeds 5 s (the default `tier_one_max_wait`; backoffs stop at 1 s).
+const BUDGET_MARGIN: Duration = Duration::from_secs(6);
+
+/// How one message ended, to compare two runs of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fate {
+    /// The last accepted settlement (`ack`, `reject`, `fail(kind)`,
+    /// `retry`), or `dead-lettered`, or `none`.
+    pub end: String,
+    /// Deliveries.
+    pub deliveries: u32,
+    /// Handler executions that count (an execution cut short by a crash of
+    /// its instance and run again does not).
+    pub executions: u32,
+    /// Failure records.
+    pub records: u32,
+}
+
+impl fmt::Display for Fate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} after {} deliveries, {} executions, {} records",
+            self.end, self.deliveries, self.executions, self.records
+        )
+    }
+}
+
+fn fate_of(entries: &[&Entry]) -> Fate {
+    let mut fate = Fate {
+        end: "none".into(),
+        deliveries: 0,
+        executions: 0,
+        records: 0,
+    };
+    for e in entries {
+        match &e.ev {
+            Ev::Delivered { .. } => fate.deliveries += 1,
+            Ev::Exec { .. } => fate.executions += 1,
+            Ev::Interrupted { executions, .. } => fate.executions -= executions,
+            Ev::Record { .. } => fate.records += 1,
+            Ev::Accepted { settled, .. } => {
+                fate.end = match settled {
+                    Settled::Ack => "ack".into(),
+                    Settled::Reject => "reject".into(),
+                    Settled::Fail { kind, .. } => format!("fail({kind:?})"),
+                    Settled::Retry { .. } => "retry".into(),
+                }
+            }
+            Ev::Removed(how) if how == "dead-lettered" => fate.end = how.clone(),
+            _ => {}
+        }
+    }
+    fate
+}
+
+/// How message `n` ended in `world`.
+pub fn fate(world: &World, n: u64) -> Fate {
+    let st = world.lock();
+    let entries: Vec<&Entry> = st.trace.iter().filter(|e| e.msg == Some(n)).collect();
+    fate_of(&entries)
+}
+
+/// The messages invariant 11 compares with a run of each alone: those that
+/// shared a Cloudflare batch with a message whose code panicked, and whose
+/// own script never panics.
+pub fn alone_candidates(sc: &Scenario, world: &World) -> Vec<u64> {
+    let st = world.lock();
+    let mut mates = BTreeSet::new();
+    for e in &st.trace {
+        if let Ev::InstancePanic { mates: m, .. } = &e.ev {
+            mates.extend(m.iter().copied());
+        }
+    }
+    mates.retain(|n| {
+        sc.msgs
+            .iter()
+            .any(|m| m.n == *n && !m.script.iter().any(panics))
+    });
+    mates.into_iter().collect()
+}
 
 /// One broken invariant.
 #[derive(Debug, Clone)]
 pub struct Violation {
-    /// The invariant's number (1 to 9; 0 = the simulation itself).
+    /// The invariant's number (1 to 12; 0 = the simulation itself).
     pub invariant: u8,
     /// The message concerned.
     pub msg: Option<u64>,
@@ -71,11 +156,13 @@ impl Report {
         v
     }
 
-    /// The trace of one message, plus the faults and consumer starts.
+    /// The trace of one message, plus the faults, consumer starts and
+    /// panics of its batch-mates.
     pub fn trace_of(&self, msg: u64) -> String {
         let mut out = String::new();
         for e in &self.trace {
-            if e.msg == Some(msg) || (e.msg.is_none() && matches!(e.ev, Ev::Fault(_))) {
+            let mate = matches!(&e.ev, Ev::InstancePanic { mates, .. } if mates.contains(&msg));
+            if e.msg == Some(msg) || mate || (e.msg.is_none() && matches!(e.ev, Ev::Fault(_))) {
                 out.push_str(&e.to_string());
                 out.push('\n');
             }
@@ -154,8 +241,15 @@ fn matches(want: &str, eff: Eff, s: &Settled) -> bool {
     }
 }
 
-/// Checks every invariant for a finished run.
-pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Report {
+/// Checks every invariant for a finished run; `alone` holds how the
+/// messages of [`alone_candidates`] end when each runs by itself.
+pub fn check(
+    seed: u64,
+    backend: Backend,
+    sc: &Scenario,
+    world: &World,
+    alone: &BTreeMap<u64, Fate>,
+) -> Report {
     let st = world.lock();
     let mut v: Vec<Violation> = st
         .violations
@@ -216,6 +310,19 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                     if let Some(d) = delivery.and_then(|d| idx.get(&d)) {
                         ds[*d].execs += 1;
                         ds[*d].last_step = step.clone();
+                        ds[*d].last_eff = None;
+                    }
+                }
+                Ev::Interrupted {
+                    delivery,
+                    executions,
+                } => {
+                    // Cut short by a batch-mate's crash: the delivery runs
+                    // again from the start; these executions do not count.
+                    total_execs -= executions;
+                    if let Some(d) = idx.get(delivery) {
+                        ds[*d].execs -= executions;
+                        ds[*d].last_step.clear();
                         ds[*d].last_eff = None;
                     }
                 }
@@ -360,6 +467,85 @@ pub fn check(seed: u64, backend: Backend, sc: &Scenario, world: &World) -> Repor
                     format!(
                         "{what}: {ran} deliveries ran the handler, beyond the crash bound of cap {} + {s} shutdown returns + {grace} grace",
                         job.cap
+                    ),
+                );
+            }
+        }
+        // Nothing but the message's own script and policy shaped its fate:
+        // no injected fault (a panic of a batch-mate is not one), no refused
+        // settlement, no shutdown-rule retry, and at the edge no settlement
+        // so near the end of the invocation's work time that the budget
+        // could have cut tier one short.
+        let undisturbed = ds.iter().all(|d| {
+            d.abandoned.is_none_or(|a| a == Abandon::InvocationAborted)
+                && !matches!(d.settle, Some((_, false, _, _)))
+                && !matches!(
+                    d.settle,
+                    Some((Settled::Retry { shutdown: true, .. }, true, _, _))
+                )
+                && st
+                    .cf_work_end
+                    .get(&d.id)
+                    .is_none_or(|end| d.settle.as_ref().is_none_or(|s| s.2 + BUDGET_MARGIN < *end))
+        });
+        // 11. A panic stays with its message: a message that never panics
+        // settles as it would alone, whatever its batch-mates do (an attached
+        // breaker is shared with them, so those jobs are left out).
+        if let Some(want) = alone.get(&n) {
+            if undisturbed && (plan.kind != Kind::Valid || job.breaker.is_none()) {
+                let got = fate_of(&entries);
+                if got != *want {
+                    push(
+                        11,
+                        n,
+                        format!(
+                            "{what}, in a batch where another message panicked: {got}; run alone: {want}"
+                        ),
+                    );
+                }
+            }
+        }
+        // 12. A message that panics on every execution ends in one failure
+        // record, on the delivery at its cap. Natively tier one retries a
+        // panic within the delivery; at the edge the crash ends the
+        // delivery's execution: one execution per delivery.
+        let edge = backend == Backend::Cloudflare;
+        let per_delivery = if edge { 1 } else { job.tier_one };
+        let always_panics = plan.kind == Kind::Valid
+            && job.cap != 0
+            && plan.script.len() as u32 >= job.cap * per_delivery
+            && plan
+                .script
+                .iter()
+                .all(|s| matches!(s, Step::PanicBefore | Step::PanicInside));
+        if always_panics && undisturbed {
+            let got = fate_of(&entries);
+            let at_cap = ds.last().is_some_and(|d| {
+                d.attempt == job.cap
+                    && matches!(
+                        d.settle,
+                        Some((
+                            Settled::Fail {
+                                kind: FailureKind::AttemptsExhausted,
+                                ..
+                            },
+                            true,
+                            _,
+                            _
+                        ))
+                    )
+            });
+            let executions_ok = !edge || (got.executions == job.cap && got.deliveries == job.cap);
+            if got.records != 1 || !at_cap || !executions_ok {
+                push(
+                    12,
+                    n,
+                    format!(
+                        "{what} panics on every execution ({} per delivery): {got}, last delivery attempt {}; want one record at attempt {}{}",
+                        if edge { "one" } else { "tier one's" },
+                        ds.last().map_or(0, |d| d.attempt),
+                        job.cap,
+                        if edge { format!(" after {} executions", job.cap) } else { String::new() }
                     ),
                 );
             }

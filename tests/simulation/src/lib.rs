@@ -8,11 +8,12 @@
 //! place nobody tried, a consumer that starves a queue when its concurrency
 //! is low. In the spirit of FoundationDB's and TigerBeetle's simulation
 //! testing, this crate runs the REAL `queue::Registry` (executor, breaker,
-//! the `Registry::deliver` pipeline) and the REAL native
-//! `queue_native::Consumer` against model backends, on a tokio current-thread
-//! runtime with paused time: hours of virtual time pass in milliseconds, and
-//! a seed fixes everything (jobs, policies, messages, outcome scripts,
-//! faults), so any failure replays exactly.
+//! the `Registry::deliver` pipeline), the REAL native
+//! `queue_native::Consumer` and the REAL edge batch loop
+//! (`queue_edge::EdgeConsumer`) against model backends, on a tokio
+//! current-thread runtime with paused time: hours of virtual time pass in
+//! milliseconds, and a seed fixes everything (jobs, policies, messages,
+//! outcome scripts, faults), so any failure replays exactly.
 //!
 //! # How
 //!
@@ -23,8 +24,15 @@
 //! success) and up to four faults (crash, graceful shutdown, refused
 //! settlements, lost connection, a handler that kills its worker). The [`model`] backends mimic memory,
 //! RabbitMQ, SQS, NATS JetStream and Cloudflare Queues (attempt counting,
-//! redelivery timing, what reject and fail do) and record one trace. After
-//! the run, [`check`] checks the invariants below against that trace.
+//! redelivery timing, what reject and fail do) and record one trace. The
+//! Cloudflare host (`cloudflare`) drives the edge's batch loop as the
+//! Worker's JavaScript driver does: a handler panic aborts the wasm instance,
+//! and the invocation resumes in a fresh one on the batch's unsettled
+//! messages, the panicking one settled as one failed execution; a handler
+//! that kills the worker loses the invocation (unmarked messages come back
+//! with a delivery spent). After the run, [`check`] checks the invariants
+//! below against that trace; for invariant 11 the batch-mates of a panic
+//! are also run alone on the memory model.
 //!
 //! # Invariants
 //!
@@ -35,7 +43,8 @@
 //!    plus executions of deliveries abandoned by injected faults.
 //! 3. No message fails with zero executions unless a rule says so (malformed,
 //!    undecodable, unknown name, invalid payload, or a cap spent by injected
-//!    crashes).
+//!    crashes, or a rejection the platform did not keep because the
+//!    invocation holding it was lost).
 //! 4. A delivery abandoned without settlement is explained by an injected
 //!    fault; otherwise a delivery task died.
 //! 5. An event follows each accepted settlement, and only those.
@@ -51,11 +60,22 @@
 //!     that kills its worker every time ends in a failure record; a
 //!     broker's own delivery limit set to the least a driver accepts never
 //!     ends a message before the facade does (checked under invariant 1).
+//! 11. A panic stays with its message: at the edge, a message that never
+//!     panics settles as it does alone (same end, deliveries and executions
+//!     as the memory model running it by itself), whatever its batch-mates
+//!     do, unless an injected fault or the invocation's budget touched it.
+//!     An execution cut short by a batch-mate's crash runs again and does
+//!     not count (nor under invariant 2).
+//! 12. A message that panics on every execution ends in exactly one failure
+//!     record, on the delivery at its cap; at the edge, where the crash ends
+//!     the delivery's execution, after exactly one execution per delivery
+//!     (natively tier one retries the panic within the delivery).
 //!
 //! The clock is the real `queue_native::TokioRuntime`, whose clock follows
 //! tokio's paused time (the simulation found that it did not: breaker
 //! cool-downs and deadlines read the wall clock while sleeps were virtual).
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
@@ -71,7 +91,7 @@ pub mod model;
 pub mod scenario;
 
 pub use check::{Report, Violation};
-use model::{Ev, MState, Model, Semantics, World};
+use model::{Abandon, Ev, MState, Model, Semantics, World};
 use scenario::{Fault, Kind, Scenario};
 
 /// Virtual time after the last dispatch before the run stops.
@@ -161,9 +181,19 @@ pub fn run_seed(seed: u64, backend: Option<Backend>) -> Report {
         .start_paused(true)
         .build()
         .expect("runtime");
-    let world = rt.block_on(simulate(&sc));
+    let world = if backend == Backend::Cloudflare {
+        tokio::task::LocalSet::new().block_on(&rt, simulate(&sc))
+    } else {
+        rt.block_on(simulate(&sc))
+    };
+    // Invariant 11's reference: each batch-mate of a panic, run by itself.
+    let mut alone = BTreeMap::new();
+    for n in check::alone_candidates(&sc, &world) {
+        let solo = rt.block_on(simulate(&scenario::alone(&sc, n)));
+        alone.insert(n, check::fate(&solo, n));
+    }
     drop(rt);
-    check::check(seed, backend, &sc, &world)
+    check::check(seed, backend, &sc, &world, &alone)
 }
 
 enum Host {
@@ -172,20 +202,23 @@ enum Host {
 }
 
 fn start(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>, inc: u32) -> Host {
-    let registry = scenario::registry(sc, world, clock);
     {
         let mut st = world.lock();
         world.log(&mut st, None, Ev::Fault(format!("consumer {inc} starts")));
     }
     if sc.sem == Semantics::Cloudflare {
-        let registry = Arc::new(registry);
-        let tasks = registry
-            .queues()
+        // One instance per queue, each building its own consumer (the edge's
+        // futures are not `Send`: local tasks).
+        let shared = std::rc::Rc::new(sc.clone());
+        let mut queues: Vec<String> = sc.jobs.iter().map(|j| j.queue.clone()).collect();
+        queues.sort();
+        queues.dedup();
+        let tasks = queues
             .into_iter()
             .map(|q| {
-                tokio::spawn(cloudflare::run_queue(
+                tokio::task::spawn_local(cloudflare::run_queue(
+                    shared.clone(),
                     world.clone(),
-                    registry.clone(),
                     clock.clone(),
                     q,
                     sc.batch,
@@ -197,6 +230,7 @@ fn start(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>, inc: u32)
             .collect();
         return Host::Edge(tasks);
     }
+    let registry = scenario::registry(sc, world, clock);
     let driver: Arc<dyn Driver> = Arc::new(Model {
         world: world.clone(),
         incarnation: inc,
@@ -244,7 +278,7 @@ async fn stop(host: Host, world: &World, inc: u32, graceful: bool) {
             tokio::time::sleep(Duration::from_millis(1)).await;
             let active: Vec<u64> = world.lock().cf_active.iter().copied().collect();
             world.lock().crashed.insert(inc);
-            world.cf_end(&active, true, CF_MAX_RETRIES);
+            world.cf_end(&active, Some(Abandon::Crash), CF_MAX_RETRIES);
         }
     }
     // Let aborted tasks drop their deliveries.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use queue::{Event, EventKind, EventSink, FailureKind, Settlement};
+use queue::{Event, EventKind, EventSink, FailureKind, FailureRecord, Settlement};
 use queue_native::{
     Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
@@ -90,8 +90,12 @@ pub enum Abandon {
     Refused,
     /// The backend refused the settlement as unsupported.
     Unsupported,
-    /// A Cloudflare invocation was aborted by a panic.
+    /// A Cloudflare instance crashed and no message could be blamed: the
+    /// unsettled messages of the batch were handed back.
     InvocationAborted,
+    /// A Cloudflare invocation was lost with its isolate (a handler killed
+    /// the worker).
+    WorkerKilled,
     /// Nothing known: a delivery task died.
     Unknown,
 }
@@ -204,6 +208,23 @@ pub enum Ev {
     },
     /// An injected fault or a consumer start.
     Fault(String),
+    /// Cloudflare: this delivery's code panicked and brought down the
+    /// instance running its batch; `mates` are the batch's other messages.
+    InstancePanic {
+        /// The delivery whose code panicked.
+        delivery: u64,
+        /// The other messages of the batch.
+        mates: Vec<u64>,
+    },
+    /// Cloudflare: a batch-mate's panic reset the instance while this
+    /// delivery was being worked on; its `executions` so far are void (their
+    /// script steps are put back) and the delivery runs again.
+    Interrupted {
+        /// The delivery.
+        delivery: u64,
+        /// The executions cut short.
+        executions: u32,
+    },
 }
 
 /// A trace entry: when, which message, what.
@@ -289,6 +310,17 @@ pub(crate) struct State {
     pub(crate) deliveries: u64,
     pub(crate) cf_marks: BTreeMap<u64, Mark>,
     pub(crate) cf_active: BTreeSet<u64>,
+    /// Cloudflare: when each delivery's invocation stops starting work (its
+    /// budget less the settlement reserve), since the start.
+    pub(crate) cf_work_end: BTreeMap<u64, Duration>,
+    /// Cloudflare: the failure record just sent through the failure queue
+    /// (its settlement), or refused; the message's `ack` or `retry` follows.
+    cf_sent: Option<Result<Settled, Settled>>,
+    /// Cloudflare: a platform call waiting for the event that reports it.
+    cf_call: Option<(u64, u64, CfCall)>,
+    /// Cloudflare: the script steps each delivery has consumed in the
+    /// current run of its invocation (put back if a crash voids them).
+    pub(crate) cf_consumed: BTreeMap<u64, Vec<crate::scenario::Step>>,
     /// The broker's own delivery limit, in deliveries (see
     /// `Scenario::broker_limit`).
     pub(crate) broker_limit: Option<u32>,
@@ -300,6 +332,16 @@ pub(crate) enum Mark {
     Ack,
     Retry(Option<Duration>),
     Nothing,
+}
+
+/// A call of the edge on a Cloudflare message.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum CfCall {
+    /// `ack()`; `record`: after a failure record was sent (a terminal
+    /// failure), its settlement.
+    Ack { record: Option<Settled> },
+    /// `retry({delaySeconds})`.
+    Retry(Option<u32>),
 }
 
 /// A delivery taken: id, message, body, attempt, shutdown returns.
@@ -338,6 +380,10 @@ impl World {
                 deliveries: 0,
                 cf_marks: BTreeMap::new(),
                 cf_active: BTreeSet::new(),
+                cf_work_end: BTreeMap::new(),
+                cf_sent: None,
+                cf_call: None,
+                cf_consumed: BTreeMap::new(),
                 broker_limit: None,
             }),
             notify: Notify::new(),
@@ -698,39 +744,11 @@ impl World {
         }
         if st.refuse > 0 && !resumed {
             st.refuse -= 1;
-            if self.sem == Semantics::Cloudflare {
-                // The edge keeps the message: retry with the default delay.
-                st.cf_marks.insert(id, Mark::Retry(None));
-            }
             refuse(self, &mut st, ErrorKind::NotAccepted);
             return Err((ErrorKind::NotAccepted, Some(Abandon::Refused)));
         }
+        // (Cloudflare settles through `cf_call`, not here.)
         let sem = self.sem;
-        if sem == Semantics::Cloudflare {
-            let mark = match settlement {
-                Settlement::Ack | Settlement::Fail(_) => Mark::Ack,
-                Settlement::Reject => Mark::Nothing,
-                Settlement::Retry { delay, .. } => match delay {
-                    Some(d) if *d > CF_MAX => {
-                        st.cf_marks.insert(id, Mark::Retry(None));
-                        refuse(self, &mut st, ErrorKind::Unsupported);
-                        self.finish(&mut st, id);
-                        return Err((ErrorKind::Unsupported, None));
-                    }
-                    Some(d) => Mark::Retry(Some(Duration::from_secs(
-                        d.as_secs() + u64::from(d.subsec_nanos() > 0),
-                    ))),
-                    None => Mark::Retry(None),
-                },
-            };
-            if let Settlement::Fail(_) = settlement {
-                self.log(&mut st, Some(n), Ev::Record { delivery: id });
-            }
-            st.cf_marks.insert(id, mark);
-            return self
-                .accept(st, id, n, settled, shutting_down, false)
-                .map(Some);
-        }
         match settlement {
             Settlement::Ack => {}
             Settlement::Reject => {
@@ -766,7 +784,7 @@ impl World {
                         let receive_at = st.msgs[&n].receive_at;
                         (now + secs <= receive_at + SQS_MAX).then_some(secs)
                     }
-                    Semantics::Cloudflare => Some(d),
+                    Semantics::Cloudflare => unreachable!("the edge settles through cf_call"),
                 };
                 let Some(wait) = wait else {
                     refuse(self, &mut st, ErrorKind::Unsupported);
@@ -802,11 +820,6 @@ impl World {
                     }
                 }
             }
-        }
-        if sem == Semantics::Cloudflare {
-            return self
-                .accept(st, id, n, settled, shutting_down, false)
-                .map(Some);
         }
         st.msgs.get_mut(&n).expect("message").state = MState::Done;
         let how = settlement.name().to_string();
@@ -849,6 +862,9 @@ impl World {
 
     /// The event sink's view: an event must follow an accepted settlement.
     pub(crate) fn on_event(&self, event: &Event) {
+        if self.sem == Semantics::Cloudflare {
+            return self.cf_event(event);
+        }
         let mut st = self.lock();
         let msg = st.ids.get(&event.message_id).copied();
         self.log(
@@ -1044,10 +1060,20 @@ impl Delivery for ModelDelivery {
 }
 
 impl World {
-    /// Cloudflare: the invocation holding `batch` ended (`aborted`: by a panic).
-    pub(crate) fn cf_end(&self, batch: &[u64], aborted: bool, max_retries: u32) {
+    /// Cloudflare: the invocation holding `batch` ended (`aborted`: lost, and why).
+    pub(crate) fn cf_end(&self, batch: &[u64], aborted: Option<Abandon>, max_retries: u32) {
+        let cause = aborted;
+        let aborted = cause.is_some();
         let now = Instant::now();
         let mut st = self.lock();
+        if let Some((id, n, call)) = st.cf_call.take() {
+            st.violations.push((
+                Some(n),
+                5,
+                format!("platform call {call:?} on delivery {id} was never reported by an event"),
+            ));
+        }
+        st.cf_sent = None;
         for &id in batch {
             if !st.cf_active.remove(&id) {
                 continue;
@@ -1065,14 +1091,27 @@ impl World {
                         delivery: id,
                         reason: if crashed {
                             Abandon::Crash
-                        } else if aborted {
-                            Abandon::InvocationAborted
                         } else {
-                            Abandon::Unknown
+                            cause.unwrap_or(Abandon::Unknown)
                         },
                     },
                 );
             }
+            if ended && aborted && mark == Some(Mark::Nothing) {
+                // A rejection asks nothing of the platform: the lost
+                // invocation does not acknowledge the message, which comes
+                // back with a delivery spent.
+                let reason = cause.unwrap_or(Abandon::Unknown);
+                self.log(
+                    &mut st,
+                    Some(n),
+                    Ev::Abandoned {
+                        delivery: id,
+                        reason,
+                    },
+                );
+            }
+            st.cf_consumed.remove(&id);
             let retry = match mark {
                 Some(Mark::Ack) => None,
                 Some(Mark::Retry(d)) => Some(d),
@@ -1106,19 +1145,315 @@ impl World {
     }
 }
 
+/// Whole seconds, rounded up, as the edge asks the platform for a delay.
+fn whole_seconds(d: Duration) -> u32 {
+    (d.as_secs() + u64::from(d.subsec_nanos() > 0)) as u32
+}
+
 impl World {
-    /// Cloudflare: a refused settlement leaves the message marked for retry.
-    pub(crate) fn cf_refused(&self, id: u64, reason: Abandon) {
+    /// Cloudflare: an invocation starts on `batch`; it stops starting work
+    /// after `work` (its budget less the settlement reserve).
+    pub(crate) fn cf_started(&self, batch: &[u64], work: Duration) {
+        let mut st = self.lock();
+        let end = (Instant::now() - self.start) + work;
+        for id in batch {
+            st.cf_work_end.insert(*id, end);
+        }
+    }
+
+    /// Cloudflare: the deliveries of `batch` not settled yet.
+    pub(crate) fn cf_unsettled(&self, batch: &[u64]) -> BTreeSet<u64> {
+        let st = self.lock();
+        batch
+            .iter()
+            .copied()
+            .filter(|id| !st.dlvs[id].ended)
+            .collect()
+    }
+
+    /// Cloudflare: a script step consumed by an execution of `delivery`.
+    pub(crate) fn cf_consumed(st: &mut State, delivery: u64, step: &crate::scenario::Step) {
+        st.cf_consumed
+            .entry(delivery)
+            .or_default()
+            .push(step.clone());
+    }
+
+    /// Cloudflare: the edge sent `text` through the failure queue. `Err`:
+    /// refused (an injected fault).
+    pub(crate) fn cf_send(&self, text: &str) -> Result<(), ()> {
+        if crate::cloudflare::frozen() {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let settled = match serde_json::from_str::<FailureRecord>(text) {
+            Ok(r) => Settled::Fail {
+                kind: r.kind,
+                executions: r.executions,
+            },
+            Err(e) => {
+                st.violations
+                    .push((None, 0, format!("the failure record does not decode: {e}")));
+                return Ok(());
+            }
+        };
+        if let Some(left) = st.cf_sent.take() {
+            st.violations.push((
+                None,
+                0,
+                format!("a failure record ({left:?}) was sent without its message's ack or retry"),
+            ));
+        }
+        if st.refuse > 0 {
+            st.refuse -= 1;
+            st.cf_sent = Some(Err(settled));
+            return Err(());
+        }
+        st.cf_sent = Some(Ok(settled));
+        Ok(())
+    }
+
+    /// Cloudflare: the edge called `ack()` or `retry()` on `id`. `Err`:
+    /// refused (an injected fault); the platform did not take the mark.
+    pub(crate) fn cf_call(&self, id: u64, call: CfCall) -> Result<(), ()> {
+        if crate::cloudflare::frozen() {
+            return Ok(());
+        }
         let mut st = self.lock();
         let n = st.dlvs[&id].msg;
-        self.finish(&mut st, id);
+        if let Some((other, m, c)) = st.cf_call.take() {
+            st.violations.push((
+                Some(m),
+                5,
+                format!("platform call {c:?} on delivery {other} was never reported by an event"),
+            ));
+        }
+        let call = match (st.cf_sent.take(), call) {
+            (None, call) => call,
+            (Some(Ok(record)), CfCall::Ack { .. }) => {
+                self.log(&mut st, Some(n), Ev::Record { delivery: id });
+                CfCall::Ack {
+                    record: Some(record),
+                }
+            }
+            (Some(Err(settled)), CfCall::Retry(None)) => {
+                // The send failed: the edge keeps the message for redelivery.
+                self.cf_refuse(&mut st, id, n, settled);
+                st.cf_marks.insert(id, Mark::Retry(None));
+                return Ok(());
+            }
+            (Some(sent), call) => {
+                st.violations.push((
+                    Some(n),
+                    0,
+                    format!("platform call {call:?} after the failure record send {sent:?}"),
+                ));
+                call
+            }
+        };
+        if st.refuse > 0 {
+            st.refuse -= 1;
+            let settled = match &call {
+                CfCall::Ack { record: Some(r) } => r.clone(),
+                CfCall::Ack { record: None } => Settled::Ack,
+                CfCall::Retry(s) => Settled::Retry {
+                    delay: s.map(|s| Duration::from_secs(u64::from(s))),
+                    shutdown: false,
+                },
+            };
+            self.cf_refuse(&mut st, id, n, settled);
+            return Err(());
+        }
+        let mark = match &call {
+            CfCall::Ack { .. } => Mark::Ack,
+            CfCall::Retry(s) => Mark::Retry(s.map(|s| Duration::from_secs(u64::from(s)))),
+        };
+        st.cf_marks.insert(id, mark);
+        st.cf_call = Some((id, n, call));
+        Ok(())
+    }
+
+    /// Cloudflare: a settlement of `id` the platform refused; the delivery
+    /// has ended for the edge.
+    fn cf_refuse(&self, st: &mut State, id: u64, n: u64, settled: Settled) {
+        st.cf_consumed.remove(&id);
         self.log(
-            &mut st,
+            st,
+            Some(n),
+            Ev::Refused {
+                delivery: id,
+                settled,
+                kind: ErrorKind::Uncertain,
+                shutting_down: false,
+            },
+        );
+        self.finish(st, id);
+        self.log(
+            st,
             Some(n),
             Ev::Abandoned {
                 delivery: id,
-                reason,
+                reason: Abandon::Refused,
             },
         );
+    }
+
+    /// Cloudflare: the event sink's view. The event must report the platform
+    /// call just made (a rejection: none), and only then is the settlement
+    /// accepted (the event says what it was, the shutdown rule included).
+    fn cf_event(&self, event: &Event) {
+        if crate::cloudflare::frozen() {
+            // Reported after the crash: it never happened.
+            return;
+        }
+        let mut st = self.lock();
+        let msg = st.ids.get(&event.message_id).copied();
+        let call = st.cf_call.take();
+        let found = match (&event.kind, call) {
+            (EventKind::Rejected { .. }, None) => {
+                match msg.and_then(|n| match st.msgs.get(&n).map(|m| m.state) {
+                    Some(MState::InFlight(id)) => Some((id, n)),
+                    _ => None,
+                }) {
+                    Some((id, n)) => {
+                        st.cf_marks.insert(id, Mark::Nothing);
+                        Ok((id, n, Settled::Reject))
+                    }
+                    None => Err("a rejection of no delivery in flight".to_string()),
+                }
+            }
+            (kind, Some((id, n, call))) => {
+                let settled = match (kind, &call) {
+                    (EventKind::Succeeded { .. }, CfCall::Ack { record: None }) => {
+                        Some(Settled::Ack)
+                    }
+                    (EventKind::Failed { failure }, CfCall::Ack { record: Some(r) }) => {
+                        let s = Settled::Fail {
+                            kind: failure.kind,
+                            executions: event.executions,
+                        };
+                        (s == *r).then_some(s)
+                    }
+                    (
+                        EventKind::Retried {
+                            delay, shutdown, ..
+                        },
+                        CfCall::Retry(secs),
+                    ) if delay.map(whole_seconds) == *secs => Some(Settled::Retry {
+                        delay: *delay,
+                        shutdown: *shutdown,
+                    }),
+                    _ => None,
+                };
+                match settled {
+                    Some(s) if msg.is_none_or(|m| m == n) => Ok((id, n, s)),
+                    _ => Err(format!("platform call {call:?} on delivery {id} of m{n}")),
+                }
+            }
+            (_, None) => Err("no platform call".to_string()),
+        };
+        match found {
+            Ok((id, n, settled)) => {
+                st.cf_consumed.remove(&id);
+                self.log(
+                    &mut st,
+                    Some(n),
+                    Ev::Accepted {
+                        delivery: id,
+                        settled,
+                        shutting_down: false,
+                    },
+                );
+                self.finish(&mut st, id);
+            }
+            Err(what) => st.violations.push((
+                msg,
+                5,
+                format!(
+                    "event `{}` (attempt {}) does not report an accepted settlement: {what}",
+                    event.kind.name(),
+                    event.attempt
+                ),
+            )),
+        }
+        self.log(
+            &mut st,
+            msg,
+            Ev::Emitted {
+                kind: event.kind.name().to_string(),
+            },
+        );
+        drop(st);
+        self.notify.notify_waiters();
+    }
+
+    /// Cloudflare: the instance running `batch` crashed on a panic of
+    /// `culprit`'s code (`None`: no message can be blamed). Executions of the
+    /// other unsettled deliveries are void: their script steps go back.
+    pub(crate) fn cf_reset(&self, batch: &[u64], culprit: Option<u64>, text: &str) {
+        let mut st = self.lock();
+        st.cf_sent = None;
+        for &id in batch {
+            let steps = st.cf_consumed.remove(&id).unwrap_or_default();
+            if Some(id) == culprit || st.dlvs[&id].ended || steps.is_empty() {
+                continue;
+            }
+            let n = st.dlvs[&id].msg;
+            let script = st.scripts.entry(n).or_default();
+            script.splice(0..0, steps.iter().cloned());
+            self.log(
+                &mut st,
+                Some(n),
+                Ev::Interrupted {
+                    delivery: id,
+                    executions: steps.len() as u32,
+                },
+            );
+        }
+        match culprit {
+            Some(culprit) => {
+                let n = st.dlvs[&culprit].msg;
+                let mates = batch
+                    .iter()
+                    .filter(|d| **d != culprit)
+                    .map(|d| st.dlvs[d].msg)
+                    .collect();
+                self.log(
+                    &mut st,
+                    Some(n),
+                    Ev::InstancePanic {
+                        delivery: culprit,
+                        mates,
+                    },
+                );
+            }
+            None => self.log(
+                &mut st,
+                None,
+                Ev::Fault(format!("a panic no message can be blamed for: {text}")),
+            ),
+        }
+    }
+
+    /// Cloudflare: no message can be blamed for a crash: every unsettled
+    /// message of `batch` is handed back with `retry()`.
+    pub(crate) fn cf_hand_back(&self, batch: &[u64]) {
+        let mut st = self.lock();
+        for &id in batch {
+            if st.dlvs[&id].ended {
+                continue;
+            }
+            let n = st.dlvs[&id].msg;
+            st.cf_marks.insert(id, Mark::Retry(None));
+            self.finish(&mut st, id);
+            self.log(
+                &mut st,
+                Some(n),
+                Ev::Abandoned {
+                    delivery: id,
+                    reason: Abandon::InvocationAborted,
+                },
+            );
+        }
     }
 }

@@ -31,9 +31,10 @@ pub enum Step {
     Permanent(Vec<Wrap>),
     /// A reject marker, wrapped.
     Reject(Vec<Wrap>),
-    /// Panic before returning the future.
+    /// Panic before returning the future (at the edge: the wasm instance
+    /// aborts).
     PanicBefore,
-    /// Panic inside the future.
+    /// Panic inside the future (at the edge: the wasm instance aborts).
     PanicInside,
     /// Sleep past the timeout ignoring the context, then fail.
     Hang,
@@ -307,6 +308,11 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
         sc.broker_limit = largest.and_then(|cap| queue::deliveries_needed(cap, true));
     }
     // Crash loops: a few messages kill their worker every time (or once).
+    // At the edge, where a panic brings the instance down, a few panic every
+    // time, past any cap times tier one (without a draw of their own, so
+    // every other message and every other backend's scenario stay as they
+    // were; natively a panic is an ordinary error, and each one costs a
+    // captured backtrace).
     for m in &mut sc.msgs {
         match r.gen_range(0..100) {
             0..=3 => m.script = vec![Step::KillsWorker; 12],
@@ -314,10 +320,55 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
                 let at = r.gen_range(0..=m.script.len());
                 m.script.insert(at, Step::KillsWorker);
             }
+            8..=11 if sem == Semantics::Cloudflare => {
+                m.script = (0..ALWAYS_PANICS)
+                    .map(|i| {
+                        if (m.n + i) % 2 == 0 {
+                            Step::PanicInside
+                        } else {
+                            Step::PanicBefore
+                        }
+                    })
+                    .collect();
+            }
             _ => {}
         }
     }
     sc
+}
+
+/// What a `PanicBefore` step panics with.
+const PANIC_BEFORE: &str = "sim: panic before the handler's future";
+/// What a `PanicInside` step panics with.
+const PANIC_INSIDE: &str = "sim: panic inside the handler's future";
+
+/// The length of an always-panicking script: more than the largest cap
+/// (5) times the largest tier one (3).
+const ALWAYS_PANICS: u64 = 16;
+
+/// Whether `step` panics (or kills its worker) when it runs.
+pub fn panics(step: &Step) -> bool {
+    matches!(
+        step,
+        Step::PanicBefore | Step::PanicInside | Step::KillsWorker
+    )
+}
+
+/// The scenario of message `n` run by itself on the memory model: the same
+/// jobs, message and script, no other message, no fault.
+pub fn alone(sc: &Scenario, n: u64) -> Scenario {
+    let mut m = sc.msgs.iter().find(|m| m.n == n).expect("message").clone();
+    m.at = Duration::ZERO;
+    Scenario {
+        sem: Semantics::Memory,
+        jobs: sc.jobs.clone(),
+        concurrency: 1,
+        unknown_cap: sc.unknown_cap,
+        msgs: vec![m],
+        faults: Vec::new(),
+        batch: 1,
+        broker_limit: None,
+    }
 }
 
 /// An application error wrapping another.
@@ -422,6 +473,11 @@ fn begin(world: &World, n: u64, ctx: &JobContext) -> (Step, Option<u64>) {
     } else {
         script.remove(0)
     };
+    if world.sem == Semantics::Cloudflare {
+        if let Some(d) = idx {
+            World::cf_consumed(&mut st, d, &step);
+        }
+    }
     world.log(
         &mut st,
         Some(n),
@@ -484,7 +540,7 @@ async fn run_step(
         Step::PanicInside => {
             tokio::task::yield_now().await;
             result(&world, n, delivery, Eff::Panic);
-            panic!("sim: panic inside the handler's future");
+            panic!("{PANIC_INSIDE}");
         }
         Step::Hang => {
             tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(2)) + Duration::from_secs(1))
@@ -567,12 +623,18 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
         let timeout = plan.timeout;
         registry
             .register(&job, move |ctx: JobContext, p: Payload| {
+                let edge = world.sem == Semantics::Cloudflare;
+                if edge && crate::cloudflare::frozen() {
+                    // The instance has crashed: nothing more runs in it.
+                    return Box::pin(std::future::pending())
+                        as BoxFuture<'static, Result<(), JobError>>;
+                }
                 let (step, delivery) = begin(&world, p.n, &ctx);
                 if step == Step::KillsWorker {
                     let world = world.clone();
                     return Box::pin(async move {
                         if world.sem == Semantics::Cloudflare {
-                            crate::cloudflare::abort_invocation(delivery);
+                            crate::cloudflare::crash(delivery, None);
                         } else {
                             world.request_crash();
                         }
@@ -581,21 +643,20 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
                 }
                 if step == Step::PanicBefore {
                     result(&world, p.n, delivery, Eff::Panic);
-                    if world.sem != Semantics::Cloudflare {
-                        panic!("sim: panic before the handler's future");
+                    // On wasm32 a panic aborts the instance: no unwinding.
+                    if edge {
+                        crate::cloudflare::crash(delivery, Some(PANIC_BEFORE));
+                        return Box::pin(std::future::pending());
                     }
+                    panic!("{PANIC_BEFORE}");
                 }
                 let world = world.clone();
                 let breaker = breaker.clone();
                 let n = p.n;
                 Box::pin(async move {
-                    if world.sem == Semantics::Cloudflare
-                        && matches!(step, Step::PanicInside | Step::PanicBefore)
-                    {
-                        if step == Step::PanicInside {
-                            result(&world, n, delivery, Eff::Panic);
-                        }
-                        crate::cloudflare::abort_invocation(delivery);
+                    if edge && step == Step::PanicInside {
+                        result(&world, n, delivery, Eff::Panic);
+                        crate::cloudflare::crash(delivery, Some(PANIC_INSIDE));
                         std::future::pending::<()>().await;
                     }
                     run_step(world, ctx, n, delivery, step, breaker, timeout).await

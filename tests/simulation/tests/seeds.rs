@@ -46,13 +46,16 @@ fn fixed_seeds_hold_every_invariant() {
 
 #[test]
 fn a_seed_replays_identically() {
-    let a = run_seed(7, Some(Backend::Rabbit));
-    let b = run_seed(7, Some(Backend::Rabbit));
     let text = |r: &queue_simulation::Report| {
         r.trace
             .iter()
             .map(|e| format!("{} {:?} {:?} {:?}", e.seq, e.at, e.msg, e.ev))
             .collect::<Vec<_>>()
     };
-    assert_eq!(text(&a), text(&b));
+    // Seed 29 at the edge: a panic resumed, an execution cut short, a worker killed.
+    for (seed, backend) in [(7, Backend::Rabbit), (29, Backend::Cloudflare)] {
+        let a = run_seed(seed, Some(backend));
+        let b = run_seed(seed, Some(backend));
+        assert_eq!(text(&a), text(&b), "seed {seed} on {}", backend.name());
+    }
 }

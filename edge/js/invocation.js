@@ -1,14 +1,26 @@
-// One queue invocation, driven so that a panic in one message's code does
-// not fail the rest of the batch.
+// Queue invocations, driven so that a panic in one message's code does not
+// fail the rest of its batch, nor the other invocations of the isolate.
 //
-// On wasm32 a Rust panic aborts the WebAssembly instance: nothing more of the
-// batch can run in it, and the invocation's promise never settles. JavaScript
-// state survives the abort, so the consumer records its progress here (which
-// message is being worked on, which are settled). When the panic hook reports
-// a crash, `drive` resets the instance and calls the consumer again with the
-// same invocation: the message whose code panicked is settled by the rules as
-// a failed execution, and the messages it interrupted or never reached run
-// as if nothing had happened, without spending a delivery.
+// On wasm32 a Rust panic aborts the WebAssembly instance: nothing more runs in
+// it, and every invocation's promise into it never settles. JavaScript state
+// survives the abort, so each invocation records its progress here (which
+// message is being worked on, which are settled). The panic hook reports the
+// crash; `recover` then gives the module a fresh instance (once, whatever the
+// number of invocations) and continues each invocation in it: the message
+// whose code panicked is settled by the rules as one failed execution, and
+// every other unsettled message runs as if nothing had happened, without
+// spending a delivery.
+
+// The invocations in flight in this isolate.
+const live = new Set();
+// The module's instance reset and the consumer's resume entry point.
+let reset = null;
+let resume = null;
+// A recovery waiting to run.
+let recovery = null;
+// Aborts reported by the panic hook whose `error` event has not been seen yet.
+let unreported = 0;
+let listening = false;
 
 export class Invocation {
   constructor(batch, env) {
@@ -20,7 +32,7 @@ export class Invocation {
     this.crashedId = null;
     this.crashMessage = null;
     this.crashes = 0;
-    this.onCrash = null;
+    this.recover = null;
   }
 
   elapsedMs() {
@@ -39,69 +51,112 @@ export class Invocation {
   isSettled(id) {
     return this.settledIds.has(id);
   }
+}
 
-  // Called by the panic hook, inside the instance that is about to abort:
-  // record only, and continue from a fresh task.
-  crashed(message) {
-    const active = [...this.active];
-    this.crashedId = active.length === 1 ? active[0] : null;
-    this.crashMessage = String(message);
-    this.crashes += 1;
-    const onCrash = this.onCrash;
-    this.onCrash = null;
-    if (onCrash) setTimeout(onCrash, 0);
+// Called by the panic hook, inside the instance that is about to abort:
+// record, and recover from a fresh task. Only one message is polled at a
+// time in the isolate, so at most one invocation has an active message: the
+// one whose code panicked.
+export function reportPanic(message) {
+  const culprit = [...live].find((invocation) => invocation.active.size === 1);
+  for (const invocation of live) {
+    invocation.crashes += 1;
+    invocation.crashMessage = String(message);
+    invocation.crashedId = invocation === culprit ? [...invocation.active][0] : null;
+    invocation.blameless = culprit !== undefined && invocation !== culprit;
+  }
+  unreported += 1;
+  if (recovery === null) recovery = setTimeout(recoverAll, 0);
+}
+
+// The `worker` crate's shim marks the instance for reset when the abort's
+// RuntimeError reaches the isolate's `error` event, which can happen after
+// the instance was already reset here; a second reset would kill the resumed
+// invocations, so that mark is cleared once the reset it asks for is done.
+function listen() {
+  if (listening) return;
+  listening = true;
+  addEventListener("error", (event) => {
+    if (!(event.error instanceof WebAssembly.RuntimeError) || unreported === 0) return;
+    unreported -= 1;
+    const state = globalThis.__worker_init_state;
+    if (state && recovery === null) state.criticalError = false;
+  });
+}
+
+function recoverAll() {
+  recovery = null;
+  try {
+    // The `worker` crate's panic hook marked the instance; if the mark is
+    // gone, an invocation that arrived since has had the shim reset it.
+    const state = globalThis.__worker_init_state;
+    if (!state || state.criticalError) {
+      reset();
+      if (state) {
+        state.criticalError = false;
+        state.instanceId += 1;
+      }
+    }
+  } catch (error) {
+    console.error(`queue-edge: the instance could not be reset (${error})`);
+  }
+  for (const invocation of [...live]) {
+    if (invocation.recover) invocation.recover();
   }
 }
 
 // Runs `first` (the consumer's promise for the invocation) to completion,
-// resuming with `resume(invocation)` after each crash. `reset` gives the
-// module a fresh instance.
-export function drive(invocation, first, resume, reset) {
+// resuming after each crash. `resumeFn(invocation)` continues an invocation
+// in a fresh instance; `resetFn()` gives the module one.
+export function drive(invocation, first, resumeFn, resetFn) {
+  resume = resumeFn;
+  reset = resetFn;
+  listen();
+  live.add(invocation);
   return new Promise((resolve, reject) => {
+    const finish = (settle, value) => {
+      live.delete(invocation);
+      invocation.recover = null;
+      settle(value);
+    };
+    let handled = 0;
     const watch = (promise) => {
       const crashesBefore = invocation.crashes;
-      invocation.onCrash = recover;
       promise.then(
         (value) => {
-          invocation.onCrash = null;
-          resolve(value);
+          if (invocation.crashes === crashesBefore) finish(resolve, value);
         },
         (error) => {
           // A crash is handled by `recover`; anything else fails the
           // invocation as before.
-          if (invocation.crashes === crashesBefore) {
-            invocation.onCrash = null;
-            reject(error);
-          }
+          if (invocation.crashes === crashesBefore) finish(reject, error);
         },
       );
     };
-    const recover = () => {
-      try {
-        reset();
-        const state = globalThis.__worker_init_state;
-        if (state) state.criticalError = false;
-      } catch (error) {
-        reject(error);
-        return;
-      }
+    invocation.recover = () => {
+      if (invocation.crashes === handled) return;
+      handled = invocation.crashes;
       invocation.active.clear();
       const messages = invocation.batch.messages;
-      // Each crash settles one message, so a batch of n resumes at most n
-      // times; a crash no message can be blamed for hands the rest back.
-      if (invocation.crashedId === null || invocation.crashes > messages.length) {
+      // Each crash blamed on this invocation settles one of its messages, so
+      // a batch of n resumes at most n times for its own panics; a panic no
+      // message can be blamed for hands the rest back to the platform.
+      const blamed = invocation.crashedId !== null;
+      if ((!blamed && !invocation.blameless) || invocation.crashes > 2 * messages.length + 8) {
         for (const message of messages) {
           if (!invocation.isSettled(message.id)) message.retry();
         }
         console.error(
           `queue-edge: a panic outside any message's code (${invocation.crashMessage}); unsettled messages handed back`,
         );
-        resolve(undefined);
+        finish(resolve, undefined);
         return;
       }
-      console.error(
-        `queue-edge: message ${invocation.crashedId} panicked (${invocation.crashMessage}); the rest of the batch continues`,
-      );
+      if (blamed) {
+        console.error(
+          `queue-edge: message ${invocation.crashedId} panicked (${invocation.crashMessage}); the rest of the batch continues`,
+        );
+      }
       watch(resume(invocation));
     };
     watch(first);

@@ -50,8 +50,9 @@ extern "C" {
     #[wasm_bindgen(method, js_name = isSettled)]
     fn is_settled(this: &Invocation, id: &str) -> bool;
 
-    #[wasm_bindgen(method)]
-    fn crashed(this: &Invocation, message: &str);
+    /// Reports a panic to every invocation in flight.
+    #[wasm_bindgen(js_name = reportPanic)]
+    fn report_panic(message: &str);
 
     fn drive(
         invocation: &Invocation,
@@ -69,12 +70,6 @@ extern "C" {
     static RESUME: JsValue;
     #[wasm_bindgen(thread_local_v2, js_name = __wbg_reset_state)]
     static RESET: JsValue;
-}
-
-thread_local! {
-    /// The invocations running in this instance: the panic hook reports a
-    /// crash to each of them.
-    static RUNNING: RefCell<Vec<Invocation>> = const { RefCell::new(Vec::new()) };
 }
 
 static HOOK: Once = Once::new();
@@ -98,10 +93,7 @@ fn install_panic_hook() {
                 .map(|l| format!(" at {}:{}", l.file(), l.line()))
                 .unwrap_or_default();
             let text = format!("{message}{location}");
-            let running = RUNNING.with(|r| std::mem::take(&mut *r.borrow_mut()));
-            for invocation in &running {
-                invocation.crashed(&text);
-            }
+            report_panic(&text);
             previous(info);
         }));
     });
@@ -260,7 +252,6 @@ pub fn resume(invocation: JsValue, spec: &'static WorkerSpec) -> js_sys::Promise
 
 fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
     worker::wasm_bindgen_futures::future_to_promise(async move {
-        RUNNING.with(|r| r.borrow_mut().push(invocation.clone()));
         let env: Env = invocation.env().unchecked_into();
         let batch = invocation.batch();
         let queue = js_sys::Reflect::get(&batch, &"queue".into())
@@ -278,10 +269,6 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
                     .unwrap_or(true);
             if !consumed_with_jobs {
                 other(batch, env.clone()).await;
-                RUNNING.with(|r| {
-                    r.borrow_mut()
-                        .retain(|i| !js_sys::Object::is(i, &invocation))
-                });
                 if let Some(after) = spec.after_batch {
                     after(env).await;
                 }
@@ -314,10 +301,6 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
                 );
             }
         }
-        RUNNING.with(|r| {
-            r.borrow_mut()
-                .retain(|i| !js_sys::Object::is(i, &invocation))
-        });
         if let Some(after) = spec.after_batch {
             after(env).await;
         }

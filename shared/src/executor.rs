@@ -118,7 +118,7 @@ pub(crate) async fn run_tiers(
 
 /// Counts an execution's result on the job's attached breaker, unless the
 /// handler feeds it itself.
-fn feed_breaker(spec: &JobSpec, result: &Result<(), JobError>) {
+pub(crate) fn feed_breaker(spec: &JobSpec, result: &Result<(), JobError>) {
     let Some(breaker) = spec.breaker.as_ref() else {
         return;
     };

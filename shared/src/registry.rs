@@ -456,6 +456,9 @@ impl Registry {
             panic_message.to_string(),
             String::new(),
         )));
+        // The execution counts on the job's attached breaker as a caught
+        // panic does.
+        crate::executor::feed_breaker(spec, &result);
         let decision = settle(&spec.retry, delivery.attempt, &result, false);
         self.stats.update(&envelope.job, |s| s.executions += 1);
         let summary = RunSummary {

@@ -275,3 +275,41 @@ fn a_crash_on_an_unknown_body_is_handed_back_after_a_pause() {
         );
     }
 }
+
+/// A crashed execution counts on the job's attached breaker, as a caught
+/// panic does.
+#[test]
+fn a_crashed_execution_counts_on_the_attached_breaker() {
+    use queue::{BreakerConfig, CircuitBreaker};
+    let runtime = VirtualRuntime::new();
+    let breaker = CircuitBreaker::with_clock(
+        "upstream",
+        BreakerConfig {
+            failure_threshold: 1,
+            cool_down: std::time::Duration::from_secs(60),
+        },
+        Arc::new(runtime.clone()),
+    )
+    .unwrap();
+    let job = Job::<u32>::builder("boom")
+        .retry(3)
+        .breaker(breaker.clone())
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |_: JobContext, _: u32| async { Ok(()) })
+        .unwrap();
+    let runtime: Arc<dyn Runtime> = Arc::new(runtime);
+    let handle = AtAttempt {
+        body: Envelope::new("boom", serde_json::json!(1)).encode(),
+        attempt: 1,
+        seen: Arc::default(),
+    };
+    assert!(!breaker.is_open());
+    block_on(registry.settle_crashed("q", handle, "boom", &runtime));
+    assert!(
+        breaker.is_open(),
+        "the crash is one failure of the dependency"
+    );
+}

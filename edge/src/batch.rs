@@ -16,7 +16,7 @@ use queue::{
     Registry, Runtime, Settlement, SettlementError,
 };
 
-use crate::plan::{delay_seconds, EdgeConfig, EdgeError, EdgeErrorKind};
+use crate::plan::{delay_seconds, EdgeConfig, EdgeError};
 
 /// One message of a batch, as the platform hands it over.
 pub trait QueueMessage: MaybeSend + MaybeSync {
@@ -318,13 +318,6 @@ async fn settle<M: QueueMessage, B: Bindings>(
                 }
             }
         }
-    }
-}
-
-impl EdgeError {
-    /// A failed platform call whose effect is unknown.
-    pub fn uncertain(what: &str, detail: impl std::fmt::Display) -> Self {
-        EdgeError::new(EdgeErrorKind::Uncertain, format!("{what}: {detail}"))
     }
 }
 

@@ -10,9 +10,9 @@ use std::time::Duration;
 use queue::{BoxFuture, Instant, PolicyError, Registry};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen::JsCast;
-use worker::{worker_sys, Env};
+use worker::Env;
 
-use crate::batch::{BatchSummary, Bindings, EdgeConsumer, Progress, QueueMessage};
+use crate::batch::{Bindings, EdgeConsumer, Progress, QueueMessage};
 use crate::js::{body_bytes, describe, retry_options, JsMessage};
 use crate::plan::{EdgeConfig, EdgeError, EdgeErrorKind};
 use crate::runtime::WorkersRuntime;
@@ -167,30 +167,15 @@ impl EdgeConsumer {
         install_panic_hook();
         Self::with_runtime(registry, config, Arc::new(WorkersRuntime))
     }
-
-    /// Handles one platform batch (the `queue` handler's first argument).
-    /// Prefer the [`crate::consumer!`] macro, which also recovers from a
-    /// panic in one message without failing the others; this call leaves a
-    /// panic to the platform.
-    pub async fn consume_batch(&self, batch: &worker_sys::MessageBatch, env: &Env) -> BatchSummary {
-        let queue: String = batch.queue().map(String::from).unwrap_or_default();
-        self.consume(
-            &queue,
-            messages(batch.as_ref(), None),
-            &EnvBindings(env),
-            Instant::now(),
-            None,
-        )
-        .await
-    }
 }
 
-fn messages(batch: &JsValue, invocation: Option<&Invocation>) -> Vec<JsMessage> {
+/// The messages of `batch` that `invocation` has not settled yet.
+fn messages(batch: &JsValue, invocation: &Invocation) -> Vec<JsMessage> {
     let list = js_sys::Reflect::get(batch, &"messages".into()).unwrap_or(JsValue::UNDEFINED);
     js_sys::Array::from(&list)
         .iter()
         .map(|m| m.unchecked_into::<JsMessage>())
-        .filter(|m| invocation.is_none_or(|i| !i.is_settled(&JsMessage::id(m))))
+        .filter(|m| !invocation.is_settled(&JsMessage::id(m)))
         .collect()
 }
 
@@ -207,6 +192,31 @@ pub struct WorkerSpec {
     pub other_queues: Option<fn(JsValue, Env) -> LocalFuture>,
     /// Runs after each batch (before the invocation returns).
     pub after_batch: Option<fn(Env) -> LocalFuture>,
+}
+
+/// Whether `queue` is consumed with the jobs (a queue a job names, or one
+/// listed in `Options::queue_concurrency`), rather than by `other_queues`.
+/// The jobs' queues are read once per instance.
+fn consumed_with_jobs(queue: &str, spec: &WorkerSpec) -> bool {
+    thread_local! {
+        static JOB_QUEUES: RefCell<Option<Option<Vec<String>>>> = const { RefCell::new(None) };
+    }
+    if spec
+        .options
+        .queue_concurrency
+        .iter()
+        .any(|(q, _)| *q == queue)
+    {
+        return true;
+    }
+    JOB_QUEUES.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        let queues = cache.get_or_insert_with(|| (spec.jobs)().ok().map(|r| r.queues()));
+        // A registry that does not build is reported by the consumer itself.
+        queues
+            .as_ref()
+            .is_none_or(|queues| queues.iter().any(|q| q == queue))
+    })
 }
 
 thread_local! {
@@ -259,15 +269,7 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
             .and_then(|q| q.as_string())
             .unwrap_or_default();
         if let Some(other) = spec.other_queues {
-            let consumed_with_jobs = spec
-                .options
-                .queue_concurrency
-                .iter()
-                .any(|(q, _)| *q == queue)
-                || (spec.jobs)()
-                    .map(|r| r.queues().contains(&queue))
-                    .unwrap_or(true);
-            if !consumed_with_jobs {
+            if !consumed_with_jobs(&queue, spec) {
                 other(batch, env.clone()).await;
                 if let Some(after) = spec.after_batch {
                     after(env).await;
@@ -285,7 +287,7 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
                 consumer
                     .consume_observed(
                         &queue,
-                        messages(&batch, Some(&invocation)),
+                        messages(&batch, &invocation),
                         &EnvBindings(&env),
                         started,
                         crashed,
@@ -294,11 +296,7 @@ fn run(invocation: Invocation, spec: &'static WorkerSpec) -> js_sys::Promise {
                     .await;
             }
             Err(e) => {
-                crate::batch::hand_back_misconfigured(
-                    &queue,
-                    &messages(&batch, Some(&invocation)),
-                    &e,
-                );
+                crate::batch::hand_back_misconfigured(&queue, &messages(&batch, &invocation), &e);
             }
         }
         if let Some(after) = spec.after_batch {

@@ -169,14 +169,18 @@ pub mod __private {
 #[macro_export]
 macro_rules! consumer {
     ($jobs:path $(, options = $options:expr)? $(, wrangler = $wrangler:literal)? $(, other_queues = $other:path)? $(, after_batch = $after:path)? $(,)?) => {
+        /// The worker's options, its wrangler.toml embedded.
+        #[cfg(any(test, target_arch = "wasm32"))]
+        const __QUEUE_EDGE_OPTIONS: $crate::Options = $crate::Options {
+            wrangler: $crate::__wrangler_text!($($wrangler)?),
+            ..$crate::__options!($($options)?)
+        };
+
         #[cfg(not(target_arch = "wasm32"))]
         #[cfg(test)]
         #[test]
         fn wrangler_toml_fits_the_jobs() {
-            let options = $crate::Options {
-                wrangler: $crate::__wrangler_text!($($wrangler)?),
-                ..$crate::__options!($($options)?)
-            };
+            let options = __QUEUE_EDGE_OPTIONS;
             let registry = $jobs().unwrap_or_else(|e| panic!("the jobs do not build: {e}"));
             if let Err(problems) = $crate::options::check(&registry, &options, None) {
                 panic!("{problems}");
@@ -186,10 +190,7 @@ macro_rules! consumer {
         #[cfg(target_arch = "wasm32")]
         static __QUEUE_EDGE_WORKER: $crate::__private::WorkerSpec = $crate::__private::WorkerSpec {
             jobs: || $jobs().map_err(|e| e.to_string()),
-            options: $crate::Options {
-                wrangler: $crate::__wrangler_text!($($wrangler)?),
-                ..$crate::__options!($($options)?)
-            },
+            options: __QUEUE_EDGE_OPTIONS,
             other_queues: $crate::__hook2!($($other)?),
             after_batch: $crate::__hook1!($($after)?),
         };

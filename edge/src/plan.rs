@@ -106,6 +106,13 @@ impl EdgeError {
     }
 }
 
+impl EdgeError {
+    /// A failed platform call whose effect is unknown.
+    pub fn uncertain(what: &str, detail: impl fmt::Display) -> Self {
+        EdgeError::new(EdgeErrorKind::Uncertain, format!("{what}: {detail}"))
+    }
+}
+
 impl fmt::Display for EdgeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match self.kind {

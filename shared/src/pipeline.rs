@@ -141,13 +141,7 @@ impl Registry {
         runtime: &Arc<dyn Runtime>,
         cancel: &CancelToken,
     ) -> Delivered {
-        let delivery = Delivery {
-            queue,
-            body: handle.body(),
-            attempt: handle.attempt(),
-            shutdown_returns: handle.shutdown_returns(),
-            deadline: handle.deadline(),
-        };
+        let delivery = delivery_of(queue, &handle);
         let processed = match guarded(self.process(delivery, runtime, cancel)).await {
             Ok(processed) => processed,
             // Handler panics are caught inside `process`; this is the last
@@ -170,13 +164,7 @@ impl Registry {
         reason: &str,
         runtime: &Arc<dyn Runtime>,
     ) -> Delivered {
-        let delivery = Delivery {
-            queue,
-            body: handle.body(),
-            attempt: handle.attempt(),
-            shutdown_returns: handle.shutdown_returns(),
-            deadline: handle.deadline(),
-        };
+        let delivery = delivery_of(queue, &handle);
         let processed = self.defer(delivery, reason);
         self.settle_and_report(handle, processed, runtime).await
     }
@@ -191,13 +179,7 @@ impl Registry {
         panic_message: &str,
         runtime: &Arc<dyn Runtime>,
     ) -> Delivered {
-        let delivery = Delivery {
-            queue,
-            body: handle.body(),
-            attempt: handle.attempt(),
-            shutdown_returns: handle.shutdown_returns(),
-            deadline: handle.deadline(),
-        };
+        let delivery = delivery_of(queue, &handle);
         let processed = self.crashed(delivery, panic_message);
         self.settle_and_report(handle, processed, runtime).await
     }
@@ -216,6 +198,17 @@ impl Registry {
         };
         self.settled(&processed, outcome.as_ref().map(|_| ()));
         Delivered { processed, outcome }
+    }
+}
+
+/// The facts of `handle`'s delivery, as the rules read them.
+fn delivery_of<'a, H: DeliveryHandle>(queue: &'a str, handle: &'a H) -> Delivery<'a> {
+    Delivery {
+        queue,
+        body: handle.body(),
+        attempt: handle.attempt(),
+        shutdown_returns: handle.shutdown_returns(),
+        deadline: handle.deadline(),
     }
 }
 

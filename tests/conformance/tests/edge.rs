@@ -171,6 +171,20 @@ fn report(id: u64, behaviour: Behaviour) -> BuildReport {
     }
 }
 
+/// Every behaviour of the report job.
+const BEHAVIOURS: [Behaviour; 10] = [
+    Behaviour::Healthy,
+    Behaviour::Blip,
+    Behaviour::BadHost,
+    Behaviour::RateLimited,
+    Behaviour::Missing,
+    Behaviour::Broken,
+    Behaviour::Rejected,
+    Behaviour::Panics,
+    Behaviour::AlwaysPanics,
+    Behaviour::Slow,
+];
+
 /// Reports, envelopes and raw bodies of the main phase, each with its label.
 type MainPhase = (
     Vec<(String, BuildReport)>,
@@ -181,17 +195,13 @@ type MainPhase = (
 /// The messages of the main phase, by label (panics have their own
 /// scenarios: `panics_are_contained` and the batch scenarios).
 fn main_phase_messages(base_id: u64) -> MainPhase {
-    let behaviours = [
-        Behaviour::Healthy,
-        Behaviour::Blip,
-        Behaviour::BadHost,
-        Behaviour::RateLimited,
-        Behaviour::Missing,
-        Behaviour::Broken,
-        Behaviour::Rejected,
-    ];
+    let behaviours = BEHAVIOURS.iter().filter(|b| {
+        !matches!(
+            b,
+            Behaviour::Panics | Behaviour::AlwaysPanics | Behaviour::Slow
+        )
+    });
     let mut reports: Vec<(String, BuildReport)> = behaviours
-        .iter()
         .enumerate()
         .map(|(i, b)| (format!("{b:?}"), report(base_id + i as u64, *b)))
         .collect();
@@ -642,21 +652,9 @@ fn a_panic_does_not_fail_its_batch() {
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn a_mixed_batch_of_twenty_settles_like_native() {
     let base_id = fresh_id();
-    let behaviours = [
-        Behaviour::Healthy,
-        Behaviour::Blip,
-        Behaviour::BadHost,
-        Behaviour::RateLimited,
-        Behaviour::Missing,
-        Behaviour::Broken,
-        Behaviour::Rejected,
-        Behaviour::Panics,
-        Behaviour::AlwaysPanics,
-        Behaviour::Slow,
-    ];
     let mut labelled = vec![];
     for round in 0..2u64 {
-        for (i, b) in behaviours.iter().enumerate() {
+        for (i, b) in BEHAVIOURS.iter().enumerate() {
             labelled.push((
                 format!("{b:?}#{round}"),
                 report(base_id + round * 100 + i as u64, *b),

@@ -43,6 +43,18 @@
 //! scheduled messages: a dispatch with a delay is refused with
 //! [`ErrorKind::Unsupported`] and `delayed_dispatch` is `false`.
 //!
+//! While the connection is down (the server stopped, the network cut),
+//! async-nats queues every request until it has reconnected, so a request
+//! made then would wait for the whole `operation_timeout`. A dispatch checks
+//! the client's connection state first and, unless it is connected, fails at
+//! once with [`ErrorKind::NotAccepted`]: during an outage every dispatch
+//! fails in about a millisecond, not only the first one. Once async-nats has
+//! reconnected (it keeps trying by itself), dispatch works again with no
+//! action from the application; the topology is declared again on the
+//! first dispatch after a refused one, in case the server lost it. Only a
+//! server that dies between the check and the `PubAck` makes a dispatch
+//! wait, and then the outcome is [`ErrorKind::Uncertain`].
+//!
 //! # Attempts
 //!
 //! The attempt is the header [`ATTEMPTS_HEADER`] (`Queue-Attempts`, 0 when
@@ -877,6 +889,23 @@ impl Driver for NatsDriver {
                 ErrorKind::Unsupported,
                 format!(
                     "delayed dispatch ({delay:?}) is not supported: JetStream 2.9 has no scheduled messages"
+                ),
+            ));
+        }
+        // While the client is reconnecting every request would wait in its
+        // queue until the server is back or the operation timeout ends: a
+        // dispatch fails at once instead.
+        let link = self
+            .link()
+            .await
+            .map_err(|e| error(ErrorKind::NotAccepted, format!("not sent: {e}")))?;
+        if link.client.connection_state() != State::Connected {
+            return Err(error(
+                ErrorKind::NotAccepted,
+                format!(
+                    "dispatch to `{}` not sent: not connected to NATS at {} (reconnecting)",
+                    self.subject(queue),
+                    self.inner.endpoint.address
                 ),
             ));
         }

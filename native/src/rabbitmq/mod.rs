@@ -31,6 +31,17 @@
 //! [`confirm_timeout`](RabbitConfig::confirm_timeout) is
 //! [`ErrorKind::Uncertain`].
 //!
+//! During an outage (the broker stopped or unreachable) a dispatch does not
+//! wait for the operation timeout: lapin sees the connection end as soon as
+//! the socket does, and the next dispatch tries to connect again, which
+//! fails at once when nothing listens (connection refused), so each
+//! dispatch fails within milliseconds with [`ErrorKind::NotAccepted`]. Only
+//! a publish written to the socket just before the connection's loss was
+//! noticed is [`ErrorKind::Uncertain`]. The connection is re-established on
+//! the first dispatch once the broker is reachable again; nothing else is
+//! needed. A broker that accepts TCP but does not answer makes a dispatch
+//! wait up to `operation_timeout` for the connection.
+//!
 //! # Attempts
 //!
 //! Each republish carries the header [`ATTEMPTS_HEADER`] (`x-queue-attempts`):

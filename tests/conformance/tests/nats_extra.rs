@@ -342,3 +342,186 @@ async fn consumption_resumes_after_the_connection_is_lost() {
     assert!(run.harness.events.settlement_failures().is_empty());
     run.finish().await;
 }
+
+/// A private `nats-server` with JetStream on a free port and its own store
+/// directory, which a test can kill and start again on the same port and
+/// store. Found on `PATH` or in `/usr/sbin`; without it the test is skipped,
+/// except under `CI=true`, where a missing server fails the run.
+struct PrivateServer {
+    binary: std::path::PathBuf,
+    port: u16,
+    store: std::path::PathBuf,
+    process: Option<std::process::Child>,
+}
+
+impl PrivateServer {
+    fn binary() -> Option<std::path::PathBuf> {
+        let on_path = std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join("nats-server"))
+                .find(|candidate| candidate.is_file())
+        });
+        on_path.or_else(|| {
+            let fallback = std::path::Path::new("/usr/sbin/nats-server");
+            fallback.is_file().then(|| fallback.to_path_buf())
+        })
+    }
+
+    /// Starts one, or returns `None` (after saying why) when there is no
+    /// `nats-server` and `CI` is not `true`.
+    async fn start() -> Option<PrivateServer> {
+        let Some(binary) = Self::binary() else {
+            let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+            assert!(
+                !ci,
+                "nats-server is not installed (not on PATH nor in /usr/sbin) and CI=true"
+            );
+            eprintln!("SKIPPED: nats-server is not installed (not on PATH nor in /usr/sbin)");
+            return None;
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let store = std::env::temp_dir().join(format!(
+            "queue-nats-extra-{}-{}",
+            std::process::id(),
+            &queue::envelope::new_message_id()[..8]
+        ));
+        std::fs::create_dir_all(&store).unwrap();
+        let mut server = PrivateServer {
+            binary,
+            port,
+            store,
+            process: None,
+        };
+        server.restart().await;
+        Some(server)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the process (again) and waits until it accepts connections.
+    async fn restart(&mut self) {
+        let child = Command::new(&self.binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.store)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.process = Some(child);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_err()
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "nats-server did not start on port {}",
+                self.port
+            );
+            tokio::time::sleep(MS(50)).await;
+        }
+    }
+
+    /// Kills the process (SIGKILL) and waits for it to end.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.process.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// While the server is down, every dispatch fails at once as not accepted
+/// (not only the first one: none waits for the operation timeout), and once
+/// the server is back on the same port and store, dispatch works again and
+/// the message is consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatch_fails_fast_while_the_server_is_down() {
+    let Some(mut server) = PrivateServer::start().await else {
+        return;
+    };
+    let mut config = NatsConfig::new(server.url());
+    config.stream_prefix = STREAM_PREFIX.into();
+    config.subject_prefix = SUBJECT_PREFIX.into();
+    config.operation_timeout = Duration::from_secs(10);
+    config.max_reconnect_backoff = MS(500);
+    config.connection_name = "conformance-outage".into();
+    let backend = Fixture::<Nats>::new(config);
+    let h = Harness::new(&backend, "nats-outage").await;
+    let job = h.job("outage").build().unwrap();
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+
+    server.kill();
+    let mut latencies = Vec::new();
+    for i in 0..5 {
+        let started = tokio::time::Instant::now();
+        let err = h
+            .producer
+            .dispatch(&job, &Work { id: 100 + i })
+            .await
+            .expect_err("a dispatch while the server is down succeeded");
+        let took = started.elapsed();
+        latencies.push(took);
+        assert_eq!(err.kind(), ErrorKind::NotAccepted, "dispatch {i}: {err}");
+        assert!(
+            took < Duration::from_secs(2),
+            "dispatch {i} took {took:?} (operation timeout 10 s): {err}"
+        );
+    }
+    println!("nats: dispatch latencies while the server is down: {latencies:?}");
+
+    server.restart().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        match h.producer.dispatch(&job, &Work { id: 2 }).await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "dispatch still fails 15 s after the server came back: {e}"
+                );
+                tokio::time::sleep(MS(100)).await;
+            }
+        }
+    }
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let record = seen.clone();
+    registry
+        .register(&job, move |_ctx, work: Work| {
+            record.lock().unwrap().push(work.id);
+            std::future::ready(Ok(()))
+        })
+        .unwrap();
+    let consumer = h.start(registry, 1);
+    // The messages accepted before and after the outage, and only those.
+    h.events.wait_count(h.patience, "succeeded", 2).await;
+    consumer.shutdown().await.unwrap();
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, [1, 2]);
+    assert_eq!(
+        backend.driver().await.stored_count(&h.queue).await.unwrap(),
+        0
+    );
+}

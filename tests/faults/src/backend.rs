@@ -1,0 +1,249 @@
+//! Connecting a backend with the suite's settings, shared by the
+//! orchestrator and its workers (they must agree on the topology: prefixes,
+//! lease), reading failure records and deleting a run's queues.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::ValueEnum;
+use queue::FailureRecord;
+use queue_native::{Driver, DriverError};
+
+/// The environment variable carrying the broker URL (with the run's
+/// credentials) or the SQS endpoint to a worker.
+pub(crate) const URL_VAR: &str = "FAULTS_URL";
+/// The SQS access key id a worker uses.
+pub(crate) const SQS_KEY_VAR: &str = "FAULTS_SQS_KEY_ID";
+/// The SQS secret access key a worker uses.
+pub(crate) const SQS_SECRET_VAR: &str = "FAULTS_SQS_SECRET";
+
+/// A backend the suite can run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+pub(crate) enum Kind {
+    /// The in-process memory driver.
+    Memory,
+    /// RabbitMQ (feature `rabbitmq`).
+    Rabbitmq,
+    /// NATS JetStream (feature `nats`).
+    Nats,
+    /// SQS, usually the emulator (feature `sqs`).
+    Sqs,
+}
+
+impl Kind {
+    /// The name used in the report and in queue names.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::Memory => "memory",
+            Kind::Rabbitmq => "rabbitmq",
+            Kind::Nats => "nats",
+            Kind::Sqs => "sqs",
+        }
+    }
+
+    /// Whether this build has the driver.
+    pub(crate) fn built(self) -> bool {
+        match self {
+            Kind::Memory => true,
+            Kind::Rabbitmq => cfg!(feature = "rabbitmq"),
+            Kind::Nats => cfg!(feature = "nats"),
+            Kind::Sqs => cfg!(feature = "sqs"),
+        }
+    }
+}
+
+/// Where and how to connect.
+#[derive(Clone)]
+pub(crate) struct Target {
+    /// The backend.
+    pub(crate) kind: Kind,
+    /// The broker URL (credentials included) or the SQS endpoint.
+    pub(crate) url: String,
+    /// SQS static keys.
+    pub(crate) sqs_keys: Option<(String, String)>,
+    /// NATS AckWait / SQS visibility timeout (ignored elsewhere).
+    pub(crate) lease: Duration,
+    /// Bound on each broker round trip (the drivers' default is 10 s).
+    pub(crate) operation_timeout: Duration,
+}
+
+impl Target {
+    /// The target a worker was started with (see [`Target::env`]).
+    pub(crate) fn from_env(kind: Kind, lease: Duration) -> Self {
+        let keys = match (std::env::var(SQS_KEY_VAR), std::env::var(SQS_SECRET_VAR)) {
+            (Ok(k), Ok(s)) => Some((k, s)),
+            _ => None,
+        };
+        Target {
+            kind,
+            url: std::env::var(URL_VAR).unwrap_or_default(),
+            sqs_keys: keys,
+            lease,
+            operation_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The environment a worker needs to connect like this target.
+    pub(crate) fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![(URL_VAR, self.url.clone())];
+        if let Some((k, s)) = &self.sqs_keys {
+            env.push((SQS_KEY_VAR, k.clone()));
+            env.push((SQS_SECRET_VAR, s.clone()));
+        }
+        env
+    }
+
+    /// A copy with another lease.
+    pub(crate) fn with_lease(&self, lease: Duration) -> Self {
+        let mut t = self.clone();
+        t.lease = lease;
+        t
+    }
+}
+
+/// A connected driver of any kind.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    Memory(queue_native::MemoryDriver),
+    #[cfg(feature = "rabbitmq")]
+    Rabbit(queue_native::RabbitDriver),
+    #[cfg(feature = "nats")]
+    Nats(queue_native::NatsDriver),
+    #[cfg(feature = "sqs")]
+    Sqs(queue_native::SqsDriver),
+}
+
+fn not_built(kind: Kind) -> DriverError {
+    DriverError::new(
+        "queue-faults",
+        queue_native::ErrorKind::Config,
+        format!(
+            "this build has no {} driver: build queue-faults with `--features {}`",
+            kind.name(),
+            kind.name()
+        ),
+    )
+}
+
+impl Conn {
+    /// Connects `target` with the suite's settings.
+    pub(crate) async fn connect(target: &Target) -> Result<Conn, DriverError> {
+        #[allow(unused_variables)]
+        let lease = target.lease;
+        match target.kind {
+            Kind::Memory => Ok(Conn::Memory(queue_native::MemoryDriver::default())),
+            #[cfg(feature = "rabbitmq")]
+            Kind::Rabbitmq => {
+                let mut config = queue_native::RabbitConfig::new(target.url.clone());
+                config.connection_name = "queue-faults".into();
+                config.operation_timeout = target.operation_timeout;
+                config.confirm_timeout = target.operation_timeout;
+                config.max_reconnect_backoff = Duration::from_secs(1);
+                Ok(Conn::Rabbit(
+                    queue_native::RabbitDriver::connect(config).await?,
+                ))
+            }
+            #[cfg(feature = "nats")]
+            Kind::Nats => {
+                let mut config = queue_native::NatsConfig::new(target.url.clone()).ack_wait(lease);
+                config.stream_prefix = "FAULTS".into();
+                config.subject_prefix = "faults".into();
+                config.fetch_expiry = Duration::from_secs(2);
+                config.operation_timeout = target.operation_timeout;
+                config.max_reconnect_backoff = Duration::from_secs(1);
+                config.connection_name = "queue-faults".into();
+                Ok(Conn::Nats(queue_native::NatsDriver::connect(config).await?))
+            }
+            #[cfg(feature = "sqs")]
+            Kind::Sqs => {
+                let (key, secret) = target
+                    .sqs_keys
+                    .clone()
+                    .unwrap_or_else(|| ("test".into(), "test".into()));
+                let mut config = queue_native::SqsConfig::new("us-east-1")
+                    .endpoint(target.url.clone())
+                    .credentials(queue_native::SqsCredentials::fixed(key, secret))
+                    .visibility_timeout(Duration::from_secs(lease.as_secs().max(1)))
+                    .wait_time(Duration::from_secs(1));
+                config.operation_timeout = target.operation_timeout;
+                Ok(Conn::Sqs(queue_native::SqsDriver::connect(config).await?))
+            }
+            #[allow(unreachable_patterns)]
+            other => Err(not_built(other)),
+        }
+    }
+
+    /// The driver.
+    pub(crate) fn driver(&self) -> Arc<dyn Driver> {
+        match self {
+            Conn::Memory(d) => Arc::new(d.clone()),
+            #[cfg(feature = "rabbitmq")]
+            Conn::Rabbit(d) => Arc::new(d.clone()),
+            #[cfg(feature = "nats")]
+            Conn::Nats(d) => Arc::new(d.clone()),
+            #[cfg(feature = "sqs")]
+            Conn::Sqs(d) => Arc::new(d.clone()),
+        }
+    }
+
+    /// The failure records of `queue`, read without consuming them.
+    pub(crate) async fn failure_records(
+        &self,
+        queue: &str,
+    ) -> Result<Vec<FailureRecord>, DriverError> {
+        use queue_conformance::fixture::Broker as _;
+        match self {
+            Conn::Memory(d) => Ok(d.failure_records(queue)),
+            #[cfg(feature = "rabbitmq")]
+            Conn::Rabbit(d) => queue_conformance::fixture::RabbitMq::failure_records(d, queue).await,
+            #[cfg(feature = "nats")]
+            Conn::Nats(d) => queue_conformance::fixture::Nats::failure_records(d, queue).await,
+            #[cfg(feature = "sqs")]
+            Conn::Sqs(d) => queue_conformance::fixture::Sqs::failure_records(d, queue).await,
+        }
+    }
+
+    /// Deletes what a run declared on `queue`: the work queue (or stream),
+    /// its failure queue, and whatever this driver declared.
+    pub(crate) async fn delete(&self, queue: &str) -> Result<(), DriverError> {
+        #[allow(unused_imports)]
+        use queue_conformance::fixture::Broker as _;
+        let _ = queue;
+        match self {
+            Conn::Memory(_) => Ok(()),
+            #[cfg(feature = "rabbitmq")]
+            Conn::Rabbit(d) => {
+                use queue_conformance::fixture::RabbitMq as B;
+                let mut names = B::declared(d);
+                names.push(queue.to_string());
+                names.extend(d.failure_queue_name(queue));
+                for bucket in &d.config().delay_buckets {
+                    names.push(queue_native::RabbitDriver::hold_queue_name(queue, *bucket));
+                }
+                names.sort();
+                names.dedup();
+                B::delete(d, &names).await
+            }
+            #[cfg(feature = "nats")]
+            Conn::Nats(d) => {
+                use queue_conformance::fixture::Nats as B;
+                let mut names = B::declared(d);
+                names.push(d.stream_name(queue));
+                names.push(d.failure_stream_name(queue));
+                names.sort();
+                names.dedup();
+                B::delete(d, &names).await
+            }
+            #[cfg(feature = "sqs")]
+            Conn::Sqs(d) => {
+                use queue_conformance::fixture::Sqs as B;
+                let mut names = B::declared(d);
+                names.push(queue.to_string());
+                names.extend(d.failure_queue_name(queue));
+                names.sort();
+                names.dedup();
+                B::delete(d, &names).await
+            }
+        }
+    }
+}

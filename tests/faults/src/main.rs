@@ -1,0 +1,133 @@
+//! The fault suite: the native drivers under process kills, broker
+//! restarts, crash loops and slow handlers, proving that nothing is lost.
+//!
+//! One binary, two subcommands. `run` is the orchestrator: it dispatches
+//! jobs whose payload is a business id (plus a marker string that must
+//! never reach a log), starts worker processes (this same executable with
+//! `worker`), injects the faults, and waits until every dispatched id is
+//! accounted for: in the ledger (a file the workers append
+//! `<business id> <pid>` to, one write per effect, `O_APPEND`) or in a
+//! failure record on the backend. Then it prints a Markdown table and
+//! writes it to `target/faults/report.md`; it exits non-zero on any loss,
+//! leak or broken expectation.
+//!
+//! ```text
+//! cargo run -p queue-faults --features nats -- run --backend nats --fault kill
+//! cargo run -p queue-faults --features "rabbitmq nats sqs" -- run     # everything
+//! ```
+//!
+//! Connections: RabbitMQ on 127.0.0.1:5672 (`FAULTS_RABBITMQ_PORT`
+//! overrides; `rabbitmqctl` must work), NATS at `NATS_URL` (default
+//! `nats://127.0.0.1:4222`), SQS at `SQS_ENDPOINT` (`tests/sqs-emulator`).
+//! Every queue is new for the run (`faults-<run>-<driver>-<fault>`) and is
+//! deleted at the end.
+//!
+//! # The faults
+//!
+//! - **kill load** (`--fault kill`): 3,000 jobs (1,000 on SQS), three
+//!   workers with concurrency 8 whose handler sleeps 0–20 ms before its
+//!   effect; a random worker is SIGKILLed every 1–2 s and restarted at once,
+//!   six times. Leases (NATS AckWait, SQS visibility) are 3 s so killed work
+//!   returns quickly. One worker's handler panics once (business id 1).
+//!   Duplicates are expected (at-least-once: an effect written but not yet
+//!   acknowledged is done again); losses are not.
+//! - **broker restart** (`--fault restart`): one worker (concurrency 4)
+//!   consumes 600 jobs; after 100 effects the broker goes away: a private
+//!   `nats-server` (SIGTERM, then started again on the same port and store),
+//!   or a private RabbitMQ node (`rabbitmqctl stop_app` / `start_app`). The
+//!   shared brokers are never restarted (with `FAULTS_SHARED_BROKER=1`, the
+//!   shared RabbitMQ node is used if a private node cannot start). During
+//!   the outage five dispatches are timed (error kind and latency). SQS: the
+//!   emulator keeps its state in memory, so instead five dispatches go to a
+//!   closed loopback port; memory: five dispatches after the driver stopped.
+//! - **crash loop** (`--fault crash`): three jobs capped at 2 attempts whose
+//!   handler writes `start <id> <pid>` and aborts the process on every
+//!   delivery; the worker is restarted whenever it dies until each job has a
+//!   failure record (120 s / 80 restarts at most, else the suite says the
+//!   loop did not end). The facade's crash bound ends it: a delivery whose
+//!   attempt is past cap + allowance (0 where the driver counts graceful
+//!   shutdown returns, else `SHUTDOWN_GRACE`) is recorded without running.
+//! - **slow handler** (`--fault slow`, NATS and SQS): five jobs whose
+//!   handler runs three leases (lease 2 s, handler 6 s); the driver must
+//!   renew the lease, so each job runs once.
+//! - **secrets** (always): workers log at debug level to
+//!   `target/faults/logs/`, the orchestrator too (`orchestrator.log`); the
+//!   RabbitMQ user is created for the run with a random password, the NATS
+//!   URL carries `faults:<random password>@`, SQS gets random static keys;
+//!   each driver also fails to connect (or dispatch) through a closed port
+//!   with those credentials, logged at error level. At the end every log line
+//!   is searched for the payload marker and the credentials: a hit fails the
+//!   run and is printed with the secret masked.
+//!
+//! # The figures
+//!
+//! - *dispatched*: business ids the backend accepted;
+//! - *executed (distinct)*: of those, ids with at least one effect in the ledger;
+//! - *duplicates*: effects beyond the first, summed over ids;
+//! - *lost*: accepted ids with neither an effect nor a failure record (must be 0);
+//! - *failure records*: records on the failure queue of the run's queue;
+//! - *recovery*: kill load, from the last kill until every id is accounted
+//!   for; broker restart, from the broker being back until the first new
+//!   effect; crash loop, from the first start until the last failure record;
+//!   slow handler, from the dispatch until every effect.
+
+mod backend;
+mod nodes;
+mod run;
+mod worker;
+
+use clap::{Parser, Subcommand};
+
+/// The fault suite.
+#[derive(Parser, Debug)]
+#[command(name = "queue-faults", about = "Fault injection against the native queue drivers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Consume one queue, recording effects in a ledger (started by `run`).
+    Worker(worker::WorkerArgs),
+    /// Run the suite and print the report.
+    Run(run::RunArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let code = match cli.command {
+        Cmd::Worker(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "debug".into()),
+                )
+                .with_ansi(false)
+                .with_writer(std::io::stderr)
+                .init();
+            match runtime.block_on(worker::run(args)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!(error = %e, "worker failed");
+                    1
+                }
+            }
+        }
+        Cmd::Run(args) => match runtime.block_on(run::run(args)) {
+            Ok(true) => 0,
+            Ok(false) => 1,
+            Err(e) => {
+                eprintln!("queue-faults: {e}");
+                2
+            }
+        },
+    };
+    drop(runtime);
+    std::process::exit(code);
+}

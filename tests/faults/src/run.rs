@@ -1,0 +1,1390 @@
+//! The orchestrator: dispatches, spawns workers (its own executable with
+//! `worker`), injects the faults, accounts for every dispatched business id
+//! and writes the report.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use futures_util::stream::{self, StreamExt};
+use queue::{FailureRecord, Job};
+use queue_native::{DriverError, Producer};
+use tokio::time::Instant;
+
+use crate::backend::{Conn, Kind, Target};
+use crate::nodes;
+use crate::worker::{self, Item, Mode};
+
+/// A fault the suite injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+pub(crate) enum Fault {
+    /// Load with workers SIGKILLed and restarted.
+    Kill,
+    /// The broker stopped and started while a worker consumes.
+    Restart,
+    /// A handler that aborts the process on every delivery.
+    Crash,
+    /// A handler running three leases.
+    Slow,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::Kill => "kill load",
+            Fault::Restart => "broker restart",
+            Fault::Crash => "crash loop",
+            Fault::Slow => "slow handler",
+        }
+    }
+}
+
+/// `queue-faults run`: the whole suite, or a part of it.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct RunArgs {
+    /// Backends to run on (default: memory and every driver this build has).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    backend: Vec<Kind>,
+    /// Faults to inject (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    fault: Vec<Fault>,
+    /// Jobs of the kill-load fault on RabbitMQ and NATS.
+    #[arg(long, default_value_t = 3000)]
+    jobs: usize,
+    /// Jobs of the kill-load fault on SQS (the emulator is slower).
+    #[arg(long, default_value_t = 1000)]
+    sqs_jobs: usize,
+    /// Worker kills in the kill-load fault.
+    #[arg(long, default_value_t = 6)]
+    kills: usize,
+    /// Output directory (default: `target/faults` of the build's target directory).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// One row of the report.
+struct Row {
+    backend: Kind,
+    fault: Fault,
+    dispatched: String,
+    executed: String,
+    duplicates: String,
+    lost: String,
+    records: String,
+    recovery: String,
+    notes: String,
+}
+
+impl Row {
+    fn na(backend: Kind, fault: Fault, why: &str) -> Row {
+        let na = || "n/a".to_string();
+        Row {
+            backend,
+            fault,
+            dispatched: na(),
+            executed: na(),
+            duplicates: na(),
+            lost: na(),
+            records: na(),
+            recovery: na(),
+            notes: why.into(),
+        }
+    }
+}
+
+/// One dispatch during an outage.
+struct OutageCall {
+    backend: Kind,
+    what: String,
+    outcome: String,
+    latency: Duration,
+}
+
+/// What one run has: where it writes, its secrets, its results.
+struct Suite {
+    run: String,
+    exe: PathBuf,
+    work: PathBuf,
+    logs: PathBuf,
+    marker: String,
+    /// (label, value) of every secret the logs must not show.
+    secrets: Vec<(String, String)>,
+    rows: Vec<Row>,
+    outage: Vec<OutageCall>,
+    problems: Vec<String>,
+    workers_spawned: usize,
+}
+
+fn random_text(n: usize) -> String {
+    std::iter::repeat_with(fastrand::alphanumeric)
+        .take(n)
+        .collect()
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1} s", d.as_secs_f64())
+}
+
+/// Effects and start lines read from a ledger.
+#[derive(Default)]
+struct Tally {
+    effects: BTreeMap<u64, usize>,
+    starts: BTreeMap<u64, usize>,
+}
+
+impl Tally {
+    fn read(path: &Path) -> Tally {
+        let mut tally = Tally::default();
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            match (words.next(), words.next(), words.next()) {
+                (Some("start"), Some(id), Some(_)) => {
+                    if let Ok(id) = id.parse() {
+                        *tally.starts.entry(id).or_default() += 1;
+                    }
+                }
+                (Some(id), Some(_), None) => {
+                    if let Ok(id) = id.parse() {
+                        *tally.effects.entry(id).or_default() += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        tally
+    }
+
+    fn lines(&self) -> usize {
+        self.effects.values().sum()
+    }
+
+    fn duplicates(&self) -> usize {
+        self.effects.values().map(|n| n - 1).sum()
+    }
+}
+
+/// What was dispatched on one queue, and how to read its outcomes.
+struct Books {
+    queue: String,
+    ledger: PathBuf,
+    /// Message id -> business id.
+    ids: HashMap<String, u64>,
+    /// Business ids the backend accepted.
+    expected: BTreeSet<u64>,
+    /// Business ids whose dispatch outcome is uncertain.
+    uncertain: BTreeSet<u64>,
+}
+
+/// The accounting at one moment.
+struct Account {
+    tally: Tally,
+    records: Vec<FailureRecord>,
+    /// Business ids with a failure record.
+    recorded: BTreeSet<u64>,
+    missing: BTreeSet<u64>,
+}
+
+impl Books {
+    fn new(queue: String, ledger: PathBuf) -> Books {
+        Books {
+            queue,
+            ledger,
+            ids: HashMap::new(),
+            expected: BTreeSet::new(),
+            uncertain: BTreeSet::new(),
+        }
+    }
+
+    async fn account(&self, conn: &Conn) -> Account {
+        let tally = Tally::read(&self.ledger);
+        let records = match conn.failure_records(&self.queue).await {
+            Ok(records) => records,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading failure records");
+                vec![]
+            }
+        };
+        let recorded: BTreeSet<u64> = records
+            .iter()
+            .filter_map(|r| r.message_id.as_ref().and_then(|m| self.ids.get(m)).copied())
+            .collect();
+        let missing = self
+            .expected
+            .iter()
+            .filter(|id| !tally.effects.contains_key(id) && !recorded.contains(id))
+            .copied()
+            .collect();
+        Account {
+            tally,
+            records,
+            recorded,
+            missing,
+        }
+    }
+
+    /// Polls until every expected id is accounted for or `bound` passes;
+    /// the time it was reached.
+    async fn wait_accounted(
+        &self,
+        conn: &Conn,
+        bound: Duration,
+        records_needed: bool,
+    ) -> (Account, Option<Instant>) {
+        let deadline = Instant::now() + bound;
+        let mut last_records = Instant::now() - Duration::from_secs(10);
+        loop {
+            // Failure records are read every second (a broker round trip);
+            // the ledger every 100 ms.
+            let tally = Tally::read(&self.ledger);
+            let all_effects = self.expected.iter().all(|id| tally.effects.contains_key(id));
+            if all_effects && !records_needed {
+                let account = self.account(conn).await;
+                if account.missing.is_empty() {
+                    return (account, Some(Instant::now()));
+                }
+            }
+            if last_records.elapsed() >= Duration::from_secs(1) || Instant::now() >= deadline {
+                last_records = Instant::now();
+                let account = self.account(conn).await;
+                if account.missing.is_empty() {
+                    return (account, Some(Instant::now()));
+                }
+                if Instant::now() >= deadline {
+                    return (account, None);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// The run's worker processes.
+struct Workers {
+    children: Vec<Child>,
+}
+
+impl Workers {
+    /// SIGTERM to every worker, SIGKILL after 10 s.
+    async fn stop(&mut self) {
+        for child in &self.children {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for child in &mut self.children {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// How a worker is started.
+struct WorkerSpec<'a> {
+    target: &'a Target,
+    books: &'a Books,
+    mode: Mode,
+    concurrency: usize,
+    cap: u32,
+    timeout: Duration,
+    slow: Duration,
+    panic_id: Option<u64>,
+    tag: String,
+}
+
+impl Suite {
+    fn spawn(&mut self, spec: &WorkerSpec<'_>) -> Child {
+        self.workers_spawned += 1;
+        let log = self.logs.join(format!(
+            "{}-{:03}.log",
+            spec.tag, self.workers_spawned
+        ));
+        let stderr = File::create(&log).expect("create a worker log");
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("worker")
+            .args(["--backend", spec.target.kind.name()])
+            .args(["--queue", &spec.books.queue])
+            .args(["--mode", spec.mode.to_possible_value().unwrap().get_name()])
+            .arg("--ledger")
+            .arg(&spec.books.ledger)
+            .args(["--concurrency", &spec.concurrency.to_string()])
+            .args(["--cap", &spec.cap.to_string()])
+            .args(["--lease-ms", &spec.target.lease.as_millis().to_string()])
+            .args(["--timeout-ms", &spec.timeout.as_millis().to_string()])
+            .args(["--slow-ms", &spec.slow.as_millis().to_string()]);
+        if let Some(id) = spec.panic_id {
+            cmd.args(["--panic-id", &id.to_string()]);
+        }
+        cmd.envs(spec.target.env())
+            .env("RUST_LOG", "debug")
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn a worker")
+    }
+
+    fn item(&self, id: u64) -> Item {
+        Item {
+            id,
+            marker: self.marker.clone(),
+        }
+    }
+
+    /// Dispatches business ids `ids` (16 at a time); every refusal is a
+    /// broken expectation.
+    async fn dispatch(
+        &mut self,
+        producer: &Producer,
+        job: &Job<Item>,
+        books: &mut Books,
+        ids: std::ops::Range<u64>,
+    ) -> Duration {
+        let started = Instant::now();
+        let items: Vec<Item> = ids.map(|id| self.item(id)).collect();
+        let results: Vec<(u64, Result<String, DriverError>)> = stream::iter(items)
+            .map(|item| async move { (item.id, producer.dispatch(job, &item).await) })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        let mut refused = 0;
+        for (id, result) in results {
+            match result {
+                Ok(message) => {
+                    books.ids.insert(message, id);
+                    books.expected.insert(id);
+                }
+                Err(e) => {
+                    refused += 1;
+                    tracing::error!(error = %e, "dispatch refused");
+                }
+            }
+        }
+        if refused > 0 {
+            self.problems.push(format!(
+                "{}: {refused} dispatches refused on a healthy broker (see the orchestrator log)",
+                books.queue
+            ));
+        }
+        started.elapsed()
+    }
+
+    /// Five dispatches while the backend is away, 100 ms apart and
+    /// concurrent: each one's outcome and latency. Those accepted are
+    /// expected; uncertain ones are accounted if they arrive.
+    async fn outage_dispatches(
+        &mut self,
+        kind: Kind,
+        producer: &Producer,
+        job: &Job<Item>,
+        books: &mut Books,
+        first_id: u64,
+    ) {
+        let calls = (0..5u64).map(|i| {
+            let item = self.item(first_id + i);
+            async move {
+                tokio::time::sleep(Duration::from_millis(100 * i)).await;
+                let started = Instant::now();
+                let result = producer.dispatch(job, &item).await;
+                (item.id, result, started.elapsed())
+            }
+        });
+        let results = futures_util::future::join_all(calls).await;
+        for (i, (id, result, latency)) in results.into_iter().enumerate() {
+            let outcome = match result {
+                Ok(message) => {
+                    books.ids.insert(message, id);
+                    books.expected.insert(id);
+                    "accepted".to_string()
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "dispatch during the outage");
+                    if e.kind() == queue_native::ErrorKind::Uncertain {
+                        books.uncertain.insert(id);
+                    }
+                    format!("{}", e.kind())
+                }
+            };
+            self.outage.push(OutageCall {
+                backend: kind,
+                what: format!("dispatch {}", i + 1),
+                outcome,
+                latency,
+            });
+        }
+    }
+
+    fn check_lost(&mut self, kind: Kind, fault: Fault, account: &Account) {
+        if !account.missing.is_empty() {
+            let sample: Vec<_> = account.missing.iter().take(10).collect();
+            self.problems.push(format!(
+                "{} {}: LOST {} business ids (first: {sample:?})",
+                kind.name(),
+                fault.name(),
+                account.missing.len()
+            ));
+        }
+    }
+
+    fn row(
+        &self,
+        kind: Kind,
+        fault: Fault,
+        books: &Books,
+        account: &Account,
+        recovery: String,
+        notes: String,
+    ) -> Row {
+        let uncertain_arrived = books
+            .uncertain
+            .iter()
+            .filter(|id| account.tally.effects.contains_key(id))
+            .count();
+        let mut notes = notes;
+        if !books.uncertain.is_empty() {
+            notes.push_str(&format!(
+                "; {} uncertain dispatches, {uncertain_arrived} of them executed",
+                books.uncertain.len()
+            ));
+        }
+        Row {
+            backend: kind,
+            fault,
+            dispatched: books.expected.len().to_string(),
+            executed: account
+                .tally
+                .effects
+                .keys()
+                .filter(|id| books.expected.contains(id))
+                .count()
+                .to_string(),
+            duplicates: account.tally.duplicates().to_string(),
+            lost: account.missing.len().to_string(),
+            records: account.records.len().to_string(),
+            recovery,
+            notes,
+        }
+    }
+}
+
+/// The run's settings for one backend.
+struct Env {
+    kind: Kind,
+    target: Target,
+}
+
+/// Runs the suite.
+pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error>> {
+    let total = Instant::now();
+    let exe = std::env::current_exe()?;
+    let out = match &args.out {
+        Some(out) => out.clone(),
+        None => exe
+            .parent()
+            .and_then(Path::parent)
+            .map(|target| target.join("faults"))
+            .ok_or("cannot find the target directory: pass --out")?,
+    };
+    let run = format!("{}", random_text(6).to_lowercase());
+    let work = out.join("work");
+    let logs = out.join("logs");
+    let _ = std::fs::remove_dir_all(&work);
+    let _ = std::fs::remove_dir_all(&logs);
+    std::fs::create_dir_all(&work)?;
+    std::fs::create_dir_all(&logs)?;
+
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("debug"));
+    let log = File::create(logs.join("orchestrator.log"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(Mutex::new(log))
+        .init();
+
+    let mut backends = if args.backend.is_empty() {
+        [Kind::Memory, Kind::Rabbitmq, Kind::Nats, Kind::Sqs]
+            .into_iter()
+            .filter(|k| k.built())
+            .collect()
+    } else {
+        args.backend.clone()
+    };
+    backends.sort();
+    backends.dedup();
+    if let Some(k) = backends.iter().find(|k| !k.built()) {
+        return Err(format!(
+            "this build has no {} driver: build with `--features {}`",
+            k.name(),
+            k.name()
+        )
+        .into());
+    }
+    let mut faults = if args.fault.is_empty() {
+        vec![Fault::Kill, Fault::Restart, Fault::Crash, Fault::Slow]
+    } else {
+        args.fault.clone()
+    };
+    faults.sort();
+    faults.dedup();
+
+    let mut suite = Suite {
+        run: run.clone(),
+        exe,
+        work,
+        logs,
+        marker: format!("MARK{}", random_text(16)),
+        secrets: vec![],
+        rows: vec![],
+        outage: vec![],
+        problems: vec![],
+        workers_spawned: 0,
+    };
+    suite
+        .secrets
+        .push(("payload marker".into(), suite.marker.clone()));
+    eprintln!(
+        "queue-faults run {run}: backends {:?}, faults {:?}",
+        backends.iter().map(|k| k.name()).collect::<Vec<_>>(),
+        faults.iter().map(|f| f.name()).collect::<Vec<_>>()
+    );
+
+    for &kind in &backends {
+        let started = Instant::now();
+        let env = match setup(&mut suite, kind) {
+            Ok(env) => env,
+            Err(e) => {
+                suite
+                    .problems
+                    .push(format!("{}: cannot set up: {e}", kind.name()));
+                continue;
+            }
+        };
+        // Keeps the run's RabbitMQ user until the backend is done.
+        let user = env.1;
+        let env = env.0;
+        provoke_connection_error(&mut suite, &env).await;
+        for &fault in &faults {
+            eprintln!("  {} / {} ...", kind.name(), fault.name());
+            let fault_started = Instant::now();
+            let result = match fault {
+                Fault::Kill => kill_load(&mut suite, &env, &args).await,
+                Fault::Restart => restart(&mut suite, &env).await,
+                Fault::Crash => crash_loop(&mut suite, &env).await,
+                Fault::Slow => slow(&mut suite, &env).await,
+            };
+            if let Err(e) = result {
+                suite.problems.push(format!(
+                    "{} {}: the fault could not run: {e}",
+                    kind.name(),
+                    fault.name()
+                ));
+            }
+            eprintln!(
+                "  {} / {} done in {}",
+                kind.name(),
+                fault.name(),
+                secs(fault_started.elapsed())
+            );
+        }
+        drop(user);
+        eprintln!("{} done in {}", kind.name(), secs(started.elapsed()));
+    }
+
+    let scan = scan_logs(&suite);
+    let elapsed = total.elapsed();
+    let report = report(&suite, &scan, elapsed);
+    println!("{report}");
+    std::fs::write(out.join("report.md"), &report)?;
+    for p in &suite.problems {
+        eprintln!("PROBLEM: {p}");
+    }
+    Ok(suite.problems.is_empty() && scan.hits.is_empty())
+}
+
+/// Connection settings and credentials for `kind`, with the run's secrets.
+fn setup(suite: &mut Suite, kind: Kind) -> Result<(Env, Option<nodes::RabbitUser>), String> {
+    let lease = Duration::from_secs(3);
+    let operation_timeout = Duration::from_secs(10);
+    match kind {
+        Kind::Memory => Ok((
+            Env {
+                kind,
+                target: Target {
+                    kind,
+                    url: String::new(),
+                    sqs_keys: None,
+                    lease,
+                    operation_timeout,
+                },
+            },
+            None,
+        )),
+        Kind::Rabbitmq => {
+            let password = random_text(24);
+            suite
+                .secrets
+                .push(("RabbitMQ password".into(), password.clone()));
+            let user = nodes::RabbitUser::create(None, &format!("faults-{}", suite.run), &password)?;
+            let port = std::env::var("FAULTS_RABBITMQ_PORT")
+                .ok()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(5672);
+            Ok((
+                Env {
+                    kind,
+                    target: Target {
+                        kind,
+                        url: user.url(port),
+                        sqs_keys: None,
+                        lease,
+                        operation_timeout,
+                    },
+                },
+                Some(user),
+            ))
+        }
+        Kind::Nats => {
+            let password = random_text(24);
+            suite
+                .secrets
+                .push(("NATS password".into(), password.clone()));
+            let base = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+            let url = base.replacen("://", &format!("://faults:{password}@"), 1);
+            Ok((
+                Env {
+                    kind,
+                    target: Target {
+                        kind,
+                        url,
+                        sqs_keys: None,
+                        lease,
+                        operation_timeout,
+                    },
+                },
+                None,
+            ))
+        }
+        Kind::Sqs => {
+            let endpoint = std::env::var("SQS_ENDPOINT").map_err(|_| {
+                "SQS_ENDPOINT is not set: start the emulator with tests/sqs-emulator and export the URL it prints"
+                    .to_string()
+            })?;
+            let key = format!("AKIA{}", random_text(16).to_uppercase());
+            let secret = random_text(40);
+            suite.secrets.push(("AWS access key id".into(), key.clone()));
+            suite
+                .secrets
+                .push(("AWS secret access key".into(), secret.clone()));
+            Ok((
+                Env {
+                    kind,
+                    target: Target {
+                        kind,
+                        url: endpoint,
+                        sqs_keys: Some((key, secret)),
+                        lease,
+                        operation_timeout,
+                    },
+                },
+                None,
+            ))
+        }
+    }
+}
+
+/// Connects with the run's credentials to a closed port and logs the error
+/// at error level (the log scan then proves it names no secret).
+async fn provoke_connection_error(suite: &mut Suite, env: &Env) {
+    if matches!(env.kind, Kind::Memory | Kind::Sqs) {
+        // SQS: the closed-port dispatches of the restart fault do it.
+        return;
+    }
+    let closed = nodes::free_port();
+    let mut target = env.target.clone();
+    let url = &env.target.url;
+    let Some(at) = url.rfind('@') else { return };
+    let rest = &url[at + 1..];
+    let after_port = rest.find('/').map(|i| &rest[i..]).unwrap_or("");
+    target.url = format!("{}@127.0.0.1:{closed}{after_port}", &url[..at]);
+    target.operation_timeout = Duration::from_secs(3);
+    let started = Instant::now();
+    match Conn::connect(&target).await {
+        Ok(conn) => {
+            // The NATS driver may connect lazily: a dispatch shows the error.
+            let job = worker::job("faults-closed", 1, Duration::from_secs(5));
+            let result = Producer::new(conn.driver())
+                .dispatch(&job, &suite.item(0))
+                .await;
+            match result {
+                Ok(_) => suite.problems.push(format!(
+                    "{}: a dispatch to a closed port succeeded",
+                    env.kind.name()
+                )),
+                Err(e) => tracing::error!(error = %e, debug = ?e, "dispatch through a closed port"),
+            }
+            let _ = conn.driver().stop().await;
+        }
+        Err(e) => tracing::error!(error = %e, debug = ?e, "connect to a closed port"),
+    }
+    tracing::debug!(elapsed = ?started.elapsed(), "closed-port check done");
+}
+
+fn new_books(suite: &Suite, kind: Kind, fault: &str) -> Books {
+    let queue = format!("faults-{}-{}-{fault}", suite.run, kind.name());
+    let ledger = suite.work.join(format!("{}-{fault}.ledger", kind.name()));
+    let _ = File::create(&ledger);
+    Books::new(queue, ledger)
+}
+
+/// Kill load: `--jobs` jobs, three workers (concurrency 8), a random worker
+/// SIGKILLed every 1–2 s and restarted at once, `--kills` times. Recovery:
+/// from the last kill until every id is accounted for.
+async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), String> {
+    let kind = env.kind;
+    if kind == Kind::Memory {
+        suite.rows.push(Row::na(
+            kind,
+            Fault::Kill,
+            "the memory driver lives in one process: killing it kills the queue",
+        ));
+        return Ok(());
+    }
+    let n = if kind == Kind::Sqs { args.sqs_jobs } else { args.jobs } as u64;
+    let target = env.target.with_lease(Duration::from_secs(3));
+    let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
+    let producer = Producer::new(conn.driver());
+    let mut books = new_books(suite, kind, "kill");
+    let job = worker::job(&books.queue, 10, Duration::from_secs(60));
+    let dispatch_time = suite.dispatch(&producer, &job, &mut books, 0..n).await;
+    let spec = |panic_id| WorkerSpec {
+        target: &target,
+        books: &books,
+        mode: Mode::Effect,
+        concurrency: 8,
+        cap: 10,
+        timeout: Duration::from_secs(60),
+        slow: Duration::ZERO,
+        panic_id,
+        tag: format!("{}-kill", kind.name()),
+    };
+    let mut workers = Workers {
+        children: (0..3)
+            .map(|i| suite.spawn(&spec((i == 0).then_some(1))))
+            .collect(),
+    };
+    let begun = Instant::now();
+    let started = Instant::now() + Duration::from_secs(30);
+    while Tally::read(&books.ledger).lines() == 0 && Instant::now() < started {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first_effect = begun.elapsed();
+    let mut last_kill = Instant::now();
+    let mut mid_stream = 0;
+    for _ in 0..args.kills {
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(1000..=2000))).await;
+        let i = fastrand::usize(0..workers.children.len());
+        let _ = workers.children[i].kill();
+        let _ = workers.children[i].wait();
+        last_kill = Instant::now();
+        if Tally::read(&books.ledger).effects.len() < books.expected.len() {
+            mid_stream += 1;
+        }
+        let respawned = suite.spawn(&spec(None));
+        workers.children[i] = respawned;
+    }
+    let (account, done) = books
+        .wait_accounted(&conn, Duration::from_secs(180), false)
+        .await;
+    let recovery = done.map_or("not within 180 s".into(), |t| secs(t - last_kill));
+    let throughput = done.map(|t| n as f64 / (t - begun).as_secs_f64());
+    workers.stop().await;
+    let account_final = books.account(&conn).await;
+    suite.check_lost(kind, Fault::Kill, &account_final);
+    let _ = account;
+    let notes = format!(
+        "{} kills ({mid_stream} mid-stream), 3 workers x 8; lease {}; dispatch {}; first effect after {}; {}",
+        args.kills,
+        secs(target.lease),
+        secs(dispatch_time),
+        secs(first_effect),
+        throughput.map_or(String::new(), |t| format!("{t:.0} jobs/s overall"))
+    );
+    let row = suite.row(kind, Fault::Kill, &books, &account_final, recovery, notes);
+    suite.rows.push(row);
+    let _ = conn.delete(&books.queue).await;
+    let _ = conn.driver().stop().await;
+    Ok(())
+}
+
+/// Broker restart: one worker consumes 600 jobs; after 100 effects the
+/// broker goes away, five dispatches are timed, the broker comes back.
+/// Recovery: from the broker being back until the first new effect.
+async fn restart(suite: &mut Suite, env: &Env) -> Result<(), String> {
+    let kind = env.kind;
+    match kind {
+        Kind::Memory => {
+            let conn = Conn::connect(&env.target).await.map_err(|e| e.to_string())?;
+            let producer = Producer::new(conn.driver());
+            let mut books = new_books(suite, kind, "restart");
+            let job = worker::job(&books.queue, 3, Duration::from_secs(10));
+            conn.driver().stop().await.map_err(|e| e.to_string())?;
+            suite
+                .outage_dispatches(kind, &producer, &job, &mut books, 0)
+                .await;
+            suite.rows.push(Row::na(
+                kind,
+                Fault::Restart,
+                "no broker to restart; dispatch after the driver is stopped is timed below",
+            ));
+            Ok(())
+        }
+        Kind::Sqs => {
+            let closed = nodes::free_port();
+            let mut target = env.target.clone();
+            target.url = format!("http://127.0.0.1:{closed}");
+            let mut books = new_books(suite, kind, "restart");
+            let job = worker::job(&books.queue, 3, Duration::from_secs(10));
+            let started = Instant::now();
+            match Conn::connect(&target).await {
+                Ok(conn) => {
+                    let producer = Producer::new(conn.driver());
+                    suite
+                        .outage_dispatches(kind, &producer, &job, &mut books, 0)
+                        .await;
+                    let _ = conn.driver().stop().await;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, debug = ?e, "SQS connect to a closed port");
+                    suite.outage.push(OutageCall {
+                        backend: kind,
+                        what: "connect".into(),
+                        outcome: format!("{}", e.kind()),
+                        latency: started.elapsed(),
+                    });
+                }
+            }
+            suite.rows.push(Row::na(
+                kind,
+                Fault::Restart,
+                "the emulator keeps its state in memory (a restart empties it); dispatch to a closed port is timed below",
+            ));
+            Ok(())
+        }
+        Kind::Rabbitmq | Kind::Nats => restart_broker(suite, env).await,
+    }
+}
+
+/// A broker that can be stopped and started.
+enum Private {
+    Nats(nodes::NatsServer),
+    Rabbit(nodes::RabbitNode, Option<nodes::RabbitUser>),
+    /// The shared RabbitMQ node (FAULTS_SHARED_BROKER=1), stop_app/start_app.
+    SharedRabbit,
+}
+
+impl Private {
+    async fn down(&mut self) -> Result<(), String> {
+        match self {
+            Private::Nats(server) => {
+                server.down().await;
+                Ok(())
+            }
+            Private::Rabbit(node, _) => nodes::rabbitmqctl(Some(&node.name), &["stop_app"]),
+            Private::SharedRabbit => nodes::rabbitmqctl(None, &["stop_app"]),
+        }
+    }
+
+    async fn up(&mut self) -> Result<(), String> {
+        match self {
+            Private::Nats(server) => server.up().await,
+            Private::Rabbit(node, _) => {
+                nodes::rabbitmqctl(Some(&node.name), &["start_app"])?;
+                nodes::rabbitmqctl(Some(&node.name), &["await_startup"])?;
+                if nodes::wait_port(node.port, Duration::from_secs(20)).await {
+                    Ok(())
+                } else {
+                    Err("the private RabbitMQ node did not listen again".into())
+                }
+            }
+            Private::SharedRabbit => {
+                nodes::rabbitmqctl(None, &["start_app"])?;
+                nodes::rabbitmqctl(None, &["await_startup"])
+            }
+        }
+    }
+}
+
+async fn restart_broker(suite: &mut Suite, env: &Env) -> Result<(), String> {
+    let kind = env.kind;
+    let dir = suite.work.join(format!("{}-broker", kind.name()));
+    let mut target = env.target.clone().with_lease(Duration::from_secs(3));
+    let mut where_ = String::new();
+    let mut broker = match kind {
+        Kind::Nats => {
+            let server =
+                nodes::NatsServer::start(&dir, &suite.logs.join("nats-server.private")).await?;
+            target.url = target
+                .url
+                .replacen("127.0.0.1:4222", &format!("127.0.0.1:{}", server.port), 1);
+            if !target.url.contains(&format!(":{}", server.port)) {
+                return Err("NATS_URL is not on 127.0.0.1:4222: cannot point it at the private server".into());
+            }
+            where_.push_str("a private nats-server (SIGTERM, restart)");
+            Private::Nats(server)
+        }
+        _ => {
+            let started = Instant::now();
+            match nodes::RabbitNode::start(&suite.run, &dir).await {
+                Ok(node) => {
+                    let password = random_text(24);
+                    suite
+                        .secrets
+                        .push(("RabbitMQ password (private node)".into(), password.clone()));
+                    let user = nodes::RabbitUser::create(Some(&node.name), "faults", &password)?;
+                    target.url = user.url(node.port);
+                    where_.push_str(&format!(
+                        "a private node (started in {}; stop_app/start_app)",
+                        secs(started.elapsed())
+                    ));
+                    Private::Rabbit(node, Some(user))
+                }
+                Err(e) if std::env::var("FAULTS_SHARED_BROKER").as_deref() == Ok("1") => {
+                    tracing::warn!(error = %e, "falling back to the shared node");
+                    where_.push_str(&format!(
+                        "the SHARED node (private node failed: {e}; stop_app/start_app)"
+                    ));
+                    Private::SharedRabbit
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    let result = restart_body(suite, kind, &target, &mut broker, &where_).await;
+    if let Private::Rabbit(_, user) = &mut broker {
+        // The user goes with the node; no need to delete it first.
+        if let Some(user) = user.take() {
+            std::mem::forget(user);
+        }
+    }
+    drop(broker);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn restart_body(
+    suite: &mut Suite,
+    kind: Kind,
+    target: &Target,
+    broker: &mut Private,
+    where_: &str,
+) -> Result<(), String> {
+    let n = 600;
+    let conn = Conn::connect(target).await.map_err(|e| e.to_string())?;
+    let producer = Producer::new(conn.driver());
+    let mut books = new_books(suite, kind, "restart");
+    let job = worker::job(&books.queue, 10, Duration::from_secs(60));
+    suite.dispatch(&producer, &job, &mut books, 0..n).await;
+    let spec = WorkerSpec {
+        target,
+        books: &books,
+        mode: Mode::Effect,
+        concurrency: 4,
+        cap: 10,
+        timeout: Duration::from_secs(60),
+        slow: Duration::ZERO,
+        panic_id: None,
+        tag: format!("{}-restart", kind.name()),
+    };
+    let mut workers = Workers {
+        children: vec![suite.spawn(&spec)],
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Tally::read(&books.ledger).lines() < 100 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = Tally::read(&books.ledger).effects.len();
+    let down_at = Instant::now();
+    broker.down().await?;
+    let stopped_in = down_at.elapsed();
+    let during_start = Tally::read(&books.ledger).lines();
+    suite
+        .outage_dispatches(kind, &producer, &job, &mut books, n)
+        .await;
+    let outage_len = down_at.elapsed();
+    let during = Tally::read(&books.ledger).lines() - during_start;
+    broker.up().await?;
+    let back_at = Instant::now();
+    let lines_at_back = Tally::read(&books.ledger).lines();
+    let mut first_new = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if Tally::read(&books.ledger).lines() > lines_at_back {
+            first_new = Some(back_at.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, done) = books
+        .wait_accounted(&conn, Duration::from_secs(120), false)
+        .await;
+    workers.stop().await;
+    let account = books.account(&conn).await;
+    suite.check_lost(kind, Fault::Restart, &account);
+    if first_new.is_none() {
+        suite.problems.push(format!(
+            "{} broker restart: no new effect within 60 s of the broker being back",
+            kind.name()
+        ));
+    }
+    let recovery = first_new.map_or("none within 60 s".into(), secs);
+    let notes = format!(
+        "{where_}; broker stopped after {before} effects (stop took {}), away {}; {during} effects during the outage; all accounted {} after it was back",
+        secs(stopped_in),
+        secs(outage_len),
+        done.map_or("NOT within 120 s".into(), |t| secs(t - back_at)),
+    );
+    let row = suite.row(kind, Fault::Restart, &books, &account, recovery, notes);
+    suite.rows.push(row);
+    let _ = conn.delete(&books.queue).await;
+    let _ = conn.driver().stop().await;
+    Ok(())
+}
+
+/// Crash loop: three jobs capped at 2 attempts whose handler aborts the
+/// worker on every delivery; the worker is restarted whenever it dies until
+/// every job has a failure record (at most 120 s, 80 restarts). Recovery:
+/// from the first start until the last failure record.
+async fn crash_loop(suite: &mut Suite, env: &Env) -> Result<(), String> {
+    let kind = env.kind;
+    if kind == Kind::Memory {
+        suite.rows.push(Row::na(
+            kind,
+            Fault::Crash,
+            "an abort would kill the orchestrator with the queue in it",
+        ));
+        return Ok(());
+    }
+    let cap = 2;
+    let target = env.target.with_lease(Duration::from_secs(2));
+    let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
+    let caps = conn.driver().capabilities();
+    let allowance = if caps.counts_shutdown_returns {
+        0
+    } else {
+        queue::settle::SHUTDOWN_GRACE
+    };
+    let producer = Producer::new(conn.driver());
+    let mut books = new_books(suite, kind, "crash");
+    let job = worker::job(&books.queue, cap, Duration::from_secs(30));
+    suite.dispatch(&producer, &job, &mut books, 0..3).await;
+    let spec = WorkerSpec {
+        target: &target,
+        books: &books,
+        mode: Mode::Abort,
+        concurrency: 1,
+        cap,
+        timeout: Duration::from_secs(30),
+        slow: Duration::ZERO,
+        panic_id: None,
+        tag: format!("{}-crash", kind.name()),
+    };
+    let mut workers = Workers {
+        children: vec![suite.spawn(&spec)],
+    };
+    let mut restarts = 0;
+    let mut first_start: Option<Instant> = None;
+    let mut last_record_count = 0;
+    let mut last_record_at = None;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut last_poll = Instant::now() - Duration::from_secs(1);
+    let ended = loop {
+        if first_start.is_none() && !Tally::read(&books.ledger).starts.is_empty() {
+            first_start = Some(Instant::now());
+        }
+        if last_poll.elapsed() >= Duration::from_millis(300) {
+            last_poll = Instant::now();
+            let account = books.account(&conn).await;
+            if account.records.len() > last_record_count {
+                last_record_count = account.records.len();
+                last_record_at = Some(Instant::now());
+            }
+            if account.recorded.len() == 3 && account.missing.is_empty() {
+                break true;
+            }
+        }
+        if Instant::now() >= deadline || restarts >= 80 {
+            break false;
+        }
+        if let Ok(Some(_)) = workers.children[0].try_wait() {
+            restarts += 1;
+            workers.children[0] = suite.spawn(&spec);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    workers.stop().await;
+    let account = books.account(&conn).await;
+    suite.check_lost(kind, Fault::Crash, &account);
+    let starts: usize = account.tally.starts.values().sum();
+    let most = account.tally.starts.values().copied().max().unwrap_or(0);
+    let bound = (cap + allowance) as usize;
+    if !ended {
+        suite.problems.push(format!(
+            "{} crash loop: did NOT end: {} of 3 failure records after {restarts} restarts (bound 120 s / 80 restarts)",
+            kind.name(),
+            account.recorded.len()
+        ));
+    }
+    if account.records.len() != 3 {
+        suite.problems.push(format!(
+            "{} crash loop: {} failure records, expected 3",
+            kind.name(),
+            account.records.len()
+        ));
+    }
+    if most > bound {
+        suite.problems.push(format!(
+            "{} crash loop: a job started {most} times, over its bound of cap {cap} + {allowance}",
+            kind.name()
+        ));
+    }
+    if account.tally.lines() > 0 {
+        suite.problems.push(format!(
+            "{} crash loop: {} effects from a handler that always aborts",
+            kind.name(),
+            account.tally.lines()
+        ));
+    }
+    let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &account.records {
+        *kinds.entry(format!("{:?} at delivery {}", r.kind, r.attempt)).or_default() += 1;
+    }
+    let recovery = match (first_start, last_record_at) {
+        (Some(a), Some(b)) if b > a => secs(b - a),
+        _ => "n/a".into(),
+    };
+    let mut row = suite.row(
+        kind,
+        Fault::Crash,
+        &books,
+        &account,
+        recovery,
+        format!(
+            "cap {cap}, lease {}; {starts} deliveries started (at most {most} per job; bound cap + {allowance} = {bound}); {restarts} worker restarts; records: {}",
+            secs(target.lease),
+            kinds
+                .iter()
+                .map(|(k, n)| format!("{n} x {k}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    );
+    row.executed = format!("0 ({starts} starts)");
+    suite.rows.push(row);
+    let _ = conn.delete(&books.queue).await;
+    let _ = conn.driver().stop().await;
+    Ok(())
+}
+
+/// Slow handler: five jobs whose handler runs 3 leases (lease 2 s, handler
+/// 6 s, job timeout 30 s), one worker with concurrency 5; then 5 s more to
+/// let a duplicate show. Recovery: from the dispatch until all effects.
+async fn slow(suite: &mut Suite, env: &Env) -> Result<(), String> {
+    let kind = env.kind;
+    match kind {
+        Kind::Memory => {
+            suite.rows.push(Row::na(
+                kind,
+                Fault::Slow,
+                "no lease: a delivery is held until it is settled",
+            ));
+            return Ok(());
+        }
+        Kind::Rabbitmq => {
+            suite.rows.push(Row::na(
+                kind,
+                Fault::Slow,
+                "no lease: a delivery is held while the consumer's channel lives",
+            ));
+            return Ok(());
+        }
+        _ => {}
+    }
+    let lease = Duration::from_secs(2);
+    let handler = lease * 3;
+    let target = env.target.with_lease(lease);
+    let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
+    let producer = Producer::new(conn.driver());
+    let mut books = new_books(suite, kind, "slow");
+    let job = worker::job(&books.queue, 3, Duration::from_secs(30));
+    let begun = Instant::now();
+    suite.dispatch(&producer, &job, &mut books, 0..5).await;
+    let spec = WorkerSpec {
+        target: &target,
+        books: &books,
+        mode: Mode::Slow,
+        concurrency: 5,
+        cap: 3,
+        timeout: Duration::from_secs(30),
+        slow: handler,
+        panic_id: None,
+        tag: format!("{}-slow", kind.name()),
+    };
+    let mut workers = Workers {
+        children: vec![suite.spawn(&spec)],
+    };
+    let (_, done) = books
+        .wait_accounted(&conn, Duration::from_secs(60), false)
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    workers.stop().await;
+    let account = books.account(&conn).await;
+    suite.check_lost(kind, Fault::Slow, &account);
+    let recovery = done.map_or("not within 60 s".into(), |t| secs(t - begun));
+    let notes = format!(
+        "lease {}, handler {} (3 leases), 1 worker x 5; duplicates here mean the lease was not extended",
+        secs(lease),
+        secs(handler)
+    );
+    let row = suite.row(kind, Fault::Slow, &books, &account, recovery, notes);
+    suite.rows.push(row);
+    let _ = conn.delete(&books.queue).await;
+    let _ = conn.driver().stop().await;
+    Ok(())
+}
+
+/// What the log scan found.
+struct Scan {
+    files: usize,
+    lines: usize,
+    hits: Vec<String>,
+}
+
+/// Scans every log of the run (workers' stderr with their debug traces,
+/// the orchestrator's trace, the private brokers' logs) for the payload
+/// marker and every credential.
+fn scan_logs(suite: &Suite) -> Scan {
+    let mut scan = Scan {
+        files: 0,
+        lines: 0,
+        hits: vec![],
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&suite.logs)
+        .map(|dir| dir.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    files.sort();
+    for file in files {
+        let Ok(bytes) = std::fs::read(&file) else {
+            continue;
+        };
+        scan.files += 1;
+        let text = String::from_utf8_lossy(&bytes);
+        let name = file.file_name().unwrap_or_default().to_string_lossy();
+        for (n, line) in text.lines().enumerate() {
+            scan.lines += 1;
+            let found: Vec<&(String, String)> = suite
+                .secrets
+                .iter()
+                .filter(|(_, value)| line.contains(value.as_str()))
+                .collect();
+            if found.is_empty() {
+                continue;
+            }
+            let mut masked = line.to_string();
+            for (label, value) in &suite.secrets {
+                masked = masked.replace(value.as_str(), &format!("<{label}>"));
+            }
+            let masked: String = masked.chars().take(400).collect();
+            let what: Vec<&str> = found.iter().map(|(l, _)| l.as_str()).collect();
+            scan.hits
+                .push(format!("{name}:{}: {} in: {masked}", n + 1, what.join(", ")));
+        }
+    }
+    scan
+}
+
+fn report(suite: &Suite, scan: &Scan, elapsed: Duration) -> String {
+    let mut out = String::new();
+    out.push_str("## Fault suite\n\n");
+    out.push_str(&format!(
+        "Run `{}`, {} worker processes, {} in total.\n\n",
+        suite.run,
+        suite.workers_spawned,
+        secs(elapsed)
+    ));
+    out.push_str("| driver | fault | dispatched | executed (distinct) | duplicates | lost | failure records | recovery | notes |\n");
+    out.push_str("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
+    for r in &suite.rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.backend.name(),
+            r.fault.name(),
+            r.dispatched,
+            r.executed,
+            r.duplicates,
+            r.lost,
+            r.records,
+            r.recovery,
+            r.notes.replace('|', "/")
+        ));
+    }
+    if !suite.outage.is_empty() {
+        out.push_str("\nDispatch while the backend is away (memory: after the driver is stopped; rabbitmq and nats: private broker stopped; sqs: a closed loopback port):\n\n");
+        out.push_str("| driver | call | outcome | latency |\n| --- | --- | --- | ---: |\n");
+        for c in &suite.outage {
+            out.push_str(&format!(
+                "| {} | {} | {} | {} ms |\n",
+                c.backend.name(),
+                c.what,
+                c.outcome,
+                c.latency.as_millis()
+            ));
+        }
+    }
+    out.push_str(&format!(
+        "\nLog scan: {} files, {} lines, searched for the payload marker and {} credentials: {}.\n",
+        scan.files,
+        scan.lines,
+        suite.secrets.len().saturating_sub(1),
+        if scan.hits.is_empty() {
+            "no hit".to_string()
+        } else {
+            format!("{} HITS", scan.hits.len())
+        }
+    ));
+    for hit in &scan.hits {
+        out.push_str(&format!("- LEAK {hit}\n"));
+    }
+    if !suite.problems.is_empty() {
+        out.push_str("\nProblems:\n\n");
+        for p in &suite.problems {
+            out.push_str(&format!("- {p}\n"));
+        }
+    }
+    out.push_str("\nRecovery: kill load, from the last kill until every id is in the ledger or a failure record; broker restart, from the broker being back until the first new effect; crash loop, from the first start until the last failure record; slow handler, from the dispatch until every effect.\n");
+    out
+}
+

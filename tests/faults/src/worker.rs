@@ -1,0 +1,157 @@
+//! The worker process: consumes one queue and records effects in the
+//! ledger.
+//!
+//! Ledger lines (one `write` each, on a file opened with `O_APPEND`, so
+//! lines from concurrent processes never interleave):
+//!
+//! - `<business id> <pid>`: the handler's effect, written once per
+//!   execution that completed (so a business id written twice is a
+//!   duplicate execution);
+//! - `start <business id> <pid>`: the `abort` handler started on a delivery.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use queue::{Job, JobContext, JobError, Registry};
+use queue_native::Consumer;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{Conn, Kind, Target};
+
+/// The job's name on every queue of the suite.
+pub(crate) const JOB: &str = "fault-item";
+
+/// The payload: a business id and the run's marker (which must never reach
+/// a log).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Item {
+    /// The business id the ledger is keyed by.
+    pub(crate) id: u64,
+    /// The run's payload marker.
+    pub(crate) marker: String,
+}
+
+/// What the handler does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Mode {
+    /// Sleeps 0–20 ms, appends `<id> <pid>` to the ledger, succeeds.
+    Effect,
+    /// Appends `start <id> <pid>`, then aborts the process.
+    Abort,
+    /// Sleeps `--slow-ms`, then records its effect as `effect` does.
+    Slow,
+}
+
+/// `queue-faults worker`: consumes one queue until killed or SIGTERM.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct WorkerArgs {
+    /// The backend (its URL and keys come from the orchestrator's environment).
+    #[arg(long, value_enum)]
+    pub(crate) backend: Kind,
+    /// The queue to consume.
+    #[arg(long)]
+    pub(crate) queue: String,
+    /// What the handler does.
+    #[arg(long, value_enum)]
+    pub(crate) mode: Mode,
+    /// The ledger file.
+    #[arg(long)]
+    pub(crate) ledger: PathBuf,
+    /// Deliveries handled at once.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) concurrency: usize,
+    /// The job's attempt cap.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) cap: u32,
+    /// NATS AckWait / SQS visibility timeout, in ms.
+    #[arg(long, default_value_t = 3000)]
+    pub(crate) lease_ms: u64,
+    /// The job's timeout, in ms.
+    #[arg(long, default_value_t = 60_000)]
+    pub(crate) timeout_ms: u64,
+    /// How long the `slow` handler runs, in ms.
+    #[arg(long, default_value_t = 6000)]
+    pub(crate) slow_ms: u64,
+    /// A business id whose first delivery panics in the handler.
+    #[arg(long)]
+    pub(crate) panic_id: Option<u64>,
+}
+
+/// The job every process of the suite declares.
+pub(crate) fn job(queue: &str, cap: u32, timeout: Duration) -> Job<Item> {
+    Job::<Item>::builder(JOB)
+        .queue(queue)
+        .retry(cap)
+        .timeout(timeout)
+        .build()
+        .expect("the suite's job is valid")
+}
+
+/// Appends `line` to the ledger in one write.
+pub(crate) fn append(ledger: &File, line: &str) {
+    let mut file = ledger;
+    file.write_all(line.as_bytes())
+        .expect("append to the ledger");
+}
+
+/// Opens `path` for appending (creating it).
+pub(crate) fn open_ledger(path: &Path) -> File {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open the ledger {}: {e}", path.display()))
+}
+
+/// Runs the worker until SIGTERM (or a kill).
+pub(crate) async fn run(args: WorkerArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let target = Target::from_env(args.backend, Duration::from_millis(args.lease_ms));
+    let conn = Conn::connect(&target).await?;
+    let driver = conn.driver();
+    let ledger = Arc::new(open_ledger(&args.ledger));
+    let pid = std::process::id();
+    let job = job(&args.queue, args.cap, Duration::from_millis(args.timeout_ms));
+    let mode = args.mode;
+    let slow = Duration::from_millis(args.slow_ms);
+    let panic_id = args.panic_id;
+    static PANICKED: AtomicBool = AtomicBool::new(false);
+    let mut registry = Registry::new();
+    registry.register(&job, move |ctx: JobContext, item: Item| {
+        let ledger = ledger.clone();
+        async move {
+            match mode {
+                Mode::Abort => {
+                    append(&ledger, &format!("start {} {pid}\n", item.id));
+                    std::process::abort();
+                }
+                Mode::Effect => {
+                    if panic_id == Some(item.id)
+                        && ctx.attempt() == 1
+                        && !PANICKED.swap(true, Ordering::SeqCst)
+                    {
+                        panic!("injected handler panic for business id {}", item.id);
+                    }
+                    let pause = Duration::from_millis(fastrand::u64(0..=20));
+                    tokio::time::sleep(pause).await;
+                }
+                Mode::Slow => tokio::time::sleep(slow).await,
+            }
+            append(&ledger, &format!("{} {pid}\n", item.id));
+            Ok::<(), JobError>(())
+        }
+    })?;
+    tracing::info!(queue = %args.queue, mode = ?mode, pid, "worker consuming");
+    Consumer::builder(driver.clone(), registry)
+        .concurrency(args.concurrency)
+        .build()
+        .run_until_signal()
+        .await?;
+    driver.stop().await?;
+    tracing::info!(pid, "worker stopped");
+    Ok(())
+}

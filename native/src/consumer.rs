@@ -146,8 +146,12 @@ impl Consumer {
     /// taking deliveries (each subscription is closed, so the backend sends
     /// no more), cancel the active handlers' contexts, and join every active
     /// delivery (each settles with its own fresh budget).
-    /// Fails at once if a queue cannot be subscribed.
+    /// Fails at once if the driver refuses a job ([`Driver::check_job`]) or
+    /// a queue cannot be subscribed.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
+        for spec in self.registry.specs() {
+            self.driver.check_job(spec)?;
+        }
         let mut sources = Vec::new();
         for queue in self.registry.queues() {
             let subscription = self.driver.subscribe(&queue, self.concurrency).await?;

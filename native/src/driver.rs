@@ -41,6 +41,13 @@ pub struct Capabilities {
     /// they do not, the rules allow one delivery of grace past the cap
     /// ([`queue::SHUTDOWN_GRACE`]).
     pub counts_shutdown_returns: bool,
+    /// The largest message body, in bytes, the backend stores: the encoded
+    /// envelope, which holds the payload. [`Producer`](crate::Producer)
+    /// refuses a longer one before any I/O, with [`ErrorKind::NotAccepted`]
+    /// and an error naming both sizes, rather than leaving the backend to
+    /// refuse it (or, where the backend counts its own headers, to refuse it
+    /// only sometimes). `None`: no limit known.
+    pub max_message_bytes: Option<usize>,
 }
 
 impl Capabilities {
@@ -53,6 +60,7 @@ impl Capabilities {
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
+            max_message_bytes: None,
         }
     }
 }
@@ -87,6 +95,15 @@ pub trait Driver: Send + Sync + 'static {
     ) -> Result<Box<dyn Subscription>, DriverError>;
     /// Releases the backend. Call after every consumer has been joined.
     async fn stop(&self) -> Result<(), DriverError>;
+
+    /// Refuses, with [`ErrorKind::Config`], a job this backend cannot run
+    /// as declared (a delivery it would hold longer than the backend allows,
+    /// say). A consumer checks every registered job before it subscribes to
+    /// anything. The default accepts every job.
+    fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
+        let _ = spec;
+        Ok(())
+    }
 }
 
 /// A stream of deliveries from one queue.

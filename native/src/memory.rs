@@ -11,6 +11,9 @@
 //! A delivery dropped without settlement (a crashed handler task, a consumer
 //! that went away) goes back to the front of its queue with its count kept,
 //! so it is redelivered with a higher attempt number, as a broker would.
+//!
+//! It has no size limit ([`Capabilities::max_message_bytes`] is `None`):
+//! a message is only as large as memory allows.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -73,7 +73,8 @@ impl Producer {
             .await
     }
 
-    /// Sends raw bytes to `queue` (for tests of malformed input and for
+    /// Sends raw bytes to `queue` (refused before any I/O if longer than
+    /// the driver's [`max_message_bytes`](crate::Capabilities::max_message_bytes)) (for tests of malformed input and for
     /// bridging producers written in other languages).
     pub async fn send_raw(
         &self,
@@ -90,6 +91,24 @@ impl Producer {
                 "this backend cannot delay a dispatch",
             ));
         }
+        check_size(self.driver.as_ref(), body.len())?;
         self.driver.send(queue, Outgoing { id, body, delay }).await
+    }
+}
+
+/// Refuses a body longer than `driver`'s
+/// [`max_message_bytes`](crate::Capabilities::max_message_bytes).
+fn check_size(driver: &dyn Driver, len: usize) -> Result<(), DriverError> {
+    match driver.capabilities().max_message_bytes {
+        Some(limit) if len > limit => Err(DriverError::new(
+            driver.name(),
+            ErrorKind::NotAccepted,
+            format!(
+                "message of {len} bytes is over the {} driver's limit of {limit} bytes \
+                 (max_message_bytes); nothing was sent",
+                driver.name()
+            ),
+        )),
+        _ => Ok(()),
     }
 }

@@ -43,6 +43,13 @@
 //! scheduled messages: a dispatch with a delay is refused with
 //! [`ErrorKind::Unsupported`] and `delayed_dispatch` is `false`.
 //!
+//! A dispatch body may be at most the server's `max_payload` (1 MiB by
+//! default; from the server's greeting, re-read after every reconnection)
+//! less [`HEADER_ROOM`] bytes, since the server counts a message's headers
+//! in `max_payload`: [`Capabilities::max_message_bytes`] reports it once the
+//! driver has connected, and a longer body is refused before it is sent
+//! ([`ErrorKind::NotAccepted`]).
+//!
 //! While the connection is down (the server stopped, the network cut),
 //! async-nats queues every request until it has reconnected, so a request
 //! made then would wait for the whole `operation_timeout`. A dispatch checks
@@ -186,6 +193,12 @@ pub const ATTEMPTS_HEADER: &str = "Queue-Attempts";
 /// (see [`queue::exceeds_crash_bound`]).
 pub const SHUTDOWNS_HEADER: &str = "Queue-Shutdowns";
 
+/// What the driver keeps free of the server's `max_payload` for the headers
+/// it adds to a message (the server counts headers in `max_payload`): the
+/// message id, and on a graceful shutdown's copy the derived id and the
+/// carried counts.
+pub const HEADER_ROOM: usize = 256;
+
 fn config_error(message: impl Into<String>) -> DriverError {
     DriverError::new(NAME, ErrorKind::Config, message.into())
 }
@@ -231,6 +244,9 @@ pub(crate) struct Inner {
     stopped: watch::Sender<bool>,
     /// Bumped on every (re)connection of the client.
     connections: Arc<watch::Sender<u64>>,
+    /// The client once connected, to read the server's `max_payload`
+    /// without waiting for the link's lock.
+    client: Mutex<Option<Client>>,
 }
 
 /// The NATS JetStream driver. Clones share one connection.
@@ -270,6 +286,7 @@ impl NatsDriver {
                 known: Mutex::default(),
                 stopped,
                 connections: Arc::new(connections),
+                client: Mutex::default(),
             }),
         })
     }
@@ -319,6 +336,15 @@ impl NatsDriver {
     /// configured).
     pub fn failure_stream_name(&self, queue: &str) -> String {
         format!("{}_failed", self.stream_name(queue))
+    }
+
+    /// The largest dispatch body the connected server stores: its
+    /// `max_payload` minus [`HEADER_ROOM`]. `None` before the first
+    /// connection.
+    pub fn max_message_bytes(&self) -> Option<usize> {
+        let client = lock(&self.inner.client);
+        let max_payload = client.as_ref()?.server_info().max_payload;
+        (max_payload > 0).then(|| max_payload.saturating_sub(HEADER_ROOM))
     }
 
     fn is_stopped(&self) -> bool {
@@ -418,6 +444,7 @@ impl NatsDriver {
         let js = jetstream::ContextBuilder::new()
             .timeout(config.operation_timeout)
             .build(client.clone());
+        *lock(&self.inner.client) = Some(client.clone());
         let fresh = Link { client, js };
         *link = Some(fresh.clone());
         Ok(fresh)
@@ -777,7 +804,7 @@ impl NatsDriver {
                 Ok(message) => match FailureRecord::decode(&message.payload) {
                     Ok(record) => records.push(record),
                     Err(e) => {
-                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {e}")
+                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {}", queue::redact::json_error(&e))
                     }
                 },
                 Err(e)
@@ -879,6 +906,7 @@ impl Driver for NatsDriver {
             redelivery_hint: self.inner.config.ack_wait,
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
+            max_message_bytes: self.max_message_bytes(),
         }
     }
 
@@ -908,6 +936,18 @@ impl Driver for NatsDriver {
                     self.inner.endpoint.address
                 ),
             ));
+        }
+        if let Some(limit) = self.max_message_bytes() {
+            if message.body.len() > limit {
+                return Err(error(
+                    ErrorKind::NotAccepted,
+                    format!(
+                        "message of {} bytes is over the nats driver's limit of {limit} bytes \
+                         (the server's max_payload less {HEADER_ROOM} bytes for headers); nothing was sent",
+                        message.body.len()
+                    ),
+                ));
+            }
         }
         self.declare(queue).await.map_err(|e| match e.kind() {
             ErrorKind::Config | ErrorKind::Stopped | ErrorKind::NotAccepted => e,

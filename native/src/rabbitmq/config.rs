@@ -8,6 +8,9 @@ use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
 use super::{config_error, DEFAULT_DELAY_BUCKETS};
 use crate::driver::DriverError;
 
+/// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 134_217_728;
+
 /// Settings for [`RabbitDriver`](super::RabbitDriver).
 ///
 /// `Debug` never shows the password in [`url`](Self::url).
@@ -43,6 +46,26 @@ pub struct RabbitConfig {
     /// below it is refused, since the broker would drop a message before the
     /// facade's cap. Default: the unknown-name cap, 10.
     pub largest_attempt_cap: u32,
+    /// The broker's `consumer_timeout` (default 30 min, RabbitMQ's default):
+    /// it must equal the `consumer_timeout` setting in the broker's
+    /// rabbitmq.conf or advanced.config. The broker closes the channel of a
+    /// delivery unacknowledged for longer (checked about once a minute) and
+    /// redelivers its message while the handler may still be running, and
+    /// RabbitMQ 3.10 has no per-queue override. A consumer therefore refuses
+    /// to start a job whose longest hold on one delivery (its timeout times
+    /// its in-process attempts, plus the tier-one waits between them) does
+    /// not fit in it with [`CONSUMER_TIMEOUT_MARGIN`](super::CONSUMER_TIMEOUT_MARGIN)
+    /// to spare. A job with no timeout is accepted with a warning: nothing
+    /// bounds its handler, so it is the application's to finish in time.
+    pub consumer_timeout: Duration,
+    /// The largest message body, in bytes, the broker accepts: it must
+    /// equal the broker's `max_message_size` (rabbitmq.conf; 134,217,728
+    /// bytes, 128 MiB, by default since RabbitMQ 3.8, which is this
+    /// default). Reported as
+    /// [`Capabilities::max_message_bytes`](crate::Capabilities::max_message_bytes),
+    /// so a longer body is refused before anything is sent instead of
+    /// closing the publishing channel on the broker.
+    pub max_message_bytes: usize,
     /// The connection name shown by the broker (`rabbitmqctl list_connections name`).
     pub connection_name: String,
     /// Extra certificate authorities to trust for `amqps://`, PEM-encoded
@@ -67,6 +90,8 @@ impl RabbitConfig {
             max_reconnect_backoff: Duration::from_secs(5),
             delivery_limit: None,
             largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            consumer_timeout: Duration::from_secs(30 * 60),
             connection_name: "queue-native".into(),
             ca_certificates: None,
         }
@@ -172,6 +197,21 @@ impl RabbitConfig {
                 )));
             }
         }
+        if self.max_message_bytes == 0 || self.max_message_bytes > 536_870_912 {
+            return Err(config_error(format!(
+                "max_message_bytes {} must be between 1 and 536,870,912 (512 MiB, RabbitMQ's largest \
+                 max_message_size); set it to the broker's max_message_size",
+                self.max_message_bytes
+            )));
+        }
+        if self.consumer_timeout <= super::CONSUMER_TIMEOUT_MARGIN {
+            return Err(config_error(format!(
+                "consumer_timeout {:?} leaves no time for a handler: it must exceed {:?} (and equal the \
+                 broker's consumer_timeout setting)",
+                self.consumer_timeout,
+                super::CONSUMER_TIMEOUT_MARGIN
+            )));
+        }
         if self.confirm_timeout.is_zero() || self.operation_timeout.is_zero() {
             return Err(config_error("timeouts must be positive"));
         }
@@ -190,6 +230,8 @@ impl fmt::Debug for RabbitConfig {
             .field("max_reconnect_backoff", &self.max_reconnect_backoff)
             .field("delivery_limit", &self.delivery_limit)
             .field("largest_attempt_cap", &self.largest_attempt_cap)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("consumer_timeout", &self.consumer_timeout)
             .field("connection_name", &self.connection_name)
             .field(
                 "ca_certificates",

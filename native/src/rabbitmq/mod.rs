@@ -42,6 +42,12 @@
 //! needed. A broker that accepts TCP but does not answer makes a dispatch
 //! wait up to `operation_timeout` for the connection.
 //!
+//! A body longer than [`max_message_bytes`](RabbitConfig::max_message_bytes)
+//! (default 128 MiB, RabbitMQ's default `max_message_size`; set it to the
+//! broker's value) is refused before anything is sent, with
+//! [`ErrorKind::NotAccepted`]: the broker would otherwise close the
+//! publishing channel. The broker counts the body only, not the headers.
+//!
 //! # Attempts
 //!
 //! Each republish carries the header [`ATTEMPTS_HEADER`] (`x-queue-attempts`):
@@ -107,6 +113,22 @@
 //! limit of 20: set `delivery_limit` explicitly above your caps there, and
 //! note that a work queue declared by an older version keeps its arguments.)
 //!
+//! # The broker's consumer timeout
+//!
+//! RabbitMQ closes the channel of a delivery left unacknowledged longer than
+//! its `consumer_timeout` (30 min by default, checked on a 60 s tick; 3.10
+//! has no per-queue override) and redelivers the message, even though the
+//! handler is still running: the settlement then fails and the work runs
+//! twice. [`consumer_timeout`](RabbitConfig::consumer_timeout) tells the
+//! driver the broker's value (it must be the same), and a consumer refuses
+//! to start ([`ErrorKind::Config`], naming the job, its timeout and the
+//! setting) with a job whose [`longest_hold`] on a delivery (timeout x
+//! in-process attempts, plus the tier-one waits) does not fit in it with
+//! [`CONSUMER_TIMEOUT_MARGIN`] to spare. A job without a timeout is
+//! accepted with a warning at start: its handler is unbounded by
+//! construction, and keeping it under the broker's limit is the
+//! application's business.
+//!
 //! # Consumption and connection loss
 //!
 //! A subscription opens its own channel with `basic.qos(prefetch)` and
@@ -154,12 +176,30 @@ use queue::FailureRecord;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-pub use config::RabbitConfig;
+pub use config::{RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES};
 use delivery::RabbitSubscription;
 
 use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 
 const NAME: &str = "rabbitmq";
+/// What a job's longest hold on a delivery must leave free of
+/// [`RabbitConfig::consumer_timeout`]: the broker checks the timeout on a
+/// 60-second tick, and the settlement after the last execution takes time too.
+pub const CONSUMER_TIMEOUT_MARGIN: Duration = Duration::from_secs(60);
+
+/// The longest a delivery of `spec` is held before its settlement: every
+/// in-process attempt running to its timeout, plus each tier-one wait at its
+/// longest (the longer of the tier-one backoff and `tier_one.max_wait`).
+/// `None` for a job without a timeout.
+pub fn longest_hold(spec: &queue::JobSpec) -> Option<Duration> {
+    let timeout = spec.timeout.filter(|t| !t.is_zero())?;
+    let attempts = spec.tier_one.attempts.max(1);
+    let waits = (2..=attempts)
+        .map(|i| spec.tier_one.backoff.delay(i).max(spec.tier_one.max_wait))
+        .fold(Duration::ZERO, Duration::saturating_add);
+    Some(timeout.saturating_mul(attempts).saturating_add(waits))
+}
+
 /// How long [`Driver::stop`] waits at most for released channels to close.
 const RELEASED_CHANNELS_WAIT: Duration = Duration::from_secs(2);
 
@@ -709,7 +749,7 @@ impl RabbitDriver {
             match FailureRecord::decode(&message.delivery.data) {
                 Ok(record) => records.push(record),
                 Err(e) => {
-                    warn!(queue = %failed, "skipping a message that is not a failure record: {e}")
+                    warn!(queue = %failed, "skipping a message that is not a failure record: {}", queue::redact::json_error(&e))
                 }
             }
         }
@@ -795,6 +835,7 @@ impl Driver for RabbitDriver {
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
+            max_message_bytes: Some(self.inner.config.max_message_bytes),
         }
     }
 
@@ -807,6 +848,17 @@ impl Driver for RabbitDriver {
             | ErrorKind::NotAccepted => e,
             _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),
         };
+        let limit = self.inner.config.max_message_bytes;
+        if message.body.len() > limit {
+            return Err(error(
+                ErrorKind::NotAccepted,
+                format!(
+                    "message of {} bytes is over the rabbitmq driver's limit of {limit} bytes \
+                     (max_message_bytes, the broker's max_message_size); nothing was sent",
+                    message.body.len()
+                ),
+            ));
+        }
         self.declare_work(queue).await.map_err(not_sent)?;
         let target = self
             .route_for_delay(queue, message.delay)
@@ -818,6 +870,33 @@ impl Driver for RabbitDriver {
             Self::properties(Some(&message.id), 0, 0),
         )
         .await
+    }
+
+    fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
+        let limit = self.inner.config.consumer_timeout;
+        let Some(hold) = longest_hold(spec) else {
+            warn!(
+                job = %spec.name,
+                "job `{}` has no timeout: a handler running longer than the broker's consumer_timeout \
+                 ({limit:?}) loses its channel and its message is redelivered while it still runs",
+                spec.name
+            );
+            return Ok(());
+        };
+        if hold.saturating_add(CONSUMER_TIMEOUT_MARGIN) > limit {
+            let timeout = spec.timeout.unwrap_or_default();
+            return Err(config_error(format!(
+                "job `{}` can hold a delivery for {hold:?} (timeout {timeout:?} x {} in-process attempts, \
+                 plus tier-one waits), which with {CONSUMER_TIMEOUT_MARGIN:?} to spare does not fit in \
+                 consumer_timeout {limit:?} (RabbitConfig::consumer_timeout, which must equal the broker's \
+                 consumer_timeout setting): the broker would close the channel and redeliver the message \
+                 while the handler still runs; shorten the job's timeout or tier one, or raise \
+                 consumer_timeout on the broker and in the configuration",
+                spec.name,
+                spec.tier_one.attempts.max(1)
+            )));
+        }
+        Ok(())
     }
 
     async fn subscribe(

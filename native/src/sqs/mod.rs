@@ -827,6 +827,8 @@ impl Driver for SqsDriver {
             redelivery_hint: self.inner.config.visibility_timeout,
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
+            // SQS's 262,144 bytes count message attributes too: 64 stay free for a retry's counts.
+            max_message_bytes: Some(262_144 - 64),
         }
     }
 

@@ -59,6 +59,8 @@ macro_rules! conformance_suite {
             open_breaker_skips_tier_one,
             validation_failure_costs_no_execution,
             shutdown_during_tier_one_backoff_retries_at_once,
+            oversize_dispatch_is_refused_before_io,
+            body_at_the_limit_round_trips,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {

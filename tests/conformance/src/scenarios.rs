@@ -1012,3 +1012,136 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     );
     next.shutdown().await.unwrap();
 }
+
+/// A payload whose size a scenario chooses.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Padded {
+    /// Filler.
+    pub pad: String,
+}
+
+/// An envelope for `job` whose encoded body is exactly `size` bytes.
+fn envelope_of_size(job: &str, size: usize) -> Envelope {
+    let mut envelope = Envelope::new(job, serde_json::json!({ "pad": "" }));
+    let base = envelope.encode().len();
+    assert!(
+        size >= base,
+        "a body of {size} bytes cannot hold an envelope"
+    );
+    envelope.payload = serde_json::json!({ "pad": "a".repeat(size - base) });
+    assert_eq!(envelope.encode().len(), size);
+    envelope
+}
+
+/// A body one byte over the driver's `max_message_bytes` is refused as not
+/// accepted before any I/O (even through a stopped driver), with an error
+/// naming the limit and the size; nothing reaches the queue.
+pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
+    let h = Harness::new(backend, "oversize").await;
+    let Some(limit) = h.driver.capabilities().max_message_bytes else {
+        println!(
+            "skipped: the {} driver reports no size limit",
+            h.driver.name()
+        );
+        return;
+    };
+    let job = Job::<Padded>::builder("oversize")
+        .queue(h.queue.clone())
+        .build()
+        .unwrap();
+    let over = envelope_of_size(job.name(), limit + 1);
+    let err = h
+        .producer
+        .send_envelope(&h.queue, &over, None)
+        .await
+        .expect_err("an oversize message was accepted");
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&limit.to_string()), "{text}");
+    assert!(text.contains(&(limit + 1).to_string()), "{text}");
+
+    // Before any I/O: a stopped driver refuses it for its size, not for
+    // being stopped.
+    let stopped = backend.connect().await;
+    stopped.stop().await.unwrap();
+    let err = queue_native::Producer::new(stopped)
+        .send_envelope(&h.queue, &over, None)
+        .await
+        .expect_err("an oversize message was accepted");
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+    assert!(err.to_string().contains(&limit.to_string()), "{err}");
+
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |_ctx, padded: Padded| {
+            record.lock().unwrap().push(padded.pad.len());
+            std::future::ready(Ok(()))
+        })
+        .unwrap();
+    h.producer
+        .dispatch(&job, &Padded { pad: "x".into() })
+        .await
+        .unwrap();
+    let consumer = h.start(registry, 2);
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    // Time for anything else in the queue to arrive.
+    tokio::time::sleep(MS(500)).await;
+    consumer.shutdown().await.unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [1],
+        "only the small message was stored"
+    );
+    assert_eq!(h.events.names(), ["succeeded"]);
+    assert!(backend.failure_records(&h.queue).await.is_empty());
+}
+
+/// A message whose body is exactly the driver's `max_message_bytes` is
+/// dispatched, delivered whole and acknowledged.
+pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
+    let h = Harness::new(backend, "at-limit").await;
+    let Some(limit) = h.driver.capabilities().max_message_bytes else {
+        println!(
+            "skipped: the {} driver reports no size limit",
+            h.driver.name()
+        );
+        return;
+    };
+    let job = Job::<Padded>::builder("at-limit")
+        .queue(h.queue.clone())
+        .retry(3)
+        .build()
+        .unwrap();
+    let envelope = envelope_of_size(job.name(), limit);
+    let expected = match &envelope.payload["pad"] {
+        serde_json::Value::String(pad) => pad.len(),
+        other => panic!("unexpected payload {other}"),
+    };
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(&job, move |_ctx, padded: Padded| {
+            record.lock().unwrap().push(padded.pad.len());
+            std::future::ready(Ok(()))
+        })
+        .unwrap();
+    let started = Instant::now();
+    h.producer
+        .send_envelope(&h.queue, &envelope, None)
+        .await
+        .unwrap_or_else(|e| panic!("a message of exactly {limit} bytes was refused: {e}"));
+    let consumer = h.start(registry, 1);
+    let events = h.events.wait_count(h.patience, "succeeded", 1).await;
+    println!(
+        "{}: a {limit}-byte message round-tripped in {:?}",
+        h.driver.name(),
+        started.elapsed()
+    );
+    consumer.shutdown().await.unwrap();
+    assert_eq!(events[0].message_id, envelope.id);
+    assert_eq!(*seen.lock().unwrap(), [expected]);
+    assert!(backend.failure_records(&h.queue).await.is_empty());
+}

@@ -492,3 +492,64 @@ async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
         0
     );
 }
+
+/// A job that can hold a delivery longer than the broker's consumer timeout
+/// (less a minute for its check) is refused when the consumer starts,
+/// naming the job, its timeout and the setting; one that fits starts, and so
+/// does a job without a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_longer_than_the_consumer_timeout_is_refused_at_start() {
+    let _broker = BROKER.read().await;
+    let mut config = RabbitConfig::new(url()).delay_buckets([MS(100)]);
+    config.connection_name = "conformance-extra".into();
+    config.consumer_timeout = Duration::from_secs(20 * 60);
+    let backend = Fixture::<RabbitMq>::new(config);
+    let h = Harness::new(&backend, "rmq-consumer-timeout").await;
+    let handler = |_ctx, _work: Work| std::future::ready(Ok(()));
+
+    // 3 x 7 min (plus tier-one waits) does not fit in 20 min - 1 min.
+    let long = h
+        .job("seven-minutes-thrice")
+        .timeout(Duration::from_secs(7 * 60))
+        .tier_one(3)
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry.register(&long, handler).unwrap();
+    let err = h
+        .start(registry, 1)
+        .shutdown()
+        .await
+        .expect_err("a job longer than consumer_timeout started");
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    let text = err.to_string();
+    for part in ["seven-minutes-thrice", "420s", "consumer_timeout", "1200s"] {
+        assert!(text.contains(part), "`{part}` missing from: {text}");
+    }
+
+    // One attempt of 6 min fits; so does a job with no timeout.
+    let fits = h
+        .job("six-minutes-once")
+        .timeout(Duration::from_secs(6 * 60))
+        .build()
+        .unwrap();
+    let unbounded = h
+        .job("no-timeout")
+        .queue(format!("{}-b", h.queue))
+        .build()
+        .unwrap();
+    let mut registry = Registry::new();
+    registry.register(&fits, handler).unwrap();
+    registry.register(&unbounded, handler).unwrap();
+    let consumer = h.start(registry, 1);
+    h.producer.dispatch(&fits, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    consumer.shutdown().await.unwrap();
+
+    // A consumer_timeout no larger than the margin leaves nothing to run in.
+    let mut tiny = RabbitConfig::new(url());
+    tiny.consumer_timeout = Duration::from_secs(60);
+    let err = RabbitDriver::new(tiny).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(err.to_string().contains("consumer_timeout"), "{err}");
+}

@@ -550,6 +550,33 @@ impl RabbitDriver {
         }
     }
 
+    /// Waits (up to `limit`) for lapin's IO loop of a closed `connection` to
+    /// end. lapin answers `close` once the broker confirmed it, while its IO
+    /// loop, a thread of its own, still shuts the socket down through the
+    /// tokio reactor. A program that returns from `main` right after
+    /// [`Driver::stop`] would shut the runtime down under that thread, which
+    /// then logs an I/O error ("the Tokio context is being shut down") at
+    /// error level although nothing went wrong. Only a connection no longer
+    /// connected is waited for (its loop is ending), and only if no other
+    /// handle shares it.
+    async fn await_io_loop(connection: Arc<Connection>, limit: Duration) {
+        if connection.status().connected() {
+            return;
+        }
+        let Ok(connection) = Arc::try_unwrap(connection) else {
+            debug!("the connection is still shared; not waiting for its IO loop");
+            return;
+        };
+        match tokio::time::timeout(limit, tokio::task::spawn_blocking(move || connection.run()))
+            .await
+        {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => debug!("the connection's IO loop ended with: {e}"),
+            Ok(Err(e)) => debug!("waiting for the connection's IO loop failed: {e}"),
+            Err(_) => debug!("the connection's IO loop did not end within {limit:?}"),
+        }
+    }
+
     /// Opens a channel on the (re-established if needed) connection.
     pub(crate) async fn open_channel(&self) -> Result<Channel, DriverError> {
         let connection = self.connection().await?;
@@ -914,33 +941,43 @@ impl Driver for RabbitDriver {
     async fn stop(&self) -> Result<(), DriverError> {
         self.inner.stopped.send_replace(true);
         let link = self.inner.link.lock().await.take();
-        if let Some(link) = link {
-            let limit = self.inner.config.operation_timeout;
-            self.await_released_channels(limit.min(RELEASED_CHANNELS_WAIT))
-                .await;
-            if link.connection.status().connected() {
-                let outcome =
-                    tokio::time::timeout(limit, link.connection.close(200, "driver stopped")).await;
-                // A channel whose last handle dropped just now (a delivery
-                // settled by a task still running) was being closed in the
-                // background when the connection began closing; lapin then
-                // ends the connection with that error instead of a clean
-                // close. The connection is gone either way and everything
-                // settled before `stop` was already on the wire.
-                if let Ok(Err(lapin::Error::InvalidChannelState(state))) = &outcome {
-                    if !link.connection.status().connected() {
-                        debug!("connection ended without a clean close (a channel was {state:?})");
-                        return Ok(());
-                    }
+        let Some(Link {
+            connection,
+            publisher,
+        }) = link
+        else {
+            return Ok(());
+        };
+        let limit = self.inner.config.operation_timeout;
+        self.await_released_channels(limit.min(RELEASED_CHANNELS_WAIT))
+            .await;
+        let mut closed = Ok(());
+        if connection.status().connected() {
+            let outcome =
+                tokio::time::timeout(limit, connection.close(200, "driver stopped")).await;
+            // A channel whose last handle dropped just now (a delivery
+            // settled by a task still running) was being closed in the
+            // background when the connection began closing; lapin then
+            // ends the connection with that error instead of a clean
+            // close. The connection is gone either way and everything
+            // settled before `stop` was already on the wire.
+            closed = match &outcome {
+                Ok(Err(lapin::Error::InvalidChannelState(state)))
+                    if !connection.status().connected() =>
+                {
+                    debug!("connection ended without a clean close (a channel was {state:?})");
+                    Ok(())
                 }
-                answer(
+                _ => answer(
                     limit,
                     "closing the connection",
                     ErrorKind::Connection,
                     outcome,
-                )?;
-            }
+                ),
+            };
         }
-        Ok(())
+        drop(publisher);
+        Self::await_io_loop(connection, limit).await;
+        closed
     }
 }

@@ -101,6 +101,22 @@ impl Target {
     }
 }
 
+/// The SQS settings of `target`.
+#[cfg(feature = "sqs")]
+fn sqs_config(target: &Target) -> queue_native::SqsConfig {
+    let (key, secret) = target
+        .sqs_keys
+        .clone()
+        .unwrap_or_else(|| ("test".into(), "test".into()));
+    let mut config = queue_native::SqsConfig::new("us-east-1")
+        .endpoint(target.url.clone())
+        .credentials(queue_native::SqsCredentials::fixed(key, secret))
+        .visibility_timeout(Duration::from_secs(target.lease.as_secs().max(1)))
+        .wait_time(Duration::from_secs(1));
+    config.operation_timeout = target.operation_timeout;
+    config
+}
+
 /// A connected driver of any kind.
 #[derive(Clone)]
 pub(crate) enum Conn {
@@ -155,22 +171,19 @@ impl Conn {
                 Ok(Conn::Nats(queue_native::NatsDriver::connect(config).await?))
             }
             #[cfg(feature = "sqs")]
-            Kind::Sqs => {
-                let (key, secret) = target
-                    .sqs_keys
-                    .clone()
-                    .unwrap_or_else(|| ("test".into(), "test".into()));
-                let mut config = queue_native::SqsConfig::new("us-east-1")
-                    .endpoint(target.url.clone())
-                    .credentials(queue_native::SqsCredentials::fixed(key, secret))
-                    .visibility_timeout(Duration::from_secs(lease.as_secs().max(1)))
-                    .wait_time(Duration::from_secs(1));
-                config.operation_timeout = target.operation_timeout;
-                Ok(Conn::Sqs(queue_native::SqsDriver::connect(config).await?))
-            }
+            Kind::Sqs => Ok(Conn::Sqs(
+                queue_native::SqsDriver::connect(sqs_config(target)).await?,
+            )),
             #[allow(unreachable_patterns)]
             other => Err(not_built(other)),
         }
+    }
+
+    /// A driver that makes no request before it is used (SQS only; the
+    /// others connect): to time dispatches against an endpoint that is down.
+    #[cfg(feature = "sqs")]
+    pub(crate) fn sqs_unconnected(target: &Target) -> Result<Conn, DriverError> {
+        Ok(Conn::Sqs(queue_native::SqsDriver::new(sqs_config(target))?))
     }
 
     /// The driver.

@@ -204,11 +204,14 @@ impl Conn {
         &self,
         queue: &str,
     ) -> Result<Vec<FailureRecord>, DriverError> {
+        #[allow(unused_imports)]
         use queue_conformance::fixture::Broker as _;
         match self {
             Conn::Memory(d) => Ok(d.failure_records(queue)),
             #[cfg(feature = "rabbitmq")]
-            Conn::Rabbit(d) => queue_conformance::fixture::RabbitMq::failure_records(d, queue).await,
+            Conn::Rabbit(d) => {
+                queue_conformance::fixture::RabbitMq::failure_records(d, queue).await
+            }
             #[cfg(feature = "nats")]
             Conn::Nats(d) => queue_conformance::fixture::Nats::failure_records(d, queue).await,
             #[cfg(feature = "sqs")]

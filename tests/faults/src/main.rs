@@ -82,7 +82,10 @@ use clap::{Parser, Subcommand};
 
 /// The fault suite.
 #[derive(Parser, Debug)]
-#[command(name = "queue-faults", about = "Fault injection against the native queue drivers")]
+#[command(
+    name = "queue-faults",
+    about = "Fault injection against the native queue drivers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,

@@ -20,11 +20,8 @@ pub(crate) fn free_port() -> u16 {
 
 /// Whether something accepts connections on `port`.
 pub(crate) fn port_open(port: u16) -> bool {
-    std::net::TcpStream::connect_timeout(
-        &([127, 0, 0, 1], port).into(),
-        Duration::from_millis(200),
-    )
-    .is_ok()
+    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+        .is_ok()
 }
 
 /// Waits up to `bound` for `port` to accept connections.
@@ -75,7 +72,14 @@ impl NatsServer {
             .open(&self.log)
             .map_err(|e| e.to_string())?;
         let child = Command::new(nats_server_bin())
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(&self.dir)
             .stdout(Stdio::null())
             .stderr(log)
@@ -163,7 +167,10 @@ impl RabbitUser {
     /// permissions on `/`.
     pub(crate) fn create(node: Option<&str>, name: &str, password: &str) -> Result<Self, String> {
         rabbitmqctl(node, &["add_user", name, password])?;
-        rabbitmqctl(node, &["set_permissions", "-p", "/", name, ".*", ".*", ".*"])?;
+        rabbitmqctl(
+            node,
+            &["set_permissions", "-p", "/", name, ".*", ".*", ".*"],
+        )?;
         Ok(RabbitUser {
             name: name.into(),
             password: password.into(),
@@ -213,7 +220,11 @@ impl RabbitNode {
         std::fs::write(&conf, format!("listeners.tcp.local = 127.0.0.1:{port}\n"))
             .map_err(|e| e.to_string())?;
         // The server drops to the rabbitmq user: it must be able to write here.
-        let _ = Command::new("chmod").arg("-R").arg("a+rwX").arg(dir).status();
+        let _ = Command::new("chmod")
+            .arg("-R")
+            .arg("a+rwX")
+            .arg(dir)
+            .status();
         let status = Command::new("rabbitmq-server")
             .arg("-detached")
             .env("RABBITMQ_NODENAME", &name)

@@ -115,7 +115,11 @@ pub(crate) async fn run(args: WorkerArgs) -> Result<(), Box<dyn std::error::Erro
     let driver = conn.driver();
     let ledger = Arc::new(open_ledger(&args.ledger));
     let pid = std::process::id();
-    let job = job(&args.queue, args.cap, Duration::from_millis(args.timeout_ms));
+    let job = job(
+        &args.queue,
+        args.cap,
+        Duration::from_millis(args.timeout_ms),
+    );
     let mode = args.mode;
     let slow = Duration::from_millis(args.slow_ms);
     let panic_id = args.panic_id;

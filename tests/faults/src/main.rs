@@ -25,12 +25,14 @@
 //! # The faults
 //!
 //! - **kill load** (`--fault kill`): 5,000 jobs (300 on SQS, whose emulator
-//!   is slow), three
-//!   workers with concurrency 8 whose handler sleeps 0–20 ms before its
-//!   effect; a random worker is SIGKILLed every 0.7–1.5 s (so that the six kills
-//!   land while work remains) and restarted at once. Leases (NATS AckWait, SQS visibility) are 3 s so killed work
-//!   returns quickly. Each worker's handler panics on the first delivery of business
-//!   id 1 (the facade catches it; the job is retried).
+//!   is slow), dispatched at a steady pace over the kill window while three
+//!   workers with concurrency 8 consume them (the handler sleeps 0–20 ms
+//!   before its effect, so kills land mid-job); a random worker is SIGKILLed
+//!   every 0.7–1.5 s and restarted at once, six times (only kills that land
+//!   while work remains count; a shortfall is noted in the row). Leases
+//!   (NATS AckWait, SQS visibility) are 3 s so killed work returns quickly.
+//!   Each worker's handler panics on the first delivery of business id 1
+//!   (the facade catches it; the job is retried).
 //!   Duplicates are expected (at-least-once: an effect written but not yet
 //!   acknowledged is done again); losses are not.
 //! - **broker restart** (`--fault restart`): one worker (concurrency 4)

@@ -367,13 +367,14 @@ impl Suite {
         books: &mut Books,
         ids: std::ops::Range<u64>,
     ) -> Duration {
-        let started = Instant::now();
         let items: Vec<Item> = ids.map(|id| self.item(id)).collect();
-        let results: Vec<(u64, Result<String, DriverError>)> = stream::iter(items)
-            .map(|item| async move { (item.id, producer.dispatch(job, &item).await) })
-            .buffer_unordered(16)
-            .collect()
-            .await;
+        let (results, took) = paced_dispatch(producer, job, items, Duration::ZERO).await;
+        self.settle_dispatches(books, results);
+        took
+    }
+
+    /// Books the accepted dispatches; every refusal is a broken expectation.
+    fn settle_dispatches(&mut self, books: &mut Books, results: Vec<Dispatched>) {
         let mut refused = 0;
         for (id, result) in results {
             match result {
@@ -393,7 +394,6 @@ impl Suite {
                 books.queue
             ));
         }
-        started.elapsed()
     }
 
     /// Five dispatches while the backend is away, 100 ms apart and
@@ -492,6 +492,30 @@ impl Suite {
             notes,
         }
     }
+}
+
+/// A business id and the outcome of its dispatch.
+type Dispatched = (u64, Result<String, DriverError>);
+
+/// Dispatches `items`, 16 at a time, spread evenly over `over` (at once if
+/// zero); the outcomes and how long it took.
+async fn paced_dispatch(
+    producer: &Producer,
+    job: &Job<Item>,
+    items: Vec<Item>,
+    over: Duration,
+) -> (Vec<Dispatched>, Duration) {
+    let started = Instant::now();
+    let step = over / (items.len().max(1) as u32);
+    let results = stream::iter(items.into_iter().enumerate())
+        .map(|(i, item)| async move {
+            tokio::time::sleep_until(started + step * i as u32).await;
+            (item.id, producer.dispatch(job, &item).await)
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    (results, started.elapsed())
 }
 
 /// The run's settings for one backend.
@@ -806,27 +830,33 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
         children: (0..3).map(|_| suite.spawn(&spec(Some(1)))).collect(),
     };
     let begun = Instant::now();
-    let dispatch_time = suite.dispatch(&producer, &job, &mut books, 0..n).await;
-    let started = Instant::now() + Duration::from_secs(30);
-    while Tally::read(&books.ledger).lines() == 0 && Instant::now() < started {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let mut last_kill = Instant::now();
-    let mut kills = 0;
-    for _ in 0..args.kills {
-        tokio::time::sleep(Duration::from_millis(fastrand::u64(700..=1500))).await;
-        // Only kills that land while work remains count.
-        if Tally::read(&books.ledger).effects.len() >= books.expected.len() {
-            break;
+    // The dispatch is paced over the kill window (one kill every 0.7–1.5 s,
+    // about 1.1 s on average, plus 1 s) so that work remains at every kill;
+    // the kills run meanwhile.
+    let window = Duration::from_millis(1100 * args.kills as u64 + 1000);
+    let items: Vec<Item> = (0..n).map(|id| suite.item(id)).collect();
+    let paced = paced_dispatch(&producer, &job, items, window);
+    let killing = async {
+        let mut kills = 0;
+        let mut last_kill = Instant::now();
+        for _ in 0..args.kills {
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(700..=1500))).await;
+            // Only kills that land while work remains count.
+            if Tally::read(&ledger).effects.len() as u64 >= n {
+                break;
+            }
+            kills += 1;
+            let i = fastrand::usize(0..workers.children.len());
+            let _ = workers.children[i].kill();
+            let _ = workers.children[i].wait();
+            last_kill = Instant::now();
+            let respawned = suite.spawn(&spec(Some(1)));
+            workers.children[i] = respawned;
         }
-        kills += 1;
-        let i = fastrand::usize(0..workers.children.len());
-        let _ = workers.children[i].kill();
-        let _ = workers.children[i].wait();
-        last_kill = Instant::now();
-        let respawned = suite.spawn(&spec(Some(1)));
-        workers.children[i] = respawned;
-    }
+        (kills, last_kill)
+    };
+    let ((results, dispatch_time), (kills, last_kill)) = tokio::join!(paced, killing);
+    suite.settle_dispatches(&mut books, results);
     let (account, done) = books
         .wait_accounted(&conn, Duration::from_secs(180), false)
         .await;

@@ -19,6 +19,8 @@
 //! - [`wrangler`]: reading wrangler.toml and checking it against the jobs.
 //! - [`plan`]: how a settlement maps onto the platform (delay rounding, the
 //!   24-hour limit, the invocation budget). Pure.
+//! - [`limits`]: the platform's 128 KB message limit, checked before a send
+//!   by the producer and the harness alike. Pure.
 //! - [`testing`] (native): Cloudflare Queues semantics without wrangler.
 //! - `consumer` (wasm32): the platform's objects, the panic hook and the
 //!   resumable invocation behind [`consumer!`].
@@ -108,6 +110,7 @@
 //! `max_batch_size` and the budget so that it is rare.
 
 pub mod batch;
+pub mod limits;
 mod log;
 pub mod options;
 pub mod plan;

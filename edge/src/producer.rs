@@ -7,10 +7,16 @@ use queue::{Envelope, Job};
 use serde::Serialize;
 use worker::{Env, MessageBuilder, Queue, QueueContentType};
 
+use crate::limits::{check_message_size, envelope_text};
 use crate::plan::{delay_seconds, EdgeError, EdgeErrorKind};
 
 /// Sends typed jobs to a queue. Envelopes travel as JSON text, so the body a
 /// consumer sees is byte for byte what the native drivers carry.
+///
+/// A message above the platform's limit
+/// ([`MAX_MESSAGE_BYTES`](crate::limits::MAX_MESSAGE_BYTES)) is refused with
+/// [`EdgeErrorKind::Unsupported`] before the binding is called; in a batch,
+/// one oversized message refuses the whole batch and nothing is sent.
 pub struct EdgeProducer {
     queue: Queue,
 }
@@ -63,11 +69,7 @@ impl EdgeProducer {
         metadata: BTreeMap<String, String>,
     ) -> Result<String, EdgeError> {
         let envelope = Self::envelope(job, payload, metadata)?;
-        self.send_text(
-            String::from_utf8_lossy(&envelope.encode()).into_owned(),
-            delay,
-        )
-        .await?;
+        self.send_text(envelope_text(&envelope)?, delay).await?;
         Ok(envelope.id)
     }
 
@@ -82,7 +84,7 @@ impl EdgeProducer {
         for payload in payloads {
             let envelope = Self::envelope(job, payload, BTreeMap::new())?;
             ids.push(envelope.id.clone());
-            let text = String::from_utf8_lossy(&envelope.encode()).into_owned();
+            let text = envelope_text(&envelope)?;
             batch = batch.message(
                 MessageBuilder::new(text)
                     .content_type(QueueContentType::Text)
@@ -96,8 +98,10 @@ impl EdgeProducer {
         Ok(ids)
     }
 
-    /// Sends a text body as is (bridging, and tests of malformed input).
+    /// Sends a text body as is (bridging, and tests of malformed input),
+    /// refused before any request if above the platform's size limit.
     pub async fn send_text(&self, body: String, delay: Option<Duration>) -> Result<(), EdgeError> {
+        check_message_size(&body)?;
         let mut message = MessageBuilder::new(body).content_type(QueueContentType::Text);
         if let Some(seconds) = delay_seconds(delay.filter(|d| !d.is_zero()))? {
             message = message.delay_seconds(seconds);

@@ -491,7 +491,9 @@ impl CloudflareQueues {
     ///
     /// # Panics
     ///
-    /// If `payload` does not serialize.
+    /// If `payload` does not serialize, or its message is above the
+    /// platform's size limit ([`crate::limits::MAX_MESSAGE_BYTES`]; see
+    /// [`try_send`](Self::try_send)).
     pub fn send<P: Serialize>(&mut self, job: &Job<P>, payload: &P) -> String {
         self.send_with_delay(job, payload, Duration::ZERO)
     }
@@ -501,8 +503,9 @@ impl CloudflareQueues {
     ///
     /// # Panics
     ///
-    /// If `payload` does not serialize, or `delay` is above the platform's
-    /// limit ([`crate::plan::MAX_DELAY`]).
+    /// If `payload` does not serialize, its message is above the platform's
+    /// size limit ([`crate::limits::MAX_MESSAGE_BYTES`]), or `delay` is above
+    /// the platform's limit ([`crate::plan::MAX_DELAY`]).
     pub fn send_with_delay<P: Serialize>(
         &mut self,
         job: &Job<P>,
@@ -518,9 +521,23 @@ impl CloudflareQueues {
     ///
     /// # Panics
     ///
-    /// If `payload` does not serialize.
+    /// If `payload` does not serialize, or its message is above the
+    /// platform's size limit ([`crate::limits::MAX_MESSAGE_BYTES`]; see
+    /// [`try_send`](Self::try_send)).
     pub fn send_to<P: Serialize>(&mut self, queue: &str, job: &Job<P>, payload: &P) -> String {
         self.send_envelope(queue, job, payload, Duration::ZERO)
+    }
+
+    /// Sends like [`send`](Self::send), but returns the error
+    /// `EdgeProducer::dispatch` returns instead of panicking: a message above
+    /// the platform's limit ([`crate::limits::MAX_MESSAGE_BYTES`]) is refused
+    /// and nothing is queued.
+    pub fn try_send<P: Serialize>(
+        &mut self,
+        job: &Job<P>,
+        payload: &P,
+    ) -> Result<String, EdgeError> {
+        self.try_send_envelope(job.queue(), job, payload, Duration::ZERO)
     }
 
     fn send_envelope<P: Serialize>(
@@ -530,17 +547,32 @@ impl CloudflareQueues {
         payload: &P,
         delay: Duration,
     ) -> String {
-        let payload = serde_json::to_value(payload).unwrap_or_else(|e| {
-            panic!(
-                "the payload for job `{}` does not serialize: {e}",
-                job.name()
+        self.try_send_envelope(queue, job, payload, delay)
+            .unwrap_or_else(|e| panic!("sending job `{}`: {e}", job.name()))
+    }
+
+    fn try_send_envelope<P: Serialize>(
+        &mut self,
+        queue: &str,
+        job: &Job<P>,
+        payload: &P,
+        delay: Duration,
+    ) -> Result<String, EdgeError> {
+        let payload = serde_json::to_value(payload).map_err(|e| {
+            EdgeError::new(
+                EdgeErrorKind::Encode,
+                format!(
+                    "the payload for job `{}` does not serialize: {e}",
+                    job.name()
+                ),
             )
-        });
+        })?;
         let envelope = Envelope::new(job.name(), payload);
+        let text = crate::limits::envelope_text(&envelope)?;
         let id = envelope.id.clone();
         let visible_at = self.now() + whole_seconds(delay);
-        self.enqueue(queue, id.clone(), envelope.encode(), visible_at);
-        id
+        self.enqueue(queue, id.clone(), text.into_bytes(), visible_at);
+        Ok(id)
     }
 
     /// Sends `body` as is to `queue` (a malformed body, an envelope of a job

@@ -105,8 +105,20 @@
 //! # Credentials
 //!
 //! Static keys, the standard environment variables, or any
-//! credentials provider (see [`SqsCredentials`]); they never appear in
-//! `Debug` output, logs or errors.
+//! credentials provider (see [`SqsCredentials`]). The driver's own `Debug`
+//! output, log lines and errors (connection errors included) never show the
+//! keys, the session token or a message body. The secret key appears
+//! nowhere, not even in the SDK's own logs. The SDK's debug and trace lines
+//! (targets `aws_smithy_runtime` and `aws_sigv4`) do show the access key id,
+//! and at trace level the session token and request bodies: keep those
+//! targets at `info` or above in production.
+//!
+//! # With the endpoint down
+//!
+//! A dispatch while nothing answers at the endpoint fails at once (the
+//! connection is refused) with [`ErrorKind::NotAccepted`]; an endpoint that
+//! accepts connections but never answers is bounded by
+//! [`operation_timeout`](SqsConfig::operation_timeout) (default 10 s).
 
 mod config;
 mod delivery;

@@ -513,3 +513,246 @@ async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
 }
+
+/// A loopback port nothing listens on (bound, then released).
+fn closed_endpoint() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    endpoint
+}
+
+/// A TCP relay to the emulator on a port of its own, closed (listener and
+/// every connection) when its task set is dropped: an endpoint that goes
+/// down after the driver has used it.
+async fn relay_to_emulator() -> (String, tokio::task::JoinSet<()>) {
+    let upstream = config()
+        .endpoint
+        .unwrap()
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(async move {
+        let mut connections = tokio::task::JoinSet::new();
+        while let Ok((mut client, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            connections.spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    (endpoint, tasks)
+}
+
+/// Five dispatches to `queue`, each `NotAccepted` well within the operation
+/// timeout (not after the whole of it); returns their latencies.
+async fn dispatch_while_down(driver: &SqsDriver, queue: &str) -> Vec<Duration> {
+    let timeout = driver.config().operation_timeout;
+    let mut latencies = Vec::new();
+    for i in 0..5 {
+        let started = Instant::now();
+        let err = driver
+            .send(queue, outgoing(&format!("down-{i}"), None))
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+        assert!(
+            took < timeout / 2,
+            "dispatch {i} took {took:?} to fail with the endpoint down; the operation timeout is {timeout:?}: {err}"
+        );
+        latencies.push(took);
+    }
+    latencies
+}
+
+/// With the endpoint down, a dispatch fails fast as `NotAccepted` (nothing
+/// was sent), whether the driver never reached SQS or had resolved the
+/// queue before the endpoint went away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatch_while_the_endpoint_is_down_fails_fast_as_not_accepted() {
+    // Never reachable: the queue's URL cannot even be looked up.
+    let mut down = config();
+    down.endpoint = Some(closed_endpoint());
+    let timeout = down.operation_timeout;
+    let driver = SqsDriver::new(down).unwrap();
+    let never = dispatch_while_down(&driver, "never-reached").await;
+    println!("dispatch with nothing listening (operation timeout {timeout:?}): {never:?}");
+
+    // Reachable at first (the queue's URL is known), then down.
+    let backend = sqs();
+    let h = Harness::new(&backend, "sqs-down").await;
+    let (endpoint, relay) = relay_to_emulator().await;
+    let mut through_relay = config();
+    through_relay.endpoint = Some(endpoint);
+    let driver = SqsDriver::new(through_relay).unwrap();
+    driver.send(&h.queue, outgoing("up", None)).await.unwrap();
+    drop(relay);
+    tokio::time::sleep(MS(100)).await;
+    let later = dispatch_while_down(&driver, &h.queue).await;
+    println!("dispatch after the endpoint went down: {later:?}");
+    let direct = backend.driver().await;
+    assert_eq!(
+        messages_on(&direct, &h.queue).await,
+        1,
+        "only the dispatch made while up arrived"
+    );
+}
+
+/// Every tracing line (the SDK's included, at every level) written after
+/// [`start`](Self::start).
+#[derive(Clone, Default)]
+struct CapturedLogs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLogs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLogs {
+    /// Installs the capture as the process's subscriber (every thread, so
+    /// the runtime's workers too; lines of other tests running meanwhile
+    /// are captured as well, which only widens the check).
+    fn start(&self) {
+        let logs = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || logs.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other test of this binary installs a subscriber");
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// The access key, the secret key, the session token and message bodies
+/// appear in no tracing line (the SDK's own, at trace level, included) and
+/// in no error's `Display` or `Debug`, on success and on every failure path:
+/// nothing listening, a connection closed mid-request, no answer in time,
+/// an error answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_and_payloads_stay_out_of_logs_and_errors() {
+    const ACCESS_KEY: &str = "AKIAQUEUELEAKPROBE01";
+    const SECRET_KEY: &str = "queueLeakProbeSecret/0123456789abcdefXYZ";
+    const TOKEN: &str = "queueLeakProbeSessionToken0123456789";
+    const PAYLOAD: &str = "queue-leak-probe-payload";
+    let leaky = |endpoint: String| {
+        let mut config = config();
+        config.endpoint = Some(endpoint);
+        config.operation_timeout = Duration::from_secs(1);
+        config.credentials = SqsCredentials::Static {
+            access_key_id: ACCESS_KEY.into(),
+            secret_access_key: SECRET_KEY.into(),
+            session_token: Some(TOKEN.into()),
+        };
+        config
+    };
+    let message = |id: &str| Outgoing {
+        id: id.into(),
+        body: format!("{{\"raw\":\"{PAYLOAD}\"}}").into_bytes(),
+        delay: None,
+    };
+    let logs = CapturedLogs::default();
+    logs.start();
+    let mut errors = Vec::new();
+
+    let err = SqsDriver::connect(leaky(closed_endpoint()))
+        .await
+        .unwrap_err();
+    errors.push(err);
+    let driver = SqsDriver::new(leaky(closed_endpoint())).unwrap();
+    errors.push(driver.send("down", message("m1")).await.unwrap_err());
+    for on_send in [OnSend::Close, OnSend::Hang] {
+        let driver = SqsDriver::new(leaky(fake_sqs(on_send))).unwrap();
+        errors.push(driver.send("fake", message("m2")).await.unwrap_err());
+    }
+
+    // The emulator: a whole round trip, then an error answer.
+    let backend = sqs();
+    let h = Harness::new(&backend, "sqs-leak").await;
+    let driver = SqsDriver::new(leaky(config().endpoint.unwrap())).unwrap();
+    driver.send(&h.queue, message("m3")).await.unwrap();
+    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), subscription.next())
+        .await
+        .expect("delivered")
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(delivery.body()).contains(PAYLOAD));
+    delivery.settle(&Settlement::Ack).await.unwrap();
+    drop(subscription);
+    let url = driver
+        .client()
+        .get_queue_url()
+        .queue_name(&h.queue)
+        .send()
+        .await
+        .unwrap()
+        .queue_url()
+        .unwrap()
+        .to_string();
+    driver
+        .client()
+        .delete_queue()
+        .queue_url(url)
+        .send()
+        .await
+        .unwrap();
+    errors.push(driver.send(&h.queue, message("m4")).await.unwrap_err());
+
+    let logs = logs.text();
+    assert!(
+        logs.contains("SendMessage"),
+        "the SDK's trace lines were captured"
+    );
+    let errors: Vec<String> = errors
+        .iter()
+        .flat_map(|e| [e.to_string(), format!("{e:?}")])
+        .collect();
+    for error in &errors {
+        for secret in [ACCESS_KEY, SECRET_KEY, TOKEN, PAYLOAD] {
+            assert!(!error.contains(secret), "`{secret}` in an error: {error}");
+        }
+    }
+    // The secret key: nowhere, at any level, from any crate.
+    let lines: Vec<&str> = logs.lines().filter(|l| l.contains(SECRET_KEY)).collect();
+    assert!(lines.is_empty(), "the secret key in {lines:#?}");
+    // The rest: never in the driver's own lines, nor in any crate's lines
+    // at info level or above (the SDK's debug and trace lines show the access
+    // key id, and at trace the session token and request bodies; the module
+    // documentation says to keep them off in production).
+    let visible = |line: &&str| {
+        line.contains(" queue_native")
+            || [" INFO ", " WARN ", " ERROR "]
+                .iter()
+                .any(|level| line.contains(level))
+    };
+    for secret in [ACCESS_KEY, TOKEN, PAYLOAD] {
+        let lines: Vec<&str> = logs
+            .lines()
+            .filter(visible)
+            .filter(|l| l.contains(secret))
+            .collect();
+        assert!(lines.is_empty(), "`{secret}` in {lines:#?}");
+    }
+    println!(
+        "{} log lines and {} error texts checked",
+        logs.lines().count(),
+        errors.len()
+    );
+}

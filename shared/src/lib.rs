@@ -101,4 +101,4 @@ pub use settle::{
     deliveries_needed, exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision,
     Failure, FailureKind, Settlement, UnknownNameAttempts, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
-pub use stats::{JobStats, Resolution, Stats};
+pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};

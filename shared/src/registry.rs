@@ -34,7 +34,7 @@ use crate::settle::{
     exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind,
     Settlement, UnknownNameAttempts, SHUTDOWN_GRACE, UNKNOWN_NAME_RETRY_DELAY,
 };
-use crate::stats::{Resolution, Stats};
+use crate::stats::{Resolution, Stats, UNREGISTERED_JOBS};
 
 /// A job whose payload type has been erased, so handlers of different types
 /// can live in one registry.
@@ -601,15 +601,27 @@ impl Registry {
         }
     }
 
+    /// The counters' entry for `job`: its own if registered, else the one
+    /// shared entry [`UNREGISTERED_JOBS`] (names from message bodies must
+    /// not grow the counters without bound).
+    fn counted_as<'a>(&self, job: &'a str) -> &'a str {
+        if self.jobs.contains_key(job) {
+            job
+        } else {
+            UNREGISTERED_JOBS
+        }
+    }
+
     /// Reports the backend's answer to a settlement: counts it and emits the
     /// event if accepted; reports a settlement failure otherwise.
     /// [`Registry::deliver`] calls it; a host that settles by other means
     /// calls it itself.
     pub fn settled(&self, processed: &Processed, outcome: Result<(), &SettlementError>) {
         let event = &processed.event;
+        let counted_as = self.counted_as(&event.job);
         match outcome {
             Ok(()) => {
-                self.stats.update(&event.job, |s| match &event.kind {
+                self.stats.update(counted_as, |s| match &event.kind {
                     EventKind::Succeeded { resolution } => match resolution {
                         Resolution::FirstAttempt => s.first_attempt += 1,
                         Resolution::TierOne { .. } => s.tier_one += 1,
@@ -624,7 +636,7 @@ impl Registry {
                 }
             }
             Err(error) => {
-                self.stats.update(&event.job, |s| s.settlement_errors += 1);
+                self.stats.update(counted_as, |s| s.settlement_errors += 1);
                 if let Some(sink) = &self.sink {
                     sink.settlement_failed(event, error);
                 }

@@ -83,7 +83,14 @@ impl JobStats {
     }
 }
 
-/// Counters for every job, keyed by job name.
+/// The one entry of [`Stats`] that counts deliveries for every name no
+/// handler is registered for (unknown job names, bodies that are not
+/// envelopes). Those names come from message bodies: counting each under its
+/// own name would let any producer grow a worker's memory without bound.
+/// The events of such deliveries keep the name the message carried.
+pub const UNREGISTERED_JOBS: &str = "(unregistered)";
+
+/// Counters for every job, keyed by job name, plus [`UNREGISTERED_JOBS`].
 #[derive(Debug, Default)]
 pub struct Stats {
     jobs: Mutex<BTreeMap<String, JobStats>>,

@@ -313,3 +313,45 @@ fn a_crashed_execution_counts_on_the_attached_breaker() {
         "the crash is one failure of the dependency"
     );
 }
+
+/// Job names that come from message bodies cannot grow the counters without
+/// bound: deliveries for names no handler is registered for (unknown names,
+/// malformed envelopes) are counted under one entry,
+/// [`queue::UNREGISTERED_JOBS`], whatever name they carry.
+#[test]
+fn counters_for_unregistered_names_stay_one_entry() {
+    let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+    let (registry, sink) = setup();
+    for i in 0..500 {
+        let body = if i % 2 == 0 {
+            Envelope::new(format!("stranger-{i}"), serde_json::json!(i)).encode()
+        } else {
+            format!("not an envelope {i}").into_bytes()
+        };
+        let h = Handle {
+            body,
+            answer: Answer::Accept,
+            seen: Arc::new(Mutex::new(Vec::new())),
+        };
+        let delivered = block_on(registry.deliver("q", h, &runtime, &CancelToken::new()));
+        assert!(delivered.outcome.is_ok());
+    }
+    let (h, _) = handle(Answer::Accept);
+    block_on(registry.deliver("q", h, &runtime, &CancelToken::new()));
+    let stats = registry.stats().snapshot();
+    assert_eq!(
+        stats.keys().map(String::as_str).collect::<Vec<_>>(),
+        [queue::UNREGISTERED_JOBS, "work"],
+        "one entry for every unregistered name, one per job"
+    );
+    let unregistered = &stats[queue::UNREGISTERED_JOBS];
+    assert_eq!(
+        unregistered.retried + unregistered.failed,
+        500,
+        "each unregistered delivery is still counted"
+    );
+    assert_eq!(stats["work"].first_attempt, 1);
+    // The events keep the name the message carried.
+    let emitted = sink.emitted.lock().unwrap();
+    assert!(emitted.iter().any(|e| e.job == "stranger-0"));
+}

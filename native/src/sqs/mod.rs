@@ -438,7 +438,17 @@ impl SqsDriver {
                 .send(),
         )
         .await?;
-        listed.map_err(|e| sdk_error("ListQueues", e, ErrorKind::Config, ErrorKind::Connection))?;
+        // Refused by the service (credentials, region) or impossible to
+        // build: the settings are wrong. Not sent for want of a connection,
+        // or no answer: the endpoint is down or unreachable, a connection
+        // error the caller may retry.
+        listed.map_err(|e| {
+            let kind = match &e {
+                SdkError::ConstructionFailure(_) | SdkError::ServiceError(_) => ErrorKind::Config,
+                _ => ErrorKind::Connection,
+            };
+            sdk_error("ListQueues", e, kind, kind)
+        })?;
         Ok(driver)
     }
 

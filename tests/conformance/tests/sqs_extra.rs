@@ -604,6 +604,16 @@ async fn dispatch_while_the_endpoint_is_down_fails_fast_as_not_accepted() {
     );
 }
 
+/// Connecting to an endpoint where nothing listens is a connection error
+/// (retry later), not a configuration error (fix the settings).
+#[tokio::test]
+async fn connecting_with_nothing_listening_is_a_connection_error() {
+    let mut down = config();
+    down.endpoint = Some(closed_endpoint());
+    let err = SqsDriver::connect(down).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+}
+
 /// Every tracing line (the SDK's included, at every level) written after
 /// [`start`](Self::start).
 #[derive(Clone, Default)]

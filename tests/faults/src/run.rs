@@ -1452,11 +1452,11 @@ fn report(suite: &Suite, scan: &Scan, elapsed: Duration) -> String {
         out.push_str("| driver | call | outcome | latency |\n| --- | --- | --- | ---: |\n");
         for c in &suite.outage {
             out.push_str(&format!(
-                "| {} | {} | {} | {} ms |\n",
+                "| {} | {} | {} | {:.2} ms |\n",
                 c.backend.name(),
                 c.what,
                 c.outcome,
-                c.latency.as_millis()
+                c.latency.as_secs_f64() * 1000.0
             ));
         }
     }

@@ -785,3 +785,49 @@ fn misconfigured_worker_hands_messages_back() {
         .iter()
         .all(|r| r["message_id"] != id.as_str()));
 }
+
+/// A report envelope padded (in its metadata) to exactly `size` bytes.
+fn padded_envelope(id: u64, size: usize) -> Envelope {
+    let payload = serde_json::to_value(report(id, Behaviour::Healthy)).unwrap();
+    let mut envelope = Envelope::new(report_job::NAME, payload);
+    envelope.metadata.insert("pad".into(), String::new());
+    let bare = envelope.encode().len();
+    envelope
+        .metadata
+        .insert("pad".into(), "x".repeat(size - bare));
+    assert_eq!(envelope.encode().len(), size);
+    envelope
+}
+
+/// Cloudflare Queues takes a message of up to 128 KB (128,000 bytes): one
+/// of exactly that size is sent and settles like any other; one byte more
+/// is refused by the producer before anything is sent (the route fails and
+/// nothing arrives).
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn a_message_at_the_size_limit_round_trips() {
+    const LIMIT: usize = 128_000;
+    let over = padded_envelope(fresh_id(), LIMIT + 1);
+    let refused = ureq::post(&format!("{}/dispatch", base()))
+        .set("Authorization", &format!("Bearer {}", token()))
+        .send_json(json!({ "envelopes": [over] }));
+    match refused {
+        Err(ureq::Error::Status(code, _)) => assert!(code >= 500, "status {code}"),
+        other => panic!(
+            "a message of {} bytes was not refused: {other:?}",
+            LIMIT + 1
+        ),
+    }
+    let at = padded_envelope(fresh_id(), LIMIT);
+    let answer = post("/dispatch", json!({ "envelopes": [at] }));
+    let id = answer["envelopes"][0].as_str().unwrap().to_string();
+    assert_eq!(id, at.id);
+    let log = wait_terminal(std::slice::from_ref(&id));
+    let steps = edge_steps(&log);
+    assert_eq!(steps[&id][0].1.outcome, "succeeded:first_attempt");
+    assert!(
+        !steps.contains_key(&over.id),
+        "the refused message arrived: {:?}",
+        steps[&over.id]
+    );
+}

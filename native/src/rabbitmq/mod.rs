@@ -200,6 +200,10 @@ pub fn longest_hold(spec: &queue::JobSpec) -> Option<Duration> {
     Some(timeout.saturating_mul(attempts).saturating_add(waits))
 }
 
+/// How long [`Driver::stop`] waits, after a released channel closed, for
+/// lapin to remove it from the connection (see `await_released_channels`).
+const CHANNEL_REMOVAL_WAIT: Duration = Duration::from_millis(50);
+
 /// How long [`Driver::stop`] waits at most for released channels to close.
 const RELEASED_CHANNELS_WAIT: Duration = Duration::from_secs(2);
 
@@ -535,11 +539,21 @@ impl RabbitDriver {
     }
 
     /// Waits until every released channel finished closing, or `limit`.
+    ///
+    /// A channel reads as closed once its `close-ok` arrived, but lapin
+    /// removes it from the connection afterwards, in a task of its own. If
+    /// the connection closes before that task ran, lapin removes the channel
+    /// twice and logs the second removal as a connection error ("invalid
+    /// channel") although the close was clean. So this also waits
+    /// [`CHANNEL_REMOVAL_WAIT`] once no channel is closing any more.
     async fn await_released_channels(&self, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let pending = self.still_closing().len();
             if pending == 0 {
+                // Any channel may have closed just now (a released one, or
+                // one the driver closed itself after a declaration).
+                tokio::time::sleep(CHANNEL_REMOVAL_WAIT).await;
                 return;
             }
             if tokio::time::Instant::now() >= deadline {

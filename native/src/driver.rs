@@ -51,6 +51,29 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
+    /// Refuses a body of `len` bytes above
+    /// [`max_message_bytes`](Self::max_message_bytes), before any I/O: not
+    /// accepted, naming the limit and the size. The [`Producer`](crate::Producer)
+    /// checks every dispatch; a driver whose limit is known only once
+    /// connected checks again in `send`.
+    pub(crate) fn refuse_oversize(
+        &self,
+        driver: &'static str,
+        len: usize,
+    ) -> Result<(), DriverError> {
+        match self.max_message_bytes {
+            Some(limit) if len > limit => Err(DriverError::new(
+                driver,
+                ErrorKind::NotAccepted,
+                format!(
+                    "message of {len} bytes is over the {driver} driver's limit of {limit} bytes \
+                     (max_message_bytes); nothing was sent"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// A backend that supports everything with no delay limit.
     pub fn full() -> Self {
         Capabilities {

@@ -84,31 +84,15 @@ impl Producer {
         delay: Option<Duration>,
     ) -> Result<(), DriverError> {
         let delay = delay.filter(|d| !d.is_zero());
-        if delay.is_some() && !self.driver.capabilities().delayed_dispatch {
+        let capabilities = self.driver.capabilities();
+        if delay.is_some() && !capabilities.delayed_dispatch {
             return Err(DriverError::new(
                 self.driver.name(),
                 ErrorKind::Unsupported,
                 "this backend cannot delay a dispatch",
             ));
         }
-        check_size(self.driver.as_ref(), body.len())?;
+        capabilities.refuse_oversize(self.driver.name(), body.len())?;
         self.driver.send(queue, Outgoing { id, body, delay }).await
-    }
-}
-
-/// Refuses a body longer than `driver`'s
-/// [`max_message_bytes`](crate::Capabilities::max_message_bytes).
-fn check_size(driver: &dyn Driver, len: usize) -> Result<(), DriverError> {
-    match driver.capabilities().max_message_bytes {
-        Some(limit) if len > limit => Err(DriverError::new(
-            driver.name(),
-            ErrorKind::NotAccepted,
-            format!(
-                "message of {len} bytes is over the {} driver's limit of {limit} bytes \
-                 (max_message_bytes); nothing was sent",
-                driver.name()
-            ),
-        )),
-        _ => Ok(()),
     }
 }

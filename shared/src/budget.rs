@@ -67,11 +67,7 @@ impl FailureBudget {
 /// [module docs](self) for what the time bounds and what it assumes.
 pub fn failure_budget(spec: &JobSpec, redelivery_hint: Duration) -> FailureBudget {
     let n = spec.tier_one.attempts.max(1);
-    // Before in-process attempt i: the backoff after an ordinary error, or a
-    // retry-after tier one accepts (at most max_wait).
-    let tier_one_wait = (2..=n)
-        .map(|i| spec.tier_one.backoff.delay(i).max(spec.tier_one.max_wait))
-        .fold(Duration::ZERO, Duration::saturating_add);
+    let tier_one_wait = tier_one_waits(spec);
     let (deliveries, executions, waiting, executing) = match spec.retry.attempts {
         0 => (None, None, None, None),
         m => {
@@ -101,6 +97,29 @@ pub fn failure_budget(spec: &JobSpec, redelivery_hint: Duration) -> FailureBudge
         waiting,
         executing,
     }
+}
+
+/// The longest tier one waits within one delivery: before in-process
+/// attempt i, the backoff after an ordinary error or a retry-after tier one
+/// accepts (at most `max_wait`), whichever is longer.
+fn tier_one_waits(spec: &JobSpec) -> Duration {
+    (2..=spec.tier_one.attempts.max(1))
+        .map(|i| spec.tier_one.backoff.delay(i).max(spec.tier_one.max_wait))
+        .fold(Duration::ZERO, Duration::saturating_add)
+}
+
+/// The longest one delivery of `spec` is held before it is settled: every
+/// in-process attempt running to its timeout, plus tier one's waits at
+/// their longest. `None` for a job without a timeout. A backend that takes a
+/// delivery back after a fixed time (RabbitMQ's `consumer_timeout`) must
+/// allow at least this.
+pub fn longest_hold(spec: &JobSpec) -> Option<Duration> {
+    let timeout = spec.timeout.filter(|t| !t.is_zero())?;
+    Some(
+        timeout
+            .saturating_mul(spec.tier_one.attempts.max(1))
+            .saturating_add(tier_one_waits(spec)),
+    )
 }
 
 /// Formats a duration for people: `1m 30s`, `250ms`, `unbounded`.
@@ -159,6 +178,24 @@ mod tests {
     use crate::Job;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// With one delivery, the longest hold of that delivery is the whole
+    /// time to failure; without a timeout there is no bound.
+    #[test]
+    fn longest_hold_is_one_deliverys_time_to_failure() {
+        let job = Job::<()>::builder("one-delivery")
+            .retry(1)
+            .tier_one(3)
+            .tier_one_max_wait(Duration::from_secs(2))
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap();
+        let budget = failure_budget(job.spec(), Duration::ZERO);
+        assert_eq!(longest_hold(job.spec()), budget.time_to_failure());
+        assert!(longest_hold(job.spec()).unwrap() > Duration::from_secs(90));
+        let unbounded = Job::<()>::builder("no-timeout").build().unwrap();
+        assert_eq!(longest_hold(unbounded.spec()), None);
+    }
 
     #[test]
     fn three_by_three() {

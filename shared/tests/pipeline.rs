@@ -6,51 +6,17 @@ use std::sync::{Arc, Mutex};
 
 use futures_executor::block_on;
 use queue::{
-    BoxFuture, CancelToken, DeliveryHandle, Envelope, ErrorKind, Event, EventKind, EventSink, Job,
-    JobContext, Registry, Runtime, Settlement, SettlementError, VirtualRuntime, SETTLEMENT_BUDGET,
+    CancelToken, Envelope, ErrorKind, Event, EventKind, EventSink, Job, JobContext, Registry,
+    Runtime, Settlement, SettlementError, VirtualRuntime, SETTLEMENT_BUDGET,
 };
 
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-/// What the host did with its delivery.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Answer {
-    Accept,
-    Refuse,
-    Hang,
-}
+#[path = "support/handle.rs"]
+mod support;
 
-struct Handle {
-    body: Vec<u8>,
-    answer: Answer,
-    seen: Arc<Mutex<Vec<Settlement>>>,
-}
-
-impl DeliveryHandle for Handle {
-    fn body(&self) -> &[u8] {
-        &self.body
-    }
-
-    fn attempt(&self) -> u32 {
-        1
-    }
-
-    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
-    where
-        Self: 'a,
-    {
-        self.seen.lock().unwrap().push(settlement.clone());
-        match self.answer {
-            Answer::Accept => Box::pin(std::future::ready(Ok(()))),
-            Answer::Refuse => Box::pin(std::future::ready(Err(SettlementError::new(
-                ErrorKind::NotAccepted,
-                "the backend said no",
-            )))),
-            Answer::Hang => Box::pin(std::future::pending()),
-        }
-    }
-}
+use support::{Answer, Handle};
 
 #[derive(Default)]
 struct Sink {
@@ -83,12 +49,8 @@ fn setup() -> (Registry, Arc<Sink>) {
 
 fn handle(answer: Answer) -> (Handle, Arc<Mutex<Vec<Settlement>>>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let h = Handle {
-        body: Envelope::new("work", serde_json::json!(7)).encode(),
-        answer,
-        seen: seen.clone(),
-    };
-    (h, seen)
+    let body = Envelope::new("work", serde_json::json!(7)).encode();
+    (Handle::new(body, &seen).answering(answer), seen)
 }
 
 #[test]
@@ -160,31 +122,6 @@ fn a_handed_back_delivery_is_settled_and_reported_like_any_other() {
     assert_eq!(registry.stats().job("work").retried, 1);
 }
 
-/// A delivery at a chosen attempt, recording what it was settled with.
-struct AtAttempt {
-    body: Vec<u8>,
-    attempt: u32,
-    seen: Arc<Mutex<Vec<Settlement>>>,
-}
-
-impl DeliveryHandle for AtAttempt {
-    fn body(&self) -> &[u8] {
-        &self.body
-    }
-
-    fn attempt(&self) -> u32 {
-        self.attempt
-    }
-
-    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
-    where
-        Self: 'a,
-    {
-        self.seen.lock().unwrap().push(settlement.clone());
-        Box::pin(std::future::ready(Ok(())))
-    }
-}
-
 /// Where a panic aborts the host (wasm32), the host settles the delivery
 /// after the fact with `settle_crashed`; where panics unwind, `deliver`
 /// catches the panic itself. For a job without tier one both must settle
@@ -210,11 +147,8 @@ fn a_crashed_execution_settles_like_a_caught_panic() {
     let body = Envelope::new("boom", serde_json::json!(7)).encode();
     for attempt in 1..=4 {
         let (caught, crashed) = (Arc::default(), Arc::default());
-        let handle = |seen: &Arc<Mutex<Vec<Settlement>>>| AtAttempt {
-            body: body.clone(),
-            attempt,
-            seen: seen.clone(),
-        };
+        let handle =
+            |seen: &Arc<Mutex<Vec<Settlement>>>| Handle::new(body.clone(), seen).at(attempt);
         let native =
             block_on(registry.deliver("q", handle(&caught), &runtime, &CancelToken::new()));
         let edge =
@@ -262,11 +196,7 @@ fn a_crash_on_an_unknown_body_is_handed_back_after_a_pause() {
         Envelope::new("nobody", serde_json::json!(1)).encode(),
     ] {
         let seen = Arc::default();
-        let handle = AtAttempt {
-            body,
-            attempt: 1,
-            seen: Arc::clone(&seen),
-        };
+        let handle = Handle::new(body, &seen);
         block_on(registry.settle_crashed("q", handle, "boom", &runtime));
         let seen = seen.lock().unwrap();
         assert!(
@@ -301,11 +231,10 @@ fn a_crashed_execution_counts_on_the_attached_breaker() {
         .register(&job, |_: JobContext, _: u32| async { Ok(()) })
         .unwrap();
     let runtime: Arc<dyn Runtime> = Arc::new(runtime);
-    let handle = AtAttempt {
-        body: Envelope::new("boom", serde_json::json!(1)).encode(),
-        attempt: 1,
-        seen: Arc::default(),
-    };
+    let handle = Handle::new(
+        Envelope::new("boom", serde_json::json!(1)).encode(),
+        &Arc::default(),
+    );
     assert!(!breaker.is_open());
     block_on(registry.settle_crashed("q", handle, "boom", &runtime));
     assert!(
@@ -328,11 +257,7 @@ fn counters_for_unregistered_names_stay_one_entry() {
         } else {
             format!("not an envelope {i}").into_bytes()
         };
-        let h = Handle {
-            body,
-            answer: Answer::Accept,
-            seen: Arc::new(Mutex::new(Vec::new())),
-        };
+        let h = Handle::new(body, &Arc::default());
         let delivered = block_on(registry.deliver("q", h, &runtime, &CancelToken::new()));
         assert!(delivered.outcome.is_ok());
     }

@@ -716,6 +716,27 @@ impl NatsDriver {
         lock(&self.inner.consumers).remove(queue);
     }
 
+    /// The connection, if the client is connected now. While it reconnects
+    /// every request would wait in its queue until the server is back or the
+    /// operation timeout ends, so a publish to `subject` fails at once as not
+    /// accepted instead.
+    async fn connected_link(&self, subject: &str) -> Result<Link, DriverError> {
+        let link = self
+            .link()
+            .await
+            .map_err(|e| error(ErrorKind::NotAccepted, format!("not sent: {e}")))?;
+        if link.client.connection_state() != State::Connected {
+            return Err(error(
+                ErrorKind::NotAccepted,
+                format!(
+                    "publish to `{subject}` not sent: not connected to NATS at {} (reconnecting)",
+                    self.inner.endpoint.address
+                ),
+            ));
+        }
+        Ok(link)
+    }
+
     /// Publishes to `subject` with `Nats-Msg-Id` = `message_id` and the
     /// `headers`, and waits for the `PubAck`.
     async fn publish(
@@ -726,16 +747,7 @@ impl NatsDriver {
         headers: &[(&str, String)],
     ) -> Result<PublishAck, DriverError> {
         self.check_running()?;
-        let link = self
-            .link()
-            .await
-            .map_err(|e| error(ErrorKind::NotAccepted, format!("not sent: {e}")))?;
-        if link.client.connection_state() != State::Connected {
-            return Err(error(
-                ErrorKind::NotAccepted,
-                format!("publish to `{subject}` not sent: not connected to NATS (reconnecting)"),
-            ));
-        }
+        let link = self.connected_link(subject).await?;
         let mut publish = PublishMessage::build()
             .payload(body.into())
             .message_id(message_id);
@@ -920,35 +932,12 @@ impl Driver for NatsDriver {
                 ),
             ));
         }
-        // While the client is reconnecting every request would wait in its
-        // queue until the server is back or the operation timeout ends: a
-        // dispatch fails at once instead.
-        let link = self
-            .link()
-            .await
-            .map_err(|e| error(ErrorKind::NotAccepted, format!("not sent: {e}")))?;
-        if link.client.connection_state() != State::Connected {
-            return Err(error(
-                ErrorKind::NotAccepted,
-                format!(
-                    "dispatch to `{}` not sent: not connected to NATS at {} (reconnecting)",
-                    self.subject(queue),
-                    self.inner.endpoint.address
-                ),
-            ));
-        }
-        if let Some(limit) = self.max_message_bytes() {
-            if message.body.len() > limit {
-                return Err(error(
-                    ErrorKind::NotAccepted,
-                    format!(
-                        "message of {} bytes is over the nats driver's limit of {limit} bytes \
-                         (the server's max_payload less {HEADER_ROOM} bytes for headers); nothing was sent",
-                        message.body.len()
-                    ),
-                ));
-            }
-        }
+        // Before the stream setup, which would wait in the client's queue
+        // while it reconnects.
+        self.connected_link(&self.subject(queue)).await?;
+        // The limit is the server's: known once connected.
+        self.capabilities()
+            .refuse_oversize(NAME, message.body.len())?;
         self.declare(queue).await.map_err(|e| match e.kind() {
             ErrorKind::Config | ErrorKind::Stopped | ErrorKind::NotAccepted => e,
             _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),

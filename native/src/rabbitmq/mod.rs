@@ -122,7 +122,7 @@
 //! twice. [`consumer_timeout`](RabbitConfig::consumer_timeout) tells the
 //! driver the broker's value (it must be the same), and a consumer refuses
 //! to start ([`ErrorKind::Config`], naming the job, its timeout and the
-//! setting) with a job whose [`longest_hold`] on a delivery (timeout x
+//! setting) with a job whose [`longest_hold`](queue::budget::longest_hold) on a delivery (timeout x
 //! in-process attempts, plus the tier-one waits) does not fit in it with
 //! [`CONSUMER_TIMEOUT_MARGIN`] to spare. A job without a timeout is
 //! accepted with a warning at start: its handler is unbounded by
@@ -186,19 +186,6 @@ const NAME: &str = "rabbitmq";
 /// [`RabbitConfig::consumer_timeout`]: the broker checks the timeout on a
 /// 60-second tick, and the settlement after the last execution takes time too.
 pub const CONSUMER_TIMEOUT_MARGIN: Duration = Duration::from_secs(60);
-
-/// The longest a delivery of `spec` is held before its settlement: every
-/// in-process attempt running to its timeout, plus each tier-one wait at its
-/// longest (the longer of the tier-one backoff and `tier_one.max_wait`).
-/// `None` for a job without a timeout.
-pub fn longest_hold(spec: &queue::JobSpec) -> Option<Duration> {
-    let timeout = spec.timeout.filter(|t| !t.is_zero())?;
-    let attempts = spec.tier_one.attempts.max(1);
-    let waits = (2..=attempts)
-        .map(|i| spec.tier_one.backoff.delay(i).max(spec.tier_one.max_wait))
-        .fold(Duration::ZERO, Duration::saturating_add);
-    Some(timeout.saturating_mul(attempts).saturating_add(waits))
-}
 
 /// How long [`Driver::stop`] waits, after a released channel closed, for
 /// lapin to remove it from the connection (see `await_released_channels`).
@@ -915,7 +902,7 @@ impl Driver for RabbitDriver {
 
     fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
         let limit = self.inner.config.consumer_timeout;
-        let Some(hold) = longest_hold(spec) else {
+        let Some(hold) = queue::budget::longest_hold(spec) else {
             warn!(
                 job = %spec.name,
                 "job `{}` has no timeout: a handler running longer than the broker's consumer_timeout \

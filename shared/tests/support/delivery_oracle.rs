@@ -18,10 +18,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use queue::{
-    BoxFuture, CancelToken, DeliveryHandle, Envelope, Event, EventKind, EventSink, FailureKind,
-    Job, JobContext, RawBody, Registry, Runtime, Settlement, SettlementError, VirtualRuntime,
+    CancelToken, Envelope, Event, EventKind, EventSink, FailureKind, Job, JobContext, RawBody,
+    Registry, Runtime, Settlement, VirtualRuntime,
 };
 use serde::Deserialize;
+
+#[path = "handle.rs"]
+mod handle;
+
+use handle::Handle;
 
 /// The registered job's name.
 pub(crate) const JOB: &str = "order";
@@ -36,29 +41,6 @@ pub(crate) struct Order {
     pub(crate) items: Vec<String>,
     /// An optional note.
     pub(crate) note: Option<String>,
-}
-
-struct Handle {
-    body: Vec<u8>,
-    settlements: Arc<Mutex<Vec<Settlement>>>,
-}
-
-impl DeliveryHandle for Handle {
-    fn body(&self) -> &[u8] {
-        &self.body
-    }
-
-    fn attempt(&self) -> u32 {
-        1
-    }
-
-    fn settle<'a>(self, settlement: &'a Settlement) -> BoxFuture<'a, Result<(), SettlementError>>
-    where
-        Self: 'a,
-    {
-        self.settlements.lock().unwrap().push(settlement.clone());
-        Box::pin(std::future::ready(Ok(())))
-    }
 }
 
 #[derive(Default)]
@@ -124,10 +106,7 @@ impl Pipeline {
         self.runs.store(0, Ordering::SeqCst);
         self.events.0.lock().unwrap().clear();
         let settlements = Arc::new(Mutex::new(Vec::new()));
-        let handle = Handle {
-            body: body.to_vec(),
-            settlements: settlements.clone(),
-        };
+        let handle = Handle::new(body.to_vec(), &settlements);
         let delivered = futures_executor::block_on(self.registry.deliver(
             "orders",
             handle,

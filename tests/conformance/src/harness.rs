@@ -184,6 +184,27 @@ impl Harness {
             .spawn()
     }
 
+    /// Runs `job` with a handler that succeeds, until `n` messages have
+    /// succeeded, then shuts the consumer down; returns the ids of the work
+    /// the handler saw, sorted.
+    pub async fn consume_ids(&self, job: &queue::Job<Work>, n: usize) -> Vec<u32> {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let mut registry = Registry::new();
+        registry
+            .register(job, move |_ctx, work: Work| {
+                record.lock().unwrap().push(work.id);
+                std::future::ready(Ok(()))
+            })
+            .unwrap();
+        let consumer = self.start(registry, 1);
+        self.events.wait_count(self.patience, "succeeded", n).await;
+        consumer.shutdown().await.unwrap();
+        let mut seen = seen.lock().unwrap().clone();
+        seen.sort_unstable();
+        seen
+    }
+
     /// Starts a consumer on a fresh connection.
     pub async fn start_on(
         &self,

@@ -20,6 +20,7 @@ pub mod crash;
 pub mod fixture;
 pub mod harness;
 pub mod scenarios;
+pub mod servers;
 
 pub use fixture::{Broker, Fixture};
 pub use harness::{Backend, Calls, Events, Harness};

@@ -1020,17 +1020,51 @@ pub struct Padded {
     pub pad: String,
 }
 
-/// An envelope for `job` whose encoded body is exactly `size` bytes.
-fn envelope_of_size(job: &str, size: usize) -> Envelope {
-    let mut envelope = Envelope::new(job, serde_json::json!({ "pad": "" }));
+/// `envelope` padded, in a `pad` field of its (object) payload, so that its
+/// encoded body is exactly `size` bytes. A payload type without that field
+/// ignores it.
+pub fn padded_to(mut envelope: Envelope, size: usize) -> Envelope {
+    envelope.payload["pad"] = serde_json::Value::String(String::new());
     let base = envelope.encode().len();
     assert!(
         size >= base,
-        "a body of {size} bytes cannot hold an envelope"
+        "a body of {size} bytes cannot hold this envelope ({base} bytes)"
     );
-    envelope.payload = serde_json::json!({ "pad": "a".repeat(size - base) });
+    envelope.payload["pad"] = serde_json::Value::String("a".repeat(size - base));
     assert_eq!(envelope.encode().len(), size);
     envelope
+}
+
+/// An envelope for `job` whose encoded body is exactly `size` bytes.
+fn envelope_of_size(job: &str, size: usize) -> Envelope {
+    padded_to(Envelope::new(job, serde_json::json!({})), size)
+}
+
+/// The driver's size limit, or `None` after saying the scenario is skipped.
+fn size_limit(h: &Harness) -> Option<usize> {
+    let limit = h.driver.capabilities().max_message_bytes;
+    if limit.is_none() {
+        println!(
+            "skipped: the {} driver reports no size limit",
+            h.driver.name()
+        );
+    }
+    limit
+}
+
+/// A registry running `job` with a handler that records each payload's
+/// `pad` length.
+fn recording_pads(job: &Job<Padded>) -> (Registry, Arc<Mutex<Vec<usize>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let mut registry = Registry::new();
+    registry
+        .register(job, move |_ctx, padded: Padded| {
+            record.lock().unwrap().push(padded.pad.len());
+            std::future::ready(Ok(()))
+        })
+        .unwrap();
+    (registry, seen)
 }
 
 /// A body one byte over the driver's `max_message_bytes` is refused as not
@@ -1038,11 +1072,7 @@ fn envelope_of_size(job: &str, size: usize) -> Envelope {
 /// naming the limit and the size; nothing reaches the queue.
 pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     let h = Harness::new(backend, "oversize").await;
-    let Some(limit) = h.driver.capabilities().max_message_bytes else {
-        println!(
-            "skipped: the {} driver reports no size limit",
-            h.driver.name()
-        );
+    let Some(limit) = size_limit(&h) else {
         return;
     };
     let job = Job::<Padded>::builder("oversize")
@@ -1071,15 +1101,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
     assert!(err.to_string().contains(&limit.to_string()), "{err}");
 
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let record = seen.clone();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, move |_ctx, padded: Padded| {
-            record.lock().unwrap().push(padded.pad.len());
-            std::future::ready(Ok(()))
-        })
-        .unwrap();
+    let (registry, seen) = recording_pads(&job);
     h.producer
         .dispatch(&job, &Padded { pad: "x".into() })
         .await
@@ -1102,11 +1124,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
 /// dispatched, delivered whole and acknowledged.
 pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     let h = Harness::new(backend, "at-limit").await;
-    let Some(limit) = h.driver.capabilities().max_message_bytes else {
-        println!(
-            "skipped: the {} driver reports no size limit",
-            h.driver.name()
-        );
+    let Some(limit) = size_limit(&h) else {
         return;
     };
     let job = Job::<Padded>::builder("at-limit")
@@ -1119,15 +1137,7 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
         serde_json::Value::String(pad) => pad.len(),
         other => panic!("unexpected payload {other}"),
     };
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let record = seen.clone();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, move |_ctx, padded: Padded| {
-            record.lock().unwrap().push(padded.pad.len());
-            std::future::ready(Ok(()))
-        })
-        .unwrap();
+    let (registry, seen) = recording_pads(&job);
     let started = Instant::now();
     h.producer
         .send_envelope(&h.queue, &envelope, None)

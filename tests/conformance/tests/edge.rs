@@ -786,17 +786,11 @@ fn misconfigured_worker_hands_messages_back() {
         .all(|r| r["message_id"] != id.as_str()));
 }
 
-/// A report envelope padded (in its metadata) to exactly `size` bytes.
+/// A report envelope of exactly `size` bytes (the report job ignores the
+/// padding field).
 fn padded_envelope(id: u64, size: usize) -> Envelope {
     let payload = serde_json::to_value(report(id, Behaviour::Healthy)).unwrap();
-    let mut envelope = Envelope::new(report_job::NAME, payload);
-    envelope.metadata.insert("pad".into(), String::new());
-    let bare = envelope.encode().len();
-    envelope
-        .metadata
-        .insert("pad".into(), "x".repeat(size - bare));
-    assert_eq!(envelope.encode().len(), size);
-    envelope
+    queue_conformance::scenarios::padded_to(Envelope::new(report_job::NAME, payload), size)
 }
 
 /// Cloudflare Queues takes a message of up to 128 KB (128,000 bytes): one

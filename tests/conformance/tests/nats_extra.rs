@@ -15,6 +15,7 @@ use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, Nats};
 use queue_conformance::harness::{outgoing, Calls};
 use queue_conformance::scenarios::Work;
+use queue_conformance::servers::NatsServer;
 use queue_conformance::Harness;
 use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
 
@@ -343,111 +344,34 @@ async fn consumption_resumes_after_the_connection_is_lost() {
     run.finish().await;
 }
 
-/// A private `nats-server` with JetStream on a free port and its own store
-/// directory, which a test can kill and start again on the same port and
-/// store. Found on `PATH` or in `/usr/sbin`; without it the test is skipped,
-/// except under `CI=true`, where a missing server fails the run.
-struct PrivateServer {
-    binary: std::path::PathBuf,
-    port: u16,
-    store: std::path::PathBuf,
-    process: Option<std::process::Child>,
+/// A private `nats-server` (see [`NatsServer`]) storing in a fresh temporary
+/// directory, or `None` (after saying why) when none is installed, except
+/// under `CI=true`, where a missing server fails the run.
+async fn private_server() -> Option<(NatsServer, RemovedOnDrop)> {
+    if NatsServer::binary().is_none() {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+        assert!(
+            !ci,
+            "nats-server is not installed (not on PATH nor in /usr/sbin) and CI=true"
+        );
+        eprintln!("SKIPPED: nats-server is not installed (not on PATH nor in /usr/sbin)");
+        return None;
+    }
+    let store = std::env::temp_dir().join(format!(
+        "queue-nats-extra-{}-{}",
+        std::process::id(),
+        &queue::envelope::new_message_id()[..8]
+    ));
+    let server = NatsServer::start(&store, None).await.unwrap();
+    Some((server, RemovedOnDrop(store)))
 }
 
-impl PrivateServer {
-    fn binary() -> Option<std::path::PathBuf> {
-        let on_path = std::env::var_os("PATH").and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("nats-server"))
-                .find(|candidate| candidate.is_file())
-        });
-        on_path.or_else(|| {
-            let fallback = std::path::Path::new("/usr/sbin/nats-server");
-            fallback.is_file().then(|| fallback.to_path_buf())
-        })
-    }
+/// A directory removed when this is dropped.
+struct RemovedOnDrop(std::path::PathBuf);
 
-    /// Starts one, or returns `None` (after saying why) when there is no
-    /// `nats-server` and `CI` is not `true`.
-    async fn start() -> Option<PrivateServer> {
-        let Some(binary) = Self::binary() else {
-            let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-            assert!(
-                !ci,
-                "nats-server is not installed (not on PATH nor in /usr/sbin) and CI=true"
-            );
-            eprintln!("SKIPPED: nats-server is not installed (not on PATH nor in /usr/sbin)");
-            return None;
-        };
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let store = std::env::temp_dir().join(format!(
-            "queue-nats-extra-{}-{}",
-            std::process::id(),
-            &queue::envelope::new_message_id()[..8]
-        ));
-        std::fs::create_dir_all(&store).unwrap();
-        let mut server = PrivateServer {
-            binary,
-            port,
-            store,
-            process: None,
-        };
-        server.restart().await;
-        Some(server)
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the process (again) and waits until it accepts connections.
-    async fn restart(&mut self) {
-        let child = Command::new(&self.binary)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.store)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        self.process = Some(child);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .is_err()
-        {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "nats-server did not start on port {}",
-                self.port
-            );
-            tokio::time::sleep(MS(50)).await;
-        }
-    }
-
-    /// Kills the process (SIGKILL) and waits for it to end.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.process.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateServer {
+impl Drop for RemovedOnDrop {
     fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.store);
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -457,7 +381,7 @@ impl Drop for PrivateServer {
 /// the message is consumed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatch_fails_fast_while_the_server_is_down() {
-    let Some(mut server) = PrivateServer::start().await else {
+    let Some((mut server, _store)) = private_server().await else {
         return;
     };
     let mut config = NatsConfig::new(server.url());
@@ -490,7 +414,7 @@ async fn dispatch_fails_fast_while_the_server_is_down() {
     }
     println!("nats: dispatch latencies while the server is down: {latencies:?}");
 
-    server.restart().await;
+    server.up().await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
         match h.producer.dispatch(&job, &Work { id: 2 }).await {
@@ -504,22 +428,8 @@ async fn dispatch_fails_fast_while_the_server_is_down() {
             }
         }
     }
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut registry = Registry::new();
-    let record = seen.clone();
-    registry
-        .register(&job, move |_ctx, work: Work| {
-            record.lock().unwrap().push(work.id);
-            std::future::ready(Ok(()))
-        })
-        .unwrap();
-    let consumer = h.start(registry, 1);
     // The messages accepted before and after the outage, and only those.
-    h.events.wait_count(h.patience, "succeeded", 2).await;
-    consumer.shutdown().await.unwrap();
-    let mut seen = seen.lock().unwrap().clone();
-    seen.sort();
-    assert_eq!(seen, [1, 2]);
+    assert_eq!(h.consume_ids(&job, 2).await, [1, 2]);
     assert_eq!(
         backend.driver().await.stored_count(&h.queue).await.unwrap(),
         0

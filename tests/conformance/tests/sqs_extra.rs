@@ -51,9 +51,9 @@ fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
     }
 }
 
-/// Messages on `queue`: visible, in flight or delayed.
-async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
-    let url = driver
+/// `queue`'s URL, asked of SQS directly.
+async fn queue_url(driver: &SqsDriver, queue: &str) -> String {
+    driver
         .client()
         .get_queue_url()
         .queue_name(queue)
@@ -62,7 +62,12 @@ async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
         .unwrap()
         .queue_url()
         .unwrap()
-        .to_string();
+        .to_string()
+}
+
+/// Messages on `queue`: visible, in flight or delayed.
+async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
+    let url = queue_url(driver, queue).await;
     let attributes = driver
         .client()
         .get_queue_attributes()
@@ -490,23 +495,7 @@ async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
     let h = Harness::new(&backend, "sqs-refused").await;
     let driver = backend.driver().await;
     driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
-    let url = driver
-        .client()
-        .get_queue_url()
-        .queue_name(&h.queue)
-        .send()
-        .await
-        .unwrap()
-        .queue_url()
-        .unwrap()
-        .to_string();
-    driver
-        .client()
-        .delete_queue()
-        .queue_url(url)
-        .send()
-        .await
-        .unwrap();
+    delete_behind_the_drivers_back(&driver, &h.queue).await;
     let err = driver
         .send(&h.queue, outgoing("m2", None))
         .await
@@ -515,6 +504,18 @@ async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
 }
 
 /// A loopback port nothing listens on (bound, then released).
+/// Deletes `queue` with the SDK directly, so `driver` still holds its URL.
+async fn delete_behind_the_drivers_back(driver: &SqsDriver, queue: &str) {
+    let url = queue_url(driver, queue).await;
+    driver
+        .client()
+        .delete_queue()
+        .queue_url(url)
+        .send()
+        .await
+        .unwrap();
+}
+
 fn closed_endpoint() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -706,23 +707,7 @@ async fn credentials_and_payloads_stay_out_of_logs_and_errors() {
     assert!(String::from_utf8_lossy(delivery.body()).contains(PAYLOAD));
     delivery.settle(&Settlement::Ack).await.unwrap();
     drop(subscription);
-    let url = driver
-        .client()
-        .get_queue_url()
-        .queue_name(&h.queue)
-        .send()
-        .await
-        .unwrap()
-        .queue_url()
-        .unwrap()
-        .to_string();
-    driver
-        .client()
-        .delete_queue()
-        .queue_url(url)
-        .send()
-        .await
-        .unwrap();
+    delete_behind_the_drivers_back(&driver, &h.queue).await;
     errors.push(driver.send(&h.queue, message("m4")).await.unwrap_err());
 
     let logs = logs.text();

@@ -3,130 +3,13 @@
 //! JetStream directory, and a RabbitMQ node of its own (name, ports, data
 //! and log directories, no plugins). Plus `rabbitmqctl` helpers.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// A free loopback port (bound, then released).
-pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind a loopback port")
-}
-
-/// Whether something accepts connections on `port`.
-pub(crate) fn port_open(port: u16) -> bool {
-    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
-        .is_ok()
-}
-
-/// Waits up to `bound` for `port` to accept connections.
-pub(crate) async fn wait_port(port: u16, bound: Duration) -> bool {
-    let deadline = Instant::now() + bound;
-    while Instant::now() < deadline {
-        if port_open(port) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    false
-}
-
-/// A private `nats-server` with JetStream.
-pub(crate) struct NatsServer {
-    /// Its client port.
-    pub(crate) port: u16,
-    dir: PathBuf,
-    log: PathBuf,
-    child: Option<Child>,
-}
-
-/// Where the NATS server binary is (`NATS_SERVER` overrides).
-fn nats_server_bin() -> String {
-    std::env::var("NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".into())
-}
-
-impl NatsServer {
-    /// Starts one storing under `dir`, logging to `log`.
-    pub(crate) async fn start(dir: &Path, log: &Path) -> Result<Self, String> {
-        let mut server = NatsServer {
-            port: free_port(),
-            dir: dir.to_path_buf(),
-            log: log.to_path_buf(),
-            child: None,
-        };
-        server.up().await?;
-        Ok(server)
-    }
-
-    /// (Re)starts the process on the same port and directory.
-    pub(crate) async fn up(&mut self) -> Result<(), String> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| e.to_string())?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(|e| e.to_string())?;
-        let child = Command::new(nats_server_bin())
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", nats_server_bin()))?;
-        self.child = Some(child);
-        if wait_port(self.port, Duration::from_secs(15)).await {
-            Ok(())
-        } else {
-            Err(format!(
-                "the private nats-server did not listen on port {} within 15 s",
-                self.port
-            ))
-        }
-    }
-
-    /// Stops the process (SIGTERM, then SIGKILL after 5 s) and waits for it.
-    pub(crate) async fn down(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while port_open(self.port) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
+pub(crate) use queue_conformance::servers::{free_port, port_open, wait_port, NatsServer};
 
 /// Runs `rabbitmqctl` (on `node` if given), its output kept out of the
 /// logs (it may echo what it was given). Errors name the command, not its

@@ -275,23 +275,7 @@ struct Workers {
 impl Workers {
     /// SIGTERM to every worker, SIGKILL after 10 s.
     async fn stop(&mut self) {
-        for child in &self.children {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .stderr(Stdio::null())
-                .status();
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        for child in &mut self.children {
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        queue_conformance::servers::terminate(&mut self.children, Duration::from_secs(10)).await;
         self.children.clear();
     }
 }
@@ -857,7 +841,7 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
     };
     let ((results, dispatch_time), (kills, last_kill)) = tokio::join!(paced, killing);
     suite.settle_dispatches(&mut books, results);
-    let (account, done) = books
+    let (_, done) = books
         .wait_accounted(&conn, Duration::from_secs(180), false)
         .await;
     let shortfall = if kills < args.kills {
@@ -875,7 +859,6 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
     workers.stop().await;
     let account_final = books.account(&conn).await;
     suite.check_lost(kind, Fault::Kill, &account_final);
-    let _ = account;
     let notes = format!(
         "{kills} SIGKILLs while work remained{shortfall}, 3 workers x 8; lease {}; dispatch {}; {}",
         secs(target.lease),
@@ -1007,7 +990,8 @@ async fn restart_broker(suite: &mut Suite, env: &Env) -> Result<(), String> {
     let mut broker = match kind {
         Kind::Nats => {
             let server =
-                nodes::NatsServer::start(&dir, &suite.logs.join("nats-server.private")).await?;
+                nodes::NatsServer::start(&dir, Some(&suite.logs.join("nats-server.private")))
+                    .await?;
             target.url =
                 target
                     .url

@@ -1,0 +1,177 @@
+//! Private servers for tests that stop and restart a broker, so the shared
+//! brokers other tests use are never touched: a `nats-server` with
+//! JetStream on a free port and a directory of its own, plus the process and
+//! port helpers around it.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind a loopback port")
+}
+
+/// Whether something accepts connections on loopback `port`.
+pub fn port_open(port: u16) -> bool {
+    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+        .is_ok()
+}
+
+/// Waits up to `bound` for loopback `port` to accept connections.
+pub async fn wait_port(port: u16, bound: Duration) -> bool {
+    let deadline = Instant::now() + bound;
+    while Instant::now() < deadline {
+        if port_open(port) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Sends SIGTERM to every child, waits up to `grace` for them to exit, then
+/// SIGKILLs the ones still running and reaps them all.
+pub async fn terminate(children: &mut [Child], grace: Duration) {
+    for child in children.iter() {
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+    }
+    let deadline = Instant::now() + grace;
+    for child in children.iter_mut() {
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// A private `nats-server` with JetStream, on a free loopback port, storing
+/// under a directory of the caller's. It can be stopped and started again on
+/// the same port and store; dropping it kills the process.
+pub struct NatsServer {
+    /// Its client port.
+    pub port: u16,
+    binary: PathBuf,
+    dir: PathBuf,
+    log: Option<PathBuf>,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// The `nats-server` binary: `NATS_SERVER`, else the first on `PATH`,
+    /// else `/usr/sbin/nats-server` (where Debian installs it); `None` if
+    /// none exists.
+    pub fn binary() -> Option<PathBuf> {
+        if let Some(path) = std::env::var_os("NATS_SERVER") {
+            return Some(PathBuf::from(path));
+        }
+        let on_path = std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join("nats-server"))
+                .find(|candidate| candidate.is_file())
+        });
+        on_path.or_else(|| {
+            let fallback = Path::new("/usr/sbin/nats-server");
+            fallback.is_file().then(|| fallback.to_path_buf())
+        })
+    }
+
+    /// Starts one storing under `dir`, its output appended to `log` (or
+    /// discarded), and waits until it accepts connections.
+    pub async fn start(dir: &Path, log: Option<&Path>) -> Result<Self, String> {
+        let binary =
+            Self::binary().ok_or("nats-server is not installed (not on PATH nor in /usr/sbin)")?;
+        let mut server = NatsServer {
+            port: free_port(),
+            binary,
+            dir: dir.to_path_buf(),
+            log: log.map(Path::to_path_buf),
+            child: None,
+        };
+        server.up().await?;
+        Ok(server)
+    }
+
+    /// Its client URL.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the process on the same port and store and waits until
+    /// it accepts connections.
+    pub async fn up(&mut self) -> Result<(), String> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| e.to_string())?;
+        let output = match &self.log {
+            Some(log) => Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .map_err(|e| e.to_string())?,
+            ),
+            None => Stdio::null(),
+        };
+        let child = Command::new(&self.binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(output)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", self.binary.display()))?;
+        self.child = Some(child);
+        if wait_port(self.port, Duration::from_secs(15)).await {
+            Ok(())
+        } else {
+            Err(format!(
+                "the private nats-server did not listen on port {} within 15 s",
+                self.port
+            ))
+        }
+    }
+
+    /// Stops the process (SIGTERM, SIGKILL after 5 s) and waits until the
+    /// port is closed.
+    pub async fn down(&mut self) {
+        if let Some(child) = self.child.take() {
+            terminate(&mut [child], Duration::from_secs(5)).await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while port_open(self.port) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills the process (SIGKILL: no clean shutdown) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

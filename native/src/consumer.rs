@@ -22,6 +22,7 @@ use tracing::{error, info, warn, Instrument};
 
 use crate::driver::{Delivery, Driver, DriverError, ErrorKind, Subscription};
 use crate::runtime::TokioRuntime;
+use crate::support::Reconnect;
 
 /// Builder for a [`Consumer`].
 pub struct ConsumerBuilder {
@@ -146,11 +147,19 @@ impl Consumer {
     /// taking deliveries (each subscription is closed, so the backend sends
     /// no more), cancel the active handlers' contexts, and join every active
     /// delivery (each settles with its own fresh budget).
-    /// Fails at once if the driver refuses a job ([`Driver::check_job`]) or
-    /// a queue cannot be subscribed.
+    /// Fails at once if the driver refuses a job ([`Driver::check_job`]),
+    /// a backend's delivery limit is below what a job needs
+    /// ([`Driver::delivery_limit`], [`queue::check_delivery_limit`]), or a
+    /// queue cannot be subscribed.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
         for spec in self.registry.specs() {
             self.driver.check_job(spec)?;
+        }
+        let counts_shutdown_returns = self.driver.capabilities().counts_shutdown_returns;
+        for queue in self.registry.queues() {
+            let limit = self.driver.delivery_limit(&queue).await?;
+            queue::check_delivery_limit(&self.registry, &queue, limit, counts_shutdown_returns)
+                .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Config, e))?;
         }
         let mut sources = Vec::new();
         for queue in self.registry.queues() {
@@ -266,7 +275,7 @@ struct Source {
     /// `None` while waiting to resubscribe.
     subscription: Option<Box<dyn Subscription>>,
     resubscribe_at: Option<tokio::time::Instant>,
-    wait: Duration,
+    wait: Reconnect,
     /// The subscription ended for good (the driver stopped).
     ended: bool,
 }
@@ -277,7 +286,7 @@ impl Source {
             queue,
             subscription: Some(subscription),
             resubscribe_at: None,
-            wait: FIRST_RESUBSCRIBE_WAIT,
+            wait: Reconnect::new(FIRST_RESUBSCRIBE_WAIT, MAX_RESUBSCRIBE_WAIT),
             ended: false,
         }
     }
@@ -301,7 +310,7 @@ impl Source {
                         self.resubscribe_at = None;
                     }
                     Err(e) => {
-                        warn!(queue = %self.queue, "resubscribe failed, retrying in {:?}: {e}", self.wait);
+                        warn!(queue = %self.queue, "resubscribe failed, retrying in {:?}: {e}", self.wait.upcoming());
                         self.back_off();
                         continue;
                     }
@@ -314,11 +323,11 @@ impl Source {
                     return None;
                 }
                 Some(Ok(delivery)) => {
-                    self.wait = FIRST_RESUBSCRIBE_WAIT;
+                    self.wait.succeeded();
                     return Some((self.queue.clone(), delivery));
                 }
                 Some(Err(e)) => {
-                    warn!(queue = %self.queue, "subscription failed, resubscribing in {:?}: {e}", self.wait);
+                    warn!(queue = %self.queue, "subscription failed, resubscribing in {:?}: {e}", self.wait.upcoming());
                     self.subscription = None;
                     self.back_off();
                 }
@@ -327,8 +336,7 @@ impl Source {
     }
 
     fn back_off(&mut self) {
-        self.resubscribe_at = Some(tokio::time::Instant::now() + self.wait);
-        self.wait = (self.wait * 2).min(MAX_RESUBSCRIBE_WAIT);
+        self.resubscribe_at = Some(tokio::time::Instant::now() + self.wait.failed());
     }
 }
 

@@ -8,7 +8,6 @@
 //! backend, implement these three traits and run the conformance suite
 //! (`queue-conformance`) against it.
 
-use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -48,6 +47,13 @@ pub struct Capabilities {
     /// refuse it (or, where the backend counts its own headers, to refuse it
     /// only sometimes). `None`: no limit known.
     pub max_message_bytes: Option<usize>,
+    /// The deliveries the backend gives one message before ending it on its
+    /// own, with no failure record (a configured `MaxDeliver`,
+    /// `x-delivery-limit`...). `None`: it never does. A backend whose limit
+    /// depends on the queue reports it through [`Driver::delivery_limit`]
+    /// instead. A consumer refuses to start when a limit is below what a
+    /// registered job needs ([`queue::check_delivery_limit`]).
+    pub max_deliveries: Option<u32>,
 }
 
 impl Capabilities {
@@ -84,6 +90,7 @@ impl Capabilities {
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
             max_message_bytes: None,
+            max_deliveries: None,
         }
     }
 }
@@ -126,6 +133,17 @@ pub trait Driver: Send + Sync + 'static {
     fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
         let _ = spec;
         Ok(())
+    }
+
+    /// The deliveries the backend gives one message of `queue` before
+    /// ending it on its own (see [`Capabilities::max_deliveries`]); `None`:
+    /// no such limit. A consumer checks it against every registered job of
+    /// the queue before subscribing. The default reports
+    /// [`Capabilities::max_deliveries`]; a backend that reads the limit per
+    /// queue (SQS's redrive policy) overrides it.
+    async fn delivery_limit(&self, queue: &str) -> Result<Option<u32>, DriverError> {
+        let _ = queue;
+        Ok(self.capabilities().max_deliveries)
     }
 }
 
@@ -205,10 +223,17 @@ impl DeliveryHandle for Box<dyn Delivery> {
 }
 
 /// An error from a driver: which driver, what kind, and the cause.
-#[derive(Debug)]
+///
+/// The cause is the [`source`](std::error::Error::source): the backend
+/// client's own error (a `lapin::Error`, an async-nats error, an AWS SDK
+/// error) where there was one, wrapped in the driver's description of what
+/// it was doing. Find it with [`find`](Self::find).
+#[derive(Debug, thiserror::Error)]
+#[error("{driver} driver: {kind}: {source}")]
 pub struct DriverError {
     driver: &'static str,
     kind: ErrorKind,
+    #[source]
     source: BoxError,
 }
 
@@ -229,19 +254,41 @@ impl DriverError {
     pub fn driver(&self) -> &'static str {
         self.driver
     }
-}
 
-impl fmt::Display for DriverError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} driver: {}: {}", self.driver, self.kind, self.source)
+    /// The first error of type `E` in the chain of causes, if any: the
+    /// backend client's error, say (`err.find::<lapin::Error>()`).
+    pub fn find<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self.source.as_ref());
+        while let Some(err) = cause {
+            if let Some(found) = err.downcast_ref::<E>() {
+                return Some(found);
+            }
+            cause = err.source();
+        }
+        None
+    }
+
+    /// This error, from a step before anything was handed to the backend
+    /// (resolving the connection, declaring topology): the message was
+    /// certainly not stored, so the kind becomes
+    /// [`ErrorKind::NotAccepted`]. Configuration errors, a stopped driver
+    /// and refusals keep their kind. The cause is kept.
+    pub fn not_sent(self) -> Self {
+        match self.kind {
+            ErrorKind::Config | ErrorKind::Stopped | ErrorKind::NotAccepted => self,
+            _ => DriverError {
+                driver: self.driver,
+                kind: ErrorKind::NotAccepted,
+                source: Box::new(NotSent(self)),
+            },
+        }
     }
 }
 
-impl std::error::Error for DriverError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(self.source.as_ref())
-    }
-}
+/// The cause of a [`DriverError::not_sent`]: the original error, kind and all.
+#[derive(Debug, thiserror::Error)]
+#[error("not sent: {0}")]
+struct NotSent(#[source] DriverError);
 
 impl From<DriverError> for SettlementError {
     fn from(err: DriverError) -> Self {

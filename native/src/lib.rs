@@ -62,6 +62,7 @@ pub mod rabbitmq;
 pub mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+mod support;
 
 pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};

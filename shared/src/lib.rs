@@ -71,6 +71,7 @@ pub mod error;
 pub mod event;
 mod executor;
 pub mod job;
+pub mod limit;
 mod maybe_send;
 mod panic;
 pub mod pipeline;
@@ -83,22 +84,25 @@ pub mod settle;
 pub mod stats;
 
 pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
-pub use budget::{failure_budget, FailureBudget};
+pub use budget::{failure_budget, human, longest_hold, FailureBudget};
 pub use cancel::CancelToken;
 pub use config::Overrides;
 pub use context::{DeadlineExceeded, Interrupted, JobContext};
-pub use envelope::{Envelope, EnvelopeError};
+pub use envelope::{new_message_id, Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
 pub use event::{Event, EventKind, EventSink};
 pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
+pub use limit::{check_delivery_limit, unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy};
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
 pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY};
 pub use record::{FailureRecord, RawBody};
+pub use redact::json_error;
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
     deliveries_needed, exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision,
-    Failure, FailureKind, Settlement, UnknownNameAttempts, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
+    Failure, FailureKind, Settlement, UnknownNameAttempts, DEFAULT_UNKNOWN_NAME_ATTEMPTS,
+    SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
 pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};

@@ -919,6 +919,7 @@ impl Driver for NatsDriver {
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
             max_message_bytes: self.max_message_bytes(),
+            max_deliveries: self.inner.config.max_deliver,
         }
     }
 

@@ -864,6 +864,7 @@ impl Driver for RabbitDriver {
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
             max_message_bytes: Some(self.inner.config.max_message_bytes),
+            max_deliveries: self.inner.config.delivery_limit.map(|limit| limit.saturating_add(1)),
         }
     }
 

@@ -851,6 +851,7 @@ impl Driver for SqsDriver {
             counts_shutdown_returns: true,
             // SQS's 262,144 bytes count message attributes too: 64 stay free for a retry's counts.
             max_message_bytes: Some(262_144 - 64),
+            max_deliveries: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! What every driver needs the same way, written once: poison-tolerant
-//! locks, the stopped state, and the wait between reconnection attempts.
+//! What every driver needs the same way, written once: errors that keep the
+//! client's cause, poison-tolerant locks, the stopped state, and the wait
+//! between reconnection attempts.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -8,6 +9,36 @@ use queue::Backoff;
 use tokio::sync::watch;
 
 use crate::driver::{DriverError, ErrorKind};
+
+/// What a driver was doing when a backend client's call failed, with the
+/// client's own error kept as the [`source`](std::error::Error::source) (so
+/// [`DriverError::find`] reaches it). Its text is `"{doing}: {cause}"`, so a
+/// log line that prints only the top error still says everything.
+#[derive(Debug, thiserror::Error)]
+#[error("{doing}: {source}")]
+pub(crate) struct Step<E: std::error::Error + Send + Sync + 'static> {
+    doing: String,
+    #[source]
+    source: E,
+}
+
+/// A [`DriverError`] of `kind` from `driver`: `doing` failed with the
+/// client's error `source`, which is kept.
+pub(crate) fn failed<E: std::error::Error + Send + Sync + 'static>(
+    driver: &'static str,
+    kind: ErrorKind,
+    doing: impl Into<String>,
+    source: E,
+) -> DriverError {
+    DriverError::new(
+        driver,
+        kind,
+        Step {
+            doing: doing.into(),
+            source,
+        },
+    )
+}
 
 /// Locks `mutex`, carrying on past a poisoned lock: driver state stays
 /// usable after a panic elsewhere (every critical section leaves it whole).
@@ -110,6 +141,24 @@ impl Reconnect {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("refused by the server")]
+    struct ClientError;
+
+    #[test]
+    fn a_failed_step_keeps_the_client_error() {
+        let err = failed("test", ErrorKind::Connection, "declare queue `q`", ClientError);
+        assert_eq!(
+            err.to_string(),
+            "test driver: connection error: declare queue `q`: refused by the server"
+        );
+        assert!(err.find::<ClientError>().is_some());
+        let err = err.not_sent();
+        assert_eq!(err.kind(), ErrorKind::NotAccepted);
+        assert!(err.find::<ClientError>().is_some(), "not_sent keeps the cause");
+        assert!(err.to_string().contains("not sent: test driver: connection error: declare queue"));
+    }
 
     #[test]
     fn reconnect_waits_double_up_to_the_cap_and_reset() {

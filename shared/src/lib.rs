@@ -95,7 +95,9 @@ pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
 pub use limit::{check_delivery_limit, unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy};
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
-pub use policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY};
+pub use policy::{
+    whole_seconds_up, Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY,
+};
 pub use record::{FailureRecord, RawBody};
 pub use redact::json_error;
 pub use registry::{Delivery, Processed, Registry, RegistryError};

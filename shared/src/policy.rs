@@ -83,6 +83,15 @@ impl Backoff {
     }
 }
 
+/// `delay` in whole seconds, rounded up so a delay is never shortened: what
+/// a backend that counts delays in seconds (SQS `DelaySeconds`, Cloudflare
+/// `delaySeconds`) is given.
+pub fn whole_seconds_up(delay: Duration) -> u64 {
+    delay
+        .as_secs()
+        .saturating_add(u64::from(delay.subsec_nanos() > 0))
+}
+
 /// The delay used when a custom backoff function panics (where panics can
 /// be caught; on wasm32 a panic aborts the instance).
 pub const PANICKED_BACKOFF_DELAY: Duration = Duration::from_secs(30);
@@ -177,6 +186,15 @@ impl PolicyError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_seconds_round_up_never_down() {
+        assert_eq!(whole_seconds_up(Duration::ZERO), 0);
+        assert_eq!(whole_seconds_up(Duration::from_nanos(1)), 1);
+        assert_eq!(whole_seconds_up(Duration::from_secs(2)), 2);
+        assert_eq!(whole_seconds_up(Duration::from_millis(2001)), 3);
+        assert_eq!(whole_seconds_up(Duration::MAX), u64::MAX);
+    }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -5,23 +5,26 @@
 //! A driver plugs in by implementing [`Broker`]; the shipped drivers'
 //! implementations are here, behind the same features as the drivers.
 
+use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use queue::FailureRecord;
 use queue_native::{Driver, DriverError};
 
-use crate::harness::Backend;
+use crate::harness::{Backend, Hooks, Unreachable};
 
 /// What the fixture needs from a broker driver.
 #[async_trait]
 pub trait Broker: Send + Sync + 'static {
     /// The driver.
     type Driver: Driver + Clone;
-    /// Its configuration.
-    type Config: Clone + Send + Sync + 'static;
+    /// Its configuration (whose `Debug` must hide secrets).
+    type Config: Clone + Debug + Send + Sync + 'static;
     /// Where the broker is expected, for failure messages.
     const WHERE: &'static str;
+    /// A driver, without I/O.
+    fn new(config: Self::Config) -> Result<Self::Driver, DriverError>;
     /// Connects a driver.
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError>;
     /// Failure records transferred for `queue`, without consuming them.
@@ -33,6 +36,43 @@ pub trait Broker: Send + Sync + 'static {
     fn declared(driver: &Self::Driver) -> Vec<String>;
     /// Deletes queues or streams by name.
     async fn delete(cleaner: &Self::Driver, names: &[String]) -> Result<(), DriverError>;
+
+    /// `config` with a short hold on deliveries ([`Backend::short_hold`]);
+    /// `None` (the default) where the broker holds none.
+    fn short_hold(config: &Self::Config) -> Option<Self::Config> {
+        let _ = config;
+        None
+    }
+
+    /// `config` for a driver on which the broker ends a message after
+    /// `deliveries` deliveries ([`Backend::delivery_limited`]); `None` (the
+    /// default) where it has no such limit.
+    fn delivery_limited(config: &Self::Config, deliveries: u32) -> Option<Self::Config> {
+        let _ = (config, deliveries);
+        None
+    }
+
+    /// Prepares `queue` for [`delivery_limited`](Self::delivery_limited)
+    /// where the limit belongs to the queue rather than to the driver's
+    /// configuration; returns the names to delete afterwards. The default
+    /// prepares nothing.
+    async fn limit_queue(config: &Self::Config, queue: &str, deliveries: u32) -> Vec<String> {
+        let _ = (config, queue, deliveries);
+        Vec::new()
+    }
+
+    /// Configurations holding secrets, pointed where nothing listens, and
+    /// the secrets ([`Backend::unreachable`]); `None` (the default) where
+    /// the configuration holds none.
+    fn unreachable(config: &Self::Config) -> Option<(Vec<Self::Config>, Vec<String>)> {
+        let _ = config;
+        None
+    }
+}
+
+/// A loopback address nothing listens on (a port bound, then released).
+pub fn closed_address() -> String {
+    format!("127.0.0.1:{}", crate::servers::free_port())
 }
 
 /// A [`Backend`] on a real broker that cleans up after itself.
@@ -89,6 +129,47 @@ impl<B: Broker> Backend for Fixture<B> {
             .await
             .unwrap_or_else(|e| panic!("failure records of `{queue}` unreadable: {e}"))
     }
+
+    fn hooks(&self) -> Hooks {
+        Hooks {
+            short_hold: B::short_hold(&self.config).is_some(),
+            delivery_limit: B::delivery_limited(&self.config, 2).is_some(),
+            unreachable: B::unreachable(&self.config).is_some(),
+        }
+    }
+
+    async fn short_hold(&self) -> Option<Arc<dyn Driver>> {
+        let config = B::short_hold(&self.config)?;
+        Some(Arc::new(self.driver_with(config).await))
+    }
+
+    async fn delivery_limited(&self, queue: &str, deliveries: u32) -> Option<Arc<dyn Driver>> {
+        let config = B::delivery_limited(&self.config, deliveries)?;
+        for name in B::limit_queue(&config, queue, deliveries).await {
+            self.delete_later(name);
+        }
+        Some(Arc::new(self.driver_with(config).await))
+    }
+
+    async fn unreachable(&self) -> Option<Unreachable> {
+        let (configs, secrets) = B::unreachable(&self.config)?;
+        let mut unreachable = Unreachable {
+            secrets,
+            configs: configs.iter().map(|c| format!("{c:?}")).collect(),
+            drivers: Vec::new(),
+            connected: Vec::new(),
+        };
+        for config in configs {
+            let driver = B::new(config.clone())
+                .unwrap_or_else(|e| panic!("a driver is made without I/O: {e}"));
+            unreachable.drivers.push(Arc::new(driver));
+            let connected = B::connect(config).await;
+            unreachable
+                .connected
+                .push(connected.map(|d| Arc::new(d) as Arc<dyn Driver>));
+        }
+        Some(unreachable)
+    }
 }
 
 impl<B: Broker> Drop for Fixture<B> {
@@ -128,6 +209,9 @@ impl Broker for RabbitMq {
     type Config = queue_native::RabbitConfig;
     const WHERE: &'static str = "RabbitMQ at RABBITMQ_URL";
 
+    fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
+        queue_native::RabbitDriver::new(config)
+    }
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
         queue_native::RabbitDriver::connect(config).await
     }
@@ -143,6 +227,21 @@ impl Broker for RabbitMq {
     async fn delete(cleaner: &Self::Driver, names: &[String]) -> Result<(), DriverError> {
         cleaner.delete_queues(names).await
     }
+
+    /// A quorum queue's delivery limit counts returns: it gives one
+    /// delivery more than the limit.
+    fn delivery_limited(config: &Self::Config, deliveries: u32) -> Option<Self::Config> {
+        let mut config = config.clone();
+        config.delivery_limit = Some(deliveries.checked_sub(1)?);
+        Some(config)
+    }
+
+    fn unreachable(config: &Self::Config) -> Option<(Vec<Self::Config>, Vec<String>)> {
+        const SECRET: &str = "conformance-rabbit-secret";
+        let mut unreachable = config.clone();
+        unreachable.url = format!("amqp://guest:{SECRET}@{}/%2f", closed_address());
+        Some((vec![unreachable], vec![SECRET.into()]))
+    }
 }
 
 /// NATS JetStream (`queue_native::NatsDriver`).
@@ -156,6 +255,9 @@ impl Broker for Nats {
     type Config = queue_native::NatsConfig;
     const WHERE: &'static str = "NATS at NATS_URL";
 
+    fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
+        queue_native::NatsDriver::new(config)
+    }
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
         queue_native::NatsDriver::connect(config).await
     }
@@ -171,6 +273,34 @@ impl Broker for Nats {
     async fn delete(cleaner: &Self::Driver, names: &[String]) -> Result<(), DriverError> {
         cleaner.delete_streams(names).await
     }
+
+    /// AckWait of one second.
+    fn short_hold(config: &Self::Config) -> Option<Self::Config> {
+        Some(config.clone().ack_wait(std::time::Duration::from_secs(1)))
+    }
+
+    /// The consumer's MaxDeliver.
+    fn delivery_limited(config: &Self::Config, deliveries: u32) -> Option<Self::Config> {
+        let mut config = config.clone();
+        config.max_deliver = Some(deliveries);
+        Some(config)
+    }
+
+    /// A user and password, and a token, in the URL.
+    fn unreachable(config: &Self::Config) -> Option<(Vec<Self::Config>, Vec<String>)> {
+        const PASSWORD: &str = "conformance-nats-password";
+        const TOKEN: &str = "conformance-nats-token";
+        let at = |credentials: &str| {
+            let mut unreachable = config.clone();
+            unreachable.url = format!("nats://{credentials}@{}", closed_address());
+            unreachable.operation_timeout = std::time::Duration::from_secs(2);
+            unreachable
+        };
+        Some((
+            vec![at(&format!("ada:{PASSWORD}")), at(TOKEN)],
+            vec![PASSWORD.into(), TOKEN.into()],
+        ))
+    }
 }
 
 /// Amazon SQS (`queue_native::SqsDriver`), usually against the emulator.
@@ -185,6 +315,9 @@ impl Broker for Sqs {
     const WHERE: &'static str =
         "the SQS emulator at SQS_ENDPOINT (start it with tests/sqs-emulator)";
 
+    fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
+        queue_native::SqsDriver::new(config)
+    }
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
         queue_native::SqsDriver::connect(config).await
     }
@@ -199,5 +332,50 @@ impl Broker for Sqs {
     }
     async fn delete(cleaner: &Self::Driver, names: &[String]) -> Result<(), DriverError> {
         cleaner.delete_queues(names).await
+    }
+
+    /// The visibility timeout, two seconds.
+    fn short_hold(config: &Self::Config) -> Option<Self::Config> {
+        Some(
+            config
+                .clone()
+                .visibility_timeout(std::time::Duration::from_secs(2)),
+        )
+    }
+
+    /// The limit belongs to the queue (its redrive policy).
+    fn delivery_limited(config: &Self::Config, _deliveries: u32) -> Option<Self::Config> {
+        Some(config.clone())
+    }
+
+    /// Creates `queue` with a redrive policy whose `maxReceiveCount` is
+    /// `deliveries`, and its dead-letter queue.
+    async fn limit_queue(config: &Self::Config, queue: &str, deliveries: u32) -> Vec<String> {
+        let dead_letters = format!("{queue}-dlq");
+        Self::new(config.clone())
+            .unwrap_or_else(|e| panic!("a driver is made without I/O: {e}"))
+            .create_queue_with_redrive(queue, &dead_letters, deliveries)
+            .await
+            .unwrap_or_else(|e| panic!("creating `{queue}` with a redrive policy: {e}"));
+        vec![queue.to_string(), dead_letters]
+    }
+
+    /// Static keys and a session token.
+    fn unreachable(config: &Self::Config) -> Option<(Vec<Self::Config>, Vec<String>)> {
+        const ACCESS_KEY: &str = "AKIACONFORMANCEPROBE";
+        const SECRET_KEY: &str = "conformanceProbeSecret/0123456789abcdef";
+        const TOKEN: &str = "conformanceProbeSessionToken0123456789";
+        let mut unreachable = config.clone();
+        unreachable.endpoint = Some(format!("http://{}", closed_address()));
+        unreachable.operation_timeout = std::time::Duration::from_secs(1);
+        unreachable.credentials = queue_native::SqsCredentials::Static {
+            access_key_id: ACCESS_KEY.into(),
+            secret_access_key: SECRET_KEY.into(),
+            session_token: Some(TOKEN.into()),
+        };
+        Some((
+            vec![unreachable],
+            vec![ACCESS_KEY.into(), SECRET_KEY.into(), TOKEN.into()],
+        ))
     }
 }

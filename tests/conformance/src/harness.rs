@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use queue::{Event, EventSink, FailureRecord, Registry};
-use queue_native::{Consumer, ConsumerHandle, Driver, Outgoing, Producer};
+use queue_native::{Consumer, ConsumerHandle, Driver, DriverError, Outgoing, Producer};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -26,6 +26,60 @@ pub trait Backend: Send + Sync {
     fn patience(&self) -> Duration {
         Duration::from_secs(10)
     }
+
+    /// Which of the optional set-ups below this backend offers, known
+    /// without I/O: the scenarios that need a set-up are registered only
+    /// where it is offered.
+    fn hooks(&self) -> Hooks {
+        Hooks::default()
+    }
+
+    /// A driver whose hold on a delivery (a lease, a visibility timeout) is
+    /// short, its length reported as the driver's
+    /// [`redelivery_hint`](queue_native::Capabilities::redelivery_hint).
+    /// `None` where deliveries are not held for a time.
+    async fn short_hold(&self) -> Option<Arc<dyn Driver>> {
+        None
+    }
+
+    /// A driver on which the backend ends a message of `queue` on its own
+    /// after `deliveries` deliveries (JetStream `MaxDeliver`, a quorum
+    /// queue's delivery limit, an SQS redrive policy's `maxReceiveCount`).
+    /// `None` where the backend has no such limit.
+    async fn delivery_limited(&self, queue: &str, deliveries: u32) -> Option<Arc<dyn Driver>> {
+        let _ = (queue, deliveries);
+        None
+    }
+
+    /// Drivers configured with secrets (a password, keys) and pointed where
+    /// nothing listens. `None` where the configuration holds no secret.
+    async fn unreachable(&self) -> Option<Unreachable> {
+        None
+    }
+}
+
+/// The optional set-ups a [`Backend`] offers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Hooks {
+    /// [`Backend::short_hold`] gives a driver.
+    pub short_hold: bool,
+    /// [`Backend::delivery_limited`] gives a driver.
+    pub delivery_limit: bool,
+    /// [`Backend::unreachable`] gives drivers.
+    pub unreachable: bool,
+}
+
+/// Drivers holding secrets in their configuration, pointed where nothing
+/// listens (see [`Backend::unreachable`]).
+pub struct Unreachable {
+    /// The secrets, none of which may appear in an error or a `Debug`.
+    pub secrets: Vec<String>,
+    /// The `Debug` output of each configuration.
+    pub configs: Vec<String>,
+    /// Drivers made without I/O, to send and subscribe through.
+    pub drivers: Vec<Arc<dyn Driver>>,
+    /// What connecting with each configuration gave.
+    pub connected: Vec<Result<Arc<dyn Driver>, DriverError>>,
 }
 
 /// Events collected from a registry, with waiting.
@@ -156,11 +210,11 @@ impl Harness {
     /// Connects and picks a queue name unique to this run.
     pub async fn new(backend: &dyn Backend, scenario: &str) -> Self {
         let driver = backend.connect().await;
-        let queue = format!(
-            "cf-{}-{}",
-            scenario.replace('_', "-"),
-            &queue::envelope::new_message_id()[..8]
-        );
+        Self::on(backend, driver, Self::queue_name(scenario))
+    }
+
+    /// A harness for `queue` on `driver` (one from a [`Backend`] set-up).
+    pub fn on(backend: &dyn Backend, driver: Arc<dyn Driver>, queue: String) -> Self {
         Harness {
             queue,
             producer: Producer::new(driver.clone()),
@@ -168,6 +222,15 @@ impl Harness {
             events: Events::default(),
             patience: backend.patience(),
         }
+    }
+
+    /// A queue name for `scenario`, unique to this run.
+    pub fn queue_name(scenario: &str) -> String {
+        format!(
+            "cf-{}-{}",
+            scenario.replace('_', "-"),
+            &queue::new_message_id()[..8]
+        )
     }
 
     /// A job declaration for the scenario payload on this harness's queue.

@@ -2,6 +2,8 @@
 //! the backend actually did (events after acceptance, failure records, the
 //! attempts and times the handler saw), not what a log line claims.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,11 +12,135 @@ use queue::{
     BreakerConfig, CircuitBreaker, Envelope, Event, EventKind, FailureKind, Job, JobBuilder,
     JobContext, JobError, Permanent, RawBody, Registry, Resolution, UnknownNameAttempts,
 };
-use queue_native::{DispatchOptions, ErrorKind};
+use queue_native::{Capabilities, DispatchOptions, ErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::harness::{Backend, Calls, Harness};
+use crate::gated::*;
+use crate::harness::{Backend, Calls, Harness, Hooks};
+
+/// A scenario: an async function of a backend.
+pub type Scenario = for<'a> fn(&'a dyn Backend) -> Pin<Box<dyn Future<Output = ()> + 'a>>;
+
+/// The scenarios chosen for a backend, and those left out with the reason.
+#[derive(Default)]
+pub struct Choice {
+    /// The scenarios to run, by name.
+    pub registered: Vec<(&'static str, Scenario)>,
+    /// The scenarios the backend cannot run, by name, with why.
+    pub not_registered: Vec<(&'static str, &'static str)>,
+}
+
+impl Choice {
+    /// Registers `scenarios` if `supported`, or notes them with `reason`.
+    fn when(
+        &mut self,
+        supported: bool,
+        reason: &'static str,
+        scenarios: &[(&'static str, Scenario)],
+    ) {
+        if supported {
+            self.registered.extend_from_slice(scenarios);
+        } else {
+            self.not_registered
+                .extend(scenarios.iter().map(|(name, _)| (*name, reason)));
+        }
+    }
+}
+
+/// `(name, scenario)` for each scenario function named.
+macro_rules! scenarios {
+    ($($name:ident),* $(,)?) => {
+        [$((stringify!($name), (|backend| Box::pin($name(backend))) as Scenario)),*]
+    };
+}
+
+/// The scenarios a backend with `capabilities` and `hooks` runs, as
+/// opendal's behaviour tests are registered: every backend runs the core
+/// ones; a scenario that needs a capability or a set-up is registered only
+/// where it is there, never run to pass vacuously.
+pub fn registered(capabilities: &Capabilities, hooks: &Hooks) -> Choice {
+    let mut choice = Choice::default();
+    choice.when(
+        true,
+        "",
+        &scenarios![
+            ack_on_success,
+            ordinary_error_retries_then_succeeds,
+            attempt_cap_ends_in_failure_record,
+            exponential_backoff_delays_are_lower_bounds,
+            custom_backoff_delays_are_lower_bounds,
+            retry_after_overrides_backoff,
+            retry_after_obeys_the_cap,
+            permanent_fails_at_once,
+            permanent_without_cause_is_a_failure,
+            reject_is_not_retried_by_the_facade,
+            undecodable_payload_fails_at_once_with_raw_body,
+            malformed_envelope_fails_with_raw_body,
+            unknown_name_retries_then_fails,
+            panic_is_an_ordinary_error,
+            timeout_deadline_is_visible_and_late_success_acks,
+            shutdown_retries_interrupted_work_without_loss,
+            shutdown_skips_the_cap,
+            repeated_shutdowns_at_the_cap,
+            shutdown_keeps_the_backlog,
+            failed_event_follows_the_record,
+            delayed_dispatch,
+            concurrency_limit_is_respected,
+            many_messages_nothing_lost,
+            tier_one_times_tier_two_executions,
+            tier_one_success_is_acked_on_first_delivery,
+            open_breaker_skips_tier_one,
+            validation_failure_costs_no_execution,
+            shutdown_during_tier_one_backoff_retries_at_once,
+        ],
+    );
+    choice.when(
+        capabilities.max_message_bytes.is_some(),
+        "the driver reports no size limit (max_message_bytes)",
+        &scenarios![
+            oversize_dispatch_is_refused_before_io,
+            body_at_the_limit_round_trips
+        ],
+    );
+    choice.when(
+        capabilities.max_retry_delay.is_some(),
+        "the driver accepts any retry delay (no max_retry_delay)",
+        &scenarios![
+            settlement_failure_emits_no_outcome_and_keeps_the_message,
+            refused_retry_delay_keeps_the_message,
+        ],
+    );
+    let longest = OFF_GRID_DELAYS.iter().max().copied().unwrap_or_default();
+    choice.when(
+        capabilities
+            .max_retry_delay
+            .is_none_or(|max| max >= longest),
+        "the driver's max_retry_delay is below the delays the scenario requests",
+        &scenarios![retry_delays_are_never_rounded_down],
+    );
+    choice.when(
+        capabilities.counts_abandoned_deliveries,
+        "the driver does not count abandoned deliveries (counts_abandoned_deliveries)",
+        &scenarios![abandoned_delivery_returns_with_a_higher_attempt],
+    );
+    choice.when(
+        hooks.short_hold,
+        "deliveries are not held for a time (no Backend::short_hold)",
+        &scenarios![long_handler_keeps_its_delivery],
+    );
+    choice.when(
+        hooks.delivery_limit,
+        "the backend has no delivery limit of its own (no Backend::delivery_limited)",
+        &scenarios![delivery_limit_is_checked_at_start],
+    );
+    choice.when(
+        hooks.unreachable,
+        "the configuration holds no secret (no Backend::unreachable)",
+        &scenarios![unreachable_backend_hides_its_secrets],
+    );
+    choice
+}
 
 /// The payload every scenario dispatches.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,12 +190,15 @@ pub async fn ack_on_success(backend: &dyn Backend) {
         }
     );
     assert_eq!(consumer.registry().stats().job("ack").first_attempt, 1);
+    // Once the backend's own redelivery time has passed, still nothing.
+    tokio::time::sleep(h.driver.capabilities().redelivery_hint + MS(500)).await;
     consumer.shutdown().await.unwrap();
     assert_eq!(
         calls.count(),
         1,
         "an acknowledged message is not redelivered"
     );
+    assert_eq!(h.events.names(), ["succeeded"]);
     assert!(backend.failure_records(&h.queue).await.is_empty());
 }
 
@@ -304,15 +433,23 @@ pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
     consumer.shutdown().await.unwrap();
 }
 
-/// Reject: no facade retry; the backend's own policy decides.
+/// Reject: no facade retry, no failure record; the backend's own policy
+/// decides, as its `reject_drops` says: the message is dropped, or it is
+/// left to come back once the backend's redelivery time
+/// (`redelivery_hint`) has passed, with a higher attempt.
 pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
     let h = Harness::new(backend, "reject").await;
+    let capabilities = h.driver.capabilities();
+    let hint = capabilities.redelivery_hint;
     let job = h.job("reject").retry(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
             &job,
-            calls.handler(|_, _| Err(JobError::reject("not for us"))),
+            calls.handler(|_, n| match n {
+                1 => Err(JobError::reject("not for us")),
+                _ => Ok(()),
+            }),
         ),
         1,
     );
@@ -324,14 +461,30 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
             error: "rejected: not for us".into()
         }
     );
-    if h.driver.capabilities().reject_drops {
-        tokio::time::sleep(MS(300)).await;
+    if capabilities.reject_drops {
+        tokio::time::sleep(hint + MS(500)).await;
         assert_eq!(
             calls.count(),
             1,
             "a rejected message is dropped by this backend"
         );
         assert_eq!(h.events.names(), ["rejected"]);
+    } else {
+        h.events
+            .wait_count(hint * 2 + h.patience, "succeeded", 1)
+            .await;
+        assert_eq!(h.events.names(), ["rejected", "succeeded"]);
+        assert_eq!(
+            calls.attempts(),
+            [1, 2],
+            "left to the backend, it came back"
+        );
+        // The backend's time ran from the receive, just before the handler.
+        let gap = calls.gaps()[0];
+        assert!(
+            gap >= hint * 3 / 4,
+            "came back after {gap:?}, before the backend's redelivery time of {hint:?}"
+        );
     }
     assert!(
         backend.failure_records(&h.queue).await.is_empty(),
@@ -604,13 +757,11 @@ pub async fn repeated_shutdowns_at_the_cap(backend: &dyn Backend) {
 /// A settlement the backend refuses emits no outcome event and loses nothing.
 pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: &dyn Backend) {
     let h = Harness::new(backend, "settle-fail").await;
-    let Some(max) = h.driver.capabilities().max_retry_delay else {
-        eprintln!(
-            "skipped: {} accepts any retry delay, so a refused settlement cannot be provoked",
-            h.driver.name()
-        );
-        return;
-    };
+    let max = h
+        .driver
+        .capabilities()
+        .max_retry_delay
+        .expect("registered only for backends with a maximum retry delay");
     let job = h.job("settle-fail").retry(5).build().unwrap();
     let too_long = max + Duration::from_secs(1);
     let calls = Calls::default();
@@ -1040,16 +1191,12 @@ fn envelope_of_size(job: &str, size: usize) -> Envelope {
     padded_to(Envelope::new(job, serde_json::json!({})), size)
 }
 
-/// The driver's size limit, or `None` after saying the scenario is skipped.
-fn size_limit(h: &Harness) -> Option<usize> {
-    let limit = h.driver.capabilities().max_message_bytes;
-    if limit.is_none() {
-        println!(
-            "skipped: the {} driver reports no size limit",
-            h.driver.name()
-        );
-    }
-    limit
+/// The driver's size limit.
+fn size_limit(h: &Harness) -> usize {
+    h.driver
+        .capabilities()
+        .max_message_bytes
+        .expect("registered only for backends with a size limit")
 }
 
 /// A registry running `job` with a handler that records each payload's
@@ -1072,9 +1219,7 @@ fn recording_pads(job: &Job<Padded>) -> (Registry, Arc<Mutex<Vec<usize>>>) {
 /// naming the limit and the size; nothing reaches the queue.
 pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     let h = Harness::new(backend, "oversize").await;
-    let Some(limit) = size_limit(&h) else {
-        return;
-    };
+    let limit = size_limit(&h);
     let job = Job::<Padded>::builder("oversize")
         .queue(h.queue.clone())
         .build()
@@ -1124,9 +1269,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
 /// dispatched, delivered whole and acknowledged.
 pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     let h = Harness::new(backend, "at-limit").await;
-    let Some(limit) = size_limit(&h) else {
-        return;
-    };
+    let limit = size_limit(&h);
     let job = Job::<Padded>::builder("at-limit")
         .queue(h.queue.clone())
         .retry(3)

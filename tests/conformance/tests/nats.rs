@@ -2,8 +2,6 @@
 //! (`NATS_URL`, default `nats://127.0.0.1:4222`).
 //!
 //! Run with `cargo test -p queue-conformance --features nats --test nats`.
-#![cfg(feature = "nats")]
-
 use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, Nats};

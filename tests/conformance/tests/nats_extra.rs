@@ -1,8 +1,8 @@
 //! NATS-specific behaviour beyond the shared suite, against a real server
 //! with JetStream (`NATS_URL`, default `nats://127.0.0.1:4222`): a worker
-//! killed mid-job, lease renewal, conflicting topology, refused delayed
-//! dispatch, MaxDeliver below the cap, dropped
-//! deliveries, unreachable servers.
+//! killed mid-job, conflicting topology, refused delayed dispatch, a lost
+//! connection, a server outage. Lease renewal, dropped deliveries, MaxDeliver
+//! and hidden credentials are scenarios of the suite (`tests/nats.rs`).
 //!
 //! Run with `cargo test -p queue-conformance --features nats --test nats_extra`.
 #![cfg(feature = "nats")]
@@ -10,14 +10,13 @@
 use std::process::Command;
 use std::time::Duration;
 
-use queue::Registry;
 use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, Nats};
-use queue_conformance::harness::{outgoing, Calls};
+use queue_conformance::harness::outgoing;
 use queue_conformance::scenarios::Work;
 use queue_conformance::servers::NatsServer;
 use queue_conformance::Harness;
-use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig, NatsDriver, Outgoing};
+use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig};
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 const STREAM_PREFIX: &str = "EXTRA";
@@ -76,41 +75,6 @@ async fn killed_worker_loses_nothing_and_counts_the_attempt() {
     .await;
     let driver = backend.driver().await;
     assert_eq!(driver.stored_count(&queue).await.unwrap(), 0);
-}
-
-/// `Progress` every half AckWait keeps a handler running for 3 x AckWait
-/// from losing its delivery: exactly one execution, then an ack.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn progress_keeps_a_long_handler_from_redelivery() {
-    let ack_wait = Duration::from_secs(1);
-    let backend = nats(ack_wait);
-    let h = Harness::new(&backend, "nats-lease").await;
-    let job = h.job("slow").retry(5).build().unwrap();
-    let calls = Calls::default();
-    let c = calls.clone();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, move |ctx, _: Work| {
-            c.record(&ctx);
-            async move {
-                tokio::time::sleep(ack_wait * 3).await;
-                Ok(())
-            }
-        })
-        .unwrap();
-    // Two slots: a redelivery would be taken while the first still runs.
-    let consumer = h.start(registry, 2);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
-    h.events
-        .wait_count(Duration::from_secs(20), "succeeded", 1)
-        .await;
-    // Past another AckWait: nothing comes back.
-    tokio::time::sleep(ack_wait * 2).await;
-    assert_eq!(calls.attempts(), [1], "exactly one delivery");
-    assert_eq!(h.events.names(), ["succeeded"]);
-    consumer.shutdown().await.unwrap();
-    let driver = backend.driver().await;
-    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
 }
 
 /// A stream or consumer that already exists with another configuration is
@@ -205,83 +169,6 @@ async fn delayed_dispatch_is_refused_as_unsupported() {
     assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 1);
 }
 
-/// A MaxDeliver below the largest attempt cap is refused: the server would
-/// stop delivering a message before the facade's cap.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_deliver_below_the_cap_is_refused() {
-    let mut config = NatsConfig::new(url());
-    config.max_deliver = Some(3);
-    let err = NatsDriver::new(config.clone()).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
-    assert!(err.to_string().contains("MaxDeliver 3"), "{err}");
-    config.largest_attempt_cap = 3;
-    let err = NatsDriver::new(config.clone()).unwrap_err();
-    assert!(
-        err.to_string().contains("crashed its worker"),
-        "a MaxDeliver equal to the cap leaves no room for the crash bound: {err}"
-    );
-    config.largest_attempt_cap = 2;
-    NatsDriver::new(config).expect("a MaxDeliver of the cap plus one is accepted");
-}
-
-/// A delivery dropped without settlement is handed back at once (`-NAK`),
-/// with a higher attempt, well before AckWait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropped_delivery_comes_back_promptly() {
-    let backend = nats(Duration::from_secs(30));
-    let h = Harness::new(&backend, "nats-drop").await;
-    let driver = backend.driver().await;
-    driver
-        .send(
-            &h.queue,
-            Outgoing {
-                id: "m".into(),
-                body: b"payload".to_vec(),
-                delay: None,
-            },
-        )
-        .await
-        .unwrap();
-    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
-    let delivery = subscription.next().await.unwrap().unwrap();
-    assert_eq!(delivery.attempt(), 1);
-    drop(delivery);
-    let again = tokio::time::timeout(Duration::from_secs(10), subscription.next())
-        .await
-        .expect("redelivered before AckWait")
-        .unwrap()
-        .unwrap();
-    assert_eq!(again.body(), b"payload");
-    assert_eq!(again.attempt(), 2);
-    again.settle(&queue::Settlement::Ack).await.unwrap();
-    drop(subscription);
-    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
-}
-
-/// A server that cannot be reached: the dispatch certainly did not happen,
-/// and the error does not reveal the credentials.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreachable_server_is_not_accepted_and_hides_credentials() {
-    let mut config = NatsConfig::new("nats://ada:hunter2@127.0.0.1:1");
-    config.operation_timeout = Duration::from_secs(2);
-    assert!(!format!("{config:?}").contains("hunter2"));
-    let driver = NatsDriver::new(config.clone()).unwrap();
-    let err = driver
-        .send("nowhere", outgoing("x", None))
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
-    assert!(!err.to_string().contains("hunter2"), "{err}");
-    let err = NatsDriver::connect(config).await.unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Connection);
-    assert!(!err.to_string().contains("hunter2"), "{err}");
-    let mut token = NatsConfig::new("nats://s3cr3t-token@127.0.0.1:1");
-    token.operation_timeout = Duration::from_secs(2);
-    assert!(!format!("{token:?}").contains("s3cr3t"));
-    let err = NatsDriver::connect(token).await.unwrap_err();
-    assert!(!err.to_string().contains("s3cr3t"), "{err}");
-}
-
 /// A TCP proxy to the server whose connections can all be cut at once,
 /// to lose the client's connection without touching the server.
 struct Proxy {
@@ -360,7 +247,7 @@ async fn private_server() -> Option<(NatsServer, RemovedOnDrop)> {
     let store = std::env::temp_dir().join(format!(
         "queue-nats-extra-{}-{}",
         std::process::id(),
-        &queue::envelope::new_message_id()[..8]
+        &queue::new_message_id()[..8]
     ));
     let server = NatsServer::start(&store, None).await.unwrap();
     Some((server, RemovedOnDrop(store)))

@@ -2,8 +2,6 @@
 //! default `amqp://guest:guest@127.0.0.1:5672/%2f`).
 //!
 //! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq`.
-#![cfg(feature = "rabbitmq")]
-
 use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, RabbitMq};

@@ -5,8 +5,6 @@
 //! CA is refused with a clear error.
 //!
 //! Run with `cargo test -p queue-conformance --features rabbitmq-tls --test rabbitmq_tls`.
-#![cfg(feature = "rabbitmq-tls")]
-
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -109,11 +107,13 @@ fn config() -> RabbitConfig {
     untrusting_config().ca_certificates(proxy().ca_pem.clone())
 }
 
-queue_conformance::conformance_suite!(Fixture::<RabbitMq>::new(config()));
+queue_conformance::conformance_suite!(
+    Fixture::<RabbitMq>::new(config());
+    extra: untrusted_certificate_is_refused
+);
 
 /// Without the CA, the platform's roots do not vouch for the proxy: the
 /// dispatch is not accepted and the error says why.
-#[tokio::test]
 async fn untrusted_certificate_is_refused() {
     let driver = RabbitDriver::new(untrusting_config()).unwrap();
     let err = driver

@@ -6,8 +6,6 @@
 //!
 //! Short settings so the scenarios take seconds: a 2 s visibility timeout,
 //! 1 s long polls. Every queue a test creates is deleted when it ends.
-#![cfg(feature = "sqs")]
-
 use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, Sqs};

@@ -1,9 +1,10 @@
 //! SQS-specific behaviour beyond the shared suite, against the emulator at
-//! `SQS_ENDPOINT` (start it with `tests/sqs-emulator`): delays rounded up to
-//! seconds, the 12-hour visibility cap, reject leaving the message to its
-//! visibility timeout, visibility renewal for long handlers, redrive policies
-//! below the attempt cap, the 900 s dispatch limit, released
-//! and cancel-safe deliveries.
+//! `SQS_ENDPOINT` (start it with `tests/sqs-emulator`): the 900 s dispatch
+//! limit, queue names, what a dispatch error says SQS may have, an endpoint
+//! that goes down, credentials and payloads in the SDK's own log lines.
+//! Delays rounded up, the 12-hour retry cap, reject, visibility renewal,
+//! redrive policies, released deliveries and hidden credentials are
+//! scenarios of the suite (`tests/sqs.rs`).
 //!
 //! Run with
 //! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p queue-conformance --features sqs --test sqs_extra`.
@@ -11,17 +12,13 @@
 
 use std::time::Duration;
 
-use queue::{JobError, Registry, Settlement};
-use queue_conformance::fixture::{Fixture, Sqs};
-use queue_conformance::harness::Calls;
-use queue_conformance::scenarios::Work;
-use queue_conformance::{Backend, Harness};
-use queue_native::sqs::aws_sdk_sqs::types::QueueAttributeName;
+use queue::Settlement;
+use queue_conformance::fixture::{closed_address, Fixture, Sqs};
+use queue_conformance::Harness;
 use queue_native::{Driver, ErrorKind, Outgoing, SqsConfig, SqsCredentials, SqsDriver};
 use tokio::time::Instant;
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
-const VISIBILITY: Duration = Duration::from_secs(2);
 
 fn config() -> SqsConfig {
     let endpoint = std::env::var("SQS_ENDPOINT").unwrap_or_else(|_| {
@@ -33,7 +30,7 @@ fn config() -> SqsConfig {
     SqsConfig::new("us-east-1")
         .endpoint(endpoint)
         .credentials(SqsCredentials::fixed("test", "test"))
-        .visibility_timeout(VISIBILITY)
+        .visibility_timeout(Duration::from_secs(2))
         .wait_time(Duration::from_secs(1))
 }
 
@@ -49,246 +46,6 @@ fn outgoing(id: &str, delay: Option<Duration>) -> Outgoing {
         body: format!("{{\"raw\":\"{id}\"}}").into_bytes(),
         delay,
     }
-}
-
-/// `queue`'s URL, asked of SQS directly.
-async fn queue_url(driver: &SqsDriver, queue: &str) -> String {
-    driver
-        .client()
-        .get_queue_url()
-        .queue_name(queue)
-        .send()
-        .await
-        .unwrap()
-        .queue_url()
-        .unwrap()
-        .to_string()
-}
-
-/// Messages on `queue`: visible, in flight or delayed.
-async fn messages_on(driver: &SqsDriver, queue: &str) -> u64 {
-    let url = queue_url(driver, queue).await;
-    let attributes = driver
-        .client()
-        .get_queue_attributes()
-        .queue_url(url)
-        .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
-        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
-        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
-        .send()
-        .await
-        .unwrap();
-    let attributes = attributes.attributes().unwrap();
-    [
-        QueueAttributeName::ApproximateNumberOfMessages,
-        QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
-        QueueAttributeName::ApproximateNumberOfMessagesDelayed,
-    ]
-    .iter()
-    .map(|name| attributes[name].parse::<u64>().unwrap())
-    .sum()
-}
-
-/// A retry-after of 1.2 s becomes a visibility of 2 s: the next delivery
-/// waits at least 2 s, never 1 s.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_delay_rounds_up_to_whole_seconds() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-rounding").await;
-    let job = h.job("rounding").retry(3).build().unwrap();
-    let calls = Calls::default();
-    let mut registry = Registry::new();
-    registry
-        .register(
-            &job,
-            calls.handler(|_, n| match n {
-                1 => Err(JobError::retry_after("come back later", MS(1200))),
-                _ => Ok(()),
-            }),
-        )
-        .unwrap();
-    let consumer = h.start(registry, 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
-    h.events
-        .wait_count(Duration::from_secs(20), "succeeded", 1)
-        .await;
-    assert_eq!(calls.attempts(), [1, 2]);
-    let gap = calls.gaps()[0];
-    assert!(gap >= MS(2000), "1.2 s rounds up to 2 s, waited {gap:?}");
-    consumer.shutdown().await.unwrap();
-}
-
-/// A retry that would end more than 12 h after the receive is refused as
-/// unsupported; the message is kept and comes back after its visibility.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_beyond_twelve_hours_is_refused_and_the_message_kept() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-12h").await;
-    let driver = backend.driver().await;
-    assert_eq!(
-        driver.capabilities().max_retry_delay,
-        Some(Duration::from_secs(12 * 3600))
-    );
-    driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
-    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
-    let first = subscription.next().await.unwrap().unwrap();
-    assert_eq!(first.attempt(), 1);
-    let body = first.body().to_vec();
-    let refused = first
-        .settle(&Settlement::Retry {
-            delay: Some(Duration::from_secs(12 * 3600 + 1)),
-            shutdown: false,
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(refused.kind(), ErrorKind::Unsupported, "{refused}");
-    let refused_at = Instant::now();
-    let again = tokio::time::timeout(Duration::from_secs(10), subscription.next())
-        .await
-        .expect("the message comes back")
-        .unwrap()
-        .unwrap();
-    assert_eq!(again.body(), body);
-    assert_eq!(again.attempt(), 2);
-    assert!(
-        refused_at.elapsed() >= MS(500),
-        "it came back when its visibility ended, not at once"
-    );
-    again.settle(&Settlement::Ack).await.unwrap();
-}
-
-/// Reject does not drop on SQS: the message comes back once its visibility
-/// timeout ends, with a higher attempt.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rejected_message_comes_back_after_the_visibility_timeout() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-reject").await;
-    assert!(!h.driver.capabilities().reject_drops);
-    assert_eq!(h.driver.capabilities().redelivery_hint, VISIBILITY);
-    let job = h.job("reject").retry(5).build().unwrap();
-    let calls = Calls::default();
-    let mut registry = Registry::new();
-    registry
-        .register(
-            &job,
-            calls.handler(|_, n| match n {
-                1 => Err(JobError::reject("not now")),
-                _ => Ok(()),
-            }),
-        )
-        .unwrap();
-    let consumer = h.start(registry, 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
-    h.events
-        .wait_count(Duration::from_secs(20), "succeeded", 1)
-        .await;
-    assert_eq!(h.events.names(), ["rejected", "succeeded"]);
-    assert_eq!(calls.attempts(), [1, 2]);
-    let gap = calls.gaps()[0];
-    // The visibility started at the receive, just before the first call.
-    assert!(gap >= MS(1500), "came back after {gap:?}");
-    consumer.shutdown().await.unwrap();
-    assert!(backend.failure_records(&h.queue).await.is_empty());
-}
-
-/// A handler running three visibility timeouts is executed once: the
-/// driver keeps extending the message's visibility while it runs.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn long_handler_is_delivered_once_thanks_to_visibility_renewal() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-lease").await;
-    let job = h.job("long").retry(5).build().unwrap();
-    let calls = Calls::default();
-    let c = calls.clone();
-    let mut registry = Registry::new();
-    registry
-        .register(&job, move |ctx, _: Work| {
-            c.record(&ctx);
-            async {
-                tokio::time::sleep(VISIBILITY * 3).await;
-                Ok(())
-            }
-        })
-        .unwrap();
-    // Two slots: the consumer keeps polling while the handler runs.
-    let consumer = h.start(registry, 2);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
-    h.events
-        .wait_count(Duration::from_secs(30), "succeeded", 1)
-        .await;
-    tokio::time::sleep(VISIBILITY + MS(1500)).await;
-    consumer.shutdown().await.unwrap();
-    assert_eq!(calls.attempts(), [1], "executed exactly once");
-    assert_eq!(h.events.names(), ["succeeded"]);
-    assert_eq!(messages_on(&backend.driver().await, &h.queue).await, 0);
-}
-
-/// A work queue whose redrive policy would dead-letter before the facade's
-/// cap is refused as a configuration error; one at the cap is accepted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redrive_policy_below_the_cap_is_refused() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-redrive").await;
-    let driver = backend.driver().await;
-    let dlq = format!("{}-dlq", h.queue);
-    let low = format!("{}-low", h.queue);
-    let ok = format!("{}-ok", h.queue);
-    for name in [&dlq, &low, &ok] {
-        backend.delete_later(name.clone());
-    }
-    let client = driver.client();
-    let dlq_url = client
-        .create_queue()
-        .queue_name(&dlq)
-        .send()
-        .await
-        .unwrap()
-        .queue_url()
-        .unwrap()
-        .to_string();
-    let dlq_arn = client
-        .get_queue_attributes()
-        .queue_url(dlq_url)
-        .attribute_names(QueueAttributeName::QueueArn)
-        .send()
-        .await
-        .unwrap()
-        .attributes()
-        .unwrap()[&QueueAttributeName::QueueArn]
-        .clone();
-    for (name, max) in [(&low, 3), (&ok, 11)] {
-        client
-            .create_queue()
-            .queue_name(name)
-            .attributes(
-                QueueAttributeName::RedrivePolicy,
-                serde_json::json!({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": max})
-                    .to_string(),
-            )
-            .send()
-            .await
-            .unwrap();
-    }
-    assert_eq!(driver.config().largest_attempt_cap, 10);
-
-    let refused = driver.subscribe(&low, 4).await.err().expect("refused");
-    assert_eq!(refused.kind(), ErrorKind::Config, "{refused}");
-    assert!(
-        refused.to_string().contains("maxReceiveCount 3"),
-        "{refused}"
-    );
-    let refused = driver.send(&low, outgoing("m1", None)).await.unwrap_err();
-    assert_eq!(refused.kind(), ErrorKind::Config, "{refused}");
-
-    driver.send(&ok, outgoing("m2", None)).await.unwrap();
-    drop(driver.subscribe(&ok, 4).await.unwrap());
-
-    // A lower cap accepts the low policy: a cap of 2 needs 3 receives (the
-    // third records a message that crashed its worker every time).
-    let mut lenient = config();
-    lenient.largest_attempt_cap = 2;
-    let lenient = backend.driver_with(lenient).await;
-    lenient.send(&low, outgoing("m3", None)).await.unwrap();
 }
 
 /// DelaySeconds stops at 900 s: longer dispatch delays are unsupported,
@@ -320,7 +77,7 @@ async fn dispatch_delay_above_900_seconds_is_unsupported() {
         .send(&h.queue, outgoing("ok", Some(Duration::from_secs(900))))
         .await
         .unwrap();
-    assert_eq!(messages_on(&driver, &h.queue).await, 2);
+    assert_eq!(driver.message_count(&h.queue).await.unwrap(), 2);
 }
 
 /// A queue name SQS cannot have (`.`) is refused clearly, not mapped.
@@ -339,43 +96,6 @@ async fn dotted_queue_names_are_refused() {
     );
     let err = driver.subscribe("reports.daily", 1).await.err().unwrap();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
-}
-
-/// A delivery dropped unsettled is made visible again at once (its receive
-/// count has risen), and a `next()` dropped mid-poll loses nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropped_deliveries_and_polls_lose_nothing() {
-    let backend = sqs();
-    let h = Harness::new(&backend, "sqs-drop").await;
-    let driver = backend.driver().await;
-    let mut subscription = driver.subscribe(&h.queue, 1).await.unwrap();
-    // A poll dropped while the long poll is in flight...
-    assert!(tokio::time::timeout(MS(100), subscription.next())
-        .await
-        .is_err());
-    // ...keeps its receive call: the message it gets is handed out next.
-    driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(10), subscription.next())
-        .await
-        .expect("delivered")
-        .unwrap()
-        .unwrap();
-    assert_eq!(first.attempt(), 1);
-    let dropped_at = Instant::now();
-    drop(first);
-    let again = tokio::time::timeout(Duration::from_secs(10), subscription.next())
-        .await
-        .expect("redelivered")
-        .unwrap()
-        .unwrap();
-    assert_eq!(again.attempt(), 2);
-    assert!(
-        dropped_at.elapsed() < VISIBILITY,
-        "released at once, not after the visibility timeout ({:?})",
-        dropped_at.elapsed()
-    );
-    again.settle(&Settlement::Ack).await.unwrap();
-    assert_eq!(messages_on(&driver, &h.queue).await, 0);
 }
 
 /// What the fake SQS endpoint does with a `SendMessage`.
@@ -495,7 +215,7 @@ async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
     let h = Harness::new(&backend, "sqs-refused").await;
     let driver = backend.driver().await;
     driver.send(&h.queue, outgoing("m1", None)).await.unwrap();
-    delete_behind_the_drivers_back(&driver, &h.queue).await;
+    driver.delete_queue_keeping_url(&h.queue).await.unwrap();
     let err = driver
         .send(&h.queue, outgoing("m2", None))
         .await
@@ -503,24 +223,9 @@ async fn dispatch_errors_distinguish_not_accepted_from_uncertain() {
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
 }
 
-/// A loopback port nothing listens on (bound, then released).
-/// Deletes `queue` with the SDK directly, so `driver` still holds its URL.
-async fn delete_behind_the_drivers_back(driver: &SqsDriver, queue: &str) {
-    let url = queue_url(driver, queue).await;
-    driver
-        .client()
-        .delete_queue()
-        .queue_url(url)
-        .send()
-        .await
-        .unwrap();
-}
-
+/// A loopback endpoint nothing listens on.
 fn closed_endpoint() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    drop(listener);
-    endpoint
+    format!("http://{}", closed_address())
 }
 
 /// A TCP relay to the emulator on a port of its own, closed (listener and
@@ -599,20 +304,10 @@ async fn dispatch_while_the_endpoint_is_down_fails_fast_as_not_accepted() {
     println!("dispatch after the endpoint went down: {later:?}");
     let direct = backend.driver().await;
     assert_eq!(
-        messages_on(&direct, &h.queue).await,
+        direct.message_count(&h.queue).await.unwrap(),
         1,
         "only the dispatch made while up arrived"
     );
-}
-
-/// Connecting to an endpoint where nothing listens is a connection error
-/// (retry later), not a configuration error (fix the settings).
-#[tokio::test]
-async fn connecting_with_nothing_listening_is_a_connection_error() {
-    let mut down = config();
-    down.endpoint = Some(closed_endpoint());
-    let err = SqsDriver::connect(down).await.unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
 }
 
 /// Every tracing line (the SDK's included, at every level) written after
@@ -707,7 +402,7 @@ async fn credentials_and_payloads_stay_out_of_logs_and_errors() {
     assert!(String::from_utf8_lossy(delivery.body()).contains(PAYLOAD));
     delivery.settle(&Settlement::Ack).await.unwrap();
     drop(subscription);
-    delete_behind_the_drivers_back(&driver, &h.queue).await;
+    driver.delete_queue_keeping_url(&h.queue).await.unwrap();
     errors.push(driver.send(&h.queue, message("m4")).await.unwrap_err());
 
     let logs = logs.text();

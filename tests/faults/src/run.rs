@@ -1154,7 +1154,7 @@ async fn crash_loop(suite: &mut Suite, env: &Env) -> Result<(), String> {
     let allowance = if caps.counts_shutdown_returns {
         0
     } else {
-        queue::settle::SHUTDOWN_GRACE
+        queue::SHUTDOWN_GRACE
     };
     let producer = Producer::new(conn.driver());
     let mut books = new_books(suite, kind, "crash");

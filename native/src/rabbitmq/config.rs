@@ -3,9 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
-
-use super::{config_error, DEFAULT_DELAY_BUCKETS};
+use super::errors::config_error;
+use super::DEFAULT_DELAY_BUCKETS;
 use crate::driver::DriverError;
 
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
@@ -39,13 +38,15 @@ pub struct RabbitConfig {
     pub max_reconnect_backoff: Duration,
     /// `x-delivery-limit` set on work queues. `None` (default, recommended):
     /// none, so the broker never drops a message on its own (RabbitMQ 3.x
-    /// quorum queues have no default limit).
+    /// quorum queues have no default limit). The limit counts returns to
+    /// the queue, so it allows one delivery more than its value; the driver
+    /// reports that as
+    /// [`Capabilities::max_deliveries`](crate::Capabilities::max_deliveries),
+    /// and a consumer refuses to start when it is below what one of its
+    /// registry's jobs (or the unknown-name rule) needs, naming the job
+    /// ([`queue::check_delivery_limit`]): the broker would otherwise drop a
+    /// message before the facade's cap, with no failure record.
     pub delivery_limit: Option<u32>,
-    /// The largest attempt cap of any job (and of the unknown-name rule)
-    /// consumed through this driver. A [`delivery_limit`](Self::delivery_limit)
-    /// below it is refused, since the broker would drop a message before the
-    /// facade's cap. Default: the unknown-name cap, 10.
-    pub largest_attempt_cap: u32,
     /// The broker's `consumer_timeout` (default 30 min, RabbitMQ's default):
     /// it must equal the `consumer_timeout` setting in the broker's
     /// rabbitmq.conf or advanced.config. The broker closes the channel of a
@@ -89,7 +90,6 @@ impl RabbitConfig {
             operation_timeout: Duration::from_secs(10),
             max_reconnect_backoff: Duration::from_secs(5),
             delivery_limit: None,
-            largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             consumer_timeout: Duration::from_secs(30 * 60),
             connection_name: "queue-native".into(),
@@ -185,18 +185,6 @@ impl RabbitConfig {
                 )));
             }
         }
-        if let Some(limit) = self.delivery_limit {
-            // The limit counts returns to the queue: it allows limit + 1
-            // deliveries of a message that crashes its worker every time.
-            let needed = queue::deliveries_needed(self.largest_attempt_cap, true).unwrap_or(0);
-            if limit.saturating_add(1) < needed {
-                return Err(config_error(format!(
-                    "x-delivery-limit {limit} is below the largest attempt cap {}: the broker would drop \
-                     messages before the facade's cap; raise it or leave it unset",
-                    self.largest_attempt_cap
-                )));
-            }
-        }
         if self.max_message_bytes == 0 || self.max_message_bytes > 536_870_912 {
             return Err(config_error(format!(
                 "max_message_bytes {} must be between 1 and 536,870,912 (512 MiB, RabbitMQ's largest \
@@ -229,7 +217,6 @@ impl fmt::Debug for RabbitConfig {
             .field("operation_timeout", &self.operation_timeout)
             .field("max_reconnect_backoff", &self.max_reconnect_backoff)
             .field("delivery_limit", &self.delivery_limit)
-            .field("largest_attempt_cap", &self.largest_attempt_cap)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("consumer_timeout", &self.consumer_timeout)
             .field("connection_name", &self.connection_name)
@@ -294,15 +281,13 @@ mod tests {
             c.delay_buckets,
             [Duration::from_secs(1), Duration::from_secs(5)]
         );
+        // A low delivery limit is the consumer's to refuse, against the
+        // registry's own jobs (queue::check_delivery_limit).
         let mut c = RabbitConfig {
             delivery_limit: Some(3),
             ..RabbitConfig::new("amqp://localhost")
         };
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("x-delivery-limit"));
+        c.validate().unwrap();
         let mut c = RabbitConfig::new("http://localhost");
         assert!(c.validate().is_err());
         let mut c = RabbitConfig::new("amqp://localhost").delay_buckets([]);

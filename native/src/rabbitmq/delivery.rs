@@ -1,4 +1,5 @@
-//! Subscriptions and deliveries.
+//! Subscriptions, deliveries and their settlement, and the job check
+//! against the broker's consumer timeout.
 
 use std::time::Duration;
 
@@ -13,35 +14,82 @@ use lapin::{BasicProperties, Channel};
 use queue::{FailureRecord, Settlement};
 use tracing::{error, warn};
 
-use super::{bounded, error, RabbitDriver, ATTEMPTS_HEADER, SHUTDOWNS_HEADER};
+use super::config::RabbitConfig;
+use super::errors::{bounded, config_error, error};
+use super::{RabbitDriver, ATTEMPTS_HEADER, CONSUMER_TIMEOUT_MARGIN, SHUTDOWNS_HEADER};
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+use crate::support::Reconnect;
 
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Refuses a job that can hold one delivery longer than the broker's
+/// `consumer_timeout` allows, with [`CONSUMER_TIMEOUT_MARGIN`] to spare (see
+/// [`RabbitConfig::consumer_timeout`]); a job without a timeout is accepted
+/// with a warning.
+pub(super) fn check_hold(config: &RabbitConfig, spec: &queue::JobSpec) -> Result<(), DriverError> {
+    let limit = config.consumer_timeout;
+    let Some(hold) = queue::longest_hold(spec) else {
+        warn!(
+            job = %spec.name,
+            "job `{}` has no timeout: a handler running longer than the broker's consumer_timeout \
+             ({limit:?}) loses its channel and its message is redelivered while it still runs",
+            spec.name
+        );
+        return Ok(());
+    };
+    if hold.saturating_add(CONSUMER_TIMEOUT_MARGIN) > limit {
+        let timeout = spec.timeout.unwrap_or_default();
+        return Err(config_error(format!(
+            "job `{}` can hold a delivery for {hold:?} (timeout {timeout:?} x {} in-process attempts, \
+             plus tier-one waits), which with {CONSUMER_TIMEOUT_MARGIN:?} to spare does not fit in \
+             consumer_timeout {limit:?} (RabbitConfig::consumer_timeout, which must equal the broker's \
+             consumer_timeout setting): the broker would close the channel and redeliver the message \
+             while the handler still runs; shorten the job's timeout or tier one, or raise \
+             consumer_timeout on the broker and in the configuration",
+            spec.name,
+            spec.tier_one.attempts.max(1)
+        )));
+    }
+    Ok(())
+}
 
 pub(super) struct RabbitSubscription {
     driver: RabbitDriver,
     queue: String,
     prefetch: u16,
     current: Option<(Channel, lapin::Consumer)>,
-    backoff: Duration,
+    /// The wait before the next attempt to resume consuming.
+    reconnect: Reconnect,
 }
 
 impl RabbitSubscription {
-    pub(super) fn new(driver: RabbitDriver, queue: &str, prefetch: usize) -> Self {
-        RabbitSubscription {
+    /// Consumes `queue` (declared first) with at most `prefetch` unsettled
+    /// deliveries.
+    pub(super) async fn start(
+        driver: RabbitDriver,
+        queue: &str,
+        prefetch: usize,
+    ) -> Result<Self, DriverError> {
+        driver.inner.lifecycle.check_running()?;
+        driver.declare_work(queue).await?;
+        let reconnect = Reconnect::new(
+            Duration::from_millis(100),
+            driver.inner.config.max_reconnect_backoff,
+        );
+        let mut subscription = RabbitSubscription {
             driver,
             queue: queue.to_string(),
             prefetch: prefetch.clamp(1, usize::from(u16::MAX)) as u16,
             current: None,
-            backoff: FIRST_BACKOFF,
-        }
+            reconnect,
+        };
+        subscription.open().await?;
+        Ok(subscription)
     }
 
     /// Opens a channel with the prefetch and starts consuming.
     ///
     /// Cancel-safe: if dropped midway, the channel (and any consumer on it)
     /// is dropped, which closes it, and the broker requeues whatever it sent.
-    pub(super) async fn open(&mut self) -> Result<(), DriverError> {
+    async fn open(&mut self) -> Result<(), DriverError> {
         self.release();
         let driver = &self.driver;
         driver.declare_work(&self.queue).await?;
@@ -105,28 +153,22 @@ impl Subscription for RabbitSubscription {
     }
 
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
-        let mut stopped = self.driver.inner.stopped.subscribe();
+        // A handle of its own, so waiting for the stop borrows nothing of `self`.
+        let inner = self.driver.inner.clone();
         loop {
-            if *stopped.borrow_and_update() {
+            if inner.lifecycle.is_stopped() {
                 self.release();
                 return None;
             }
             let Some((channel, consumer)) = self.current.as_mut() else {
                 match self.open().await {
                     Ok(()) => {
-                        self.backoff = FIRST_BACKOFF;
+                        self.reconnect.succeeded();
                         continue;
                     }
                     Err(e) if e.kind() == ErrorKind::Stopped => return None,
                     Err(e) => {
-                        let wait = self.backoff;
-                        self.backoff = (self.backoff * 2).min(
-                            self.driver
-                                .inner
-                                .config
-                                .max_reconnect_backoff
-                                .max(FIRST_BACKOFF),
-                        );
+                        let wait = self.reconnect.failed();
                         warn!(queue = %self.queue, "cannot resume consuming, retrying in {wait:?}: {e}");
                         if e.kind() == ErrorKind::Config {
                             // Someone changed the topology under us: say so to the consumer too.
@@ -134,7 +176,7 @@ impl Subscription for RabbitSubscription {
                             return Some(Err(e));
                         }
                         tokio::select! {
-                            _ = stopped.changed() => {}
+                            _ = inner.lifecycle.stopped() => {}
                             _ = tokio::time::sleep(wait) => {}
                         }
                         continue;
@@ -142,7 +184,7 @@ impl Subscription for RabbitSubscription {
                 }
             };
             let item = tokio::select! {
-                _ = stopped.changed() => continue,
+                _ = inner.lifecycle.stopped() => continue,
                 item = consumer.next() => item,
             };
             match item {
@@ -311,23 +353,23 @@ impl RabbitDelivery {
             Err(e) => return Err(e),
         };
         let shutdowns = self.shutdowns.saturating_add(u32::from(shutdown));
-        let properties =
-            RabbitDriver::properties(self.message_id.as_deref(), self.attempt, shutdowns);
-        self.driver.publish(&target, &self.body, properties).await?;
+        self.driver
+            .republish(
+                &target,
+                &self.body,
+                self.message_id.as_deref(),
+                self.attempt,
+                shutdowns,
+            )
+            .await?;
         self.ack().await
     }
 
     async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {
-        match self.driver.failure_queue_name(&self.queue) {
+        match self.driver.declare_failure_queue(&self.queue).await? {
             Some(failed) => {
                 self.driver
-                    .declare(&failed, super::Role::Failure, &self.queue)
-                    .await?;
-                let properties = BasicProperties::default()
-                    .with_content_type("application/json".into())
-                    .with_message_id(self.message_id.clone().unwrap_or_default().into());
-                self.driver
-                    .publish(&failed, &record.encode(), properties)
+                    .publish_failure(&failed, record, self.message_id.as_deref())
                     .await?;
                 self.ack().await
             }
@@ -388,7 +430,7 @@ impl Delivery for RabbitDelivery {
     }
 
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
-        if self.driver.is_stopped() {
+        if self.driver.inner.lifecycle.is_stopped() {
             return Err(error(
                 ErrorKind::Stopped,
                 "the rabbitmq driver has been stopped; the broker returns the message to its queue",

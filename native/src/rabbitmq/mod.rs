@@ -107,11 +107,15 @@
 //!
 //! RabbitMQ 3.x quorum queues have no default `x-delivery-limit`, and the
 //! driver sets none, so the broker never drops a message before the
-//! facade's cap. If [`delivery_limit`](RabbitConfig::delivery_limit) is set
-//! it must be at least [`largest_attempt_cap`](RabbitConfig::largest_attempt_cap),
-//! otherwise the driver refuses to start. (RabbitMQ 4.0 introduced a default
-//! limit of 20: set `delivery_limit` explicitly above your caps there, and
-//! note that a work queue declared by an older version keeps its arguments.)
+//! facade's cap. If [`delivery_limit`](RabbitConfig::delivery_limit) is set,
+//! the driver reports it as [`Capabilities::max_deliveries`] (the limit
+//! plus one: it counts returns to the queue, not deliveries), and a
+//! consumer refuses to start ([`ErrorKind::Config`], naming the job) when a
+//! job of its registry, or the unknown-name rule, needs more deliveries
+//! than that ([`queue::check_delivery_limit`]). (RabbitMQ 4.0 introduced a
+//! default limit of 20: set `delivery_limit` explicitly above your caps
+//! there, and note that a work queue declared by an older version keeps its
+//! arguments.)
 //!
 //! # The broker's consumer timeout
 //!
@@ -122,7 +126,7 @@
 //! twice. [`consumer_timeout`](RabbitConfig::consumer_timeout) tells the
 //! driver the broker's value (it must be the same), and a consumer refuses
 //! to start ([`ErrorKind::Config`], naming the job, its timeout and the
-//! setting) with a job whose [`longest_hold`](queue::budget::longest_hold) on a delivery (timeout x
+//! setting) with a job whose [`longest_hold`](queue::longest_hold) on a delivery (timeout x
 //! in-process attempts, plus the tier-one waits) does not fit in it with
 //! [`CONSUMER_TIMEOUT_MARGIN`] to spare. A job without a timeout is
 //! accepted with a warning at start: its handler is unbounded by
@@ -154,45 +158,54 @@
 //! feature (rustls; the platform's root certificates plus any in
 //! [`RabbitConfig::ca_certificates`]). The password never appears in `Debug`
 //! output, errors or logs.
+//!
+//! # Errors
+//!
+//! A failed broker call keeps lapin's error as the
+//! [`source`](std::error::Error::source) of the [`DriverError`], under the
+//! driver's description of what it was doing:
+//! `err.find::<lapin::Error>()` reaches it.
+//!
+//! # Layout
+//!
+//! `config.rs` holds the settings and their validation; `connection.rs` the
+//! connection, channels, the stopped state and `stop`; `topology.rs` queue
+//! names, arguments, declarations and the failure queue's records;
+//! `publish.rs` every publish; `delivery.rs` subscriptions, deliveries and
+//! their settlement, and the consumer-timeout check; `errors.rs` the mapping
+//! of lapin's errors; `testing.rs` helpers for the test suites (feature
+//! `testing`).
 
 mod config;
+mod connection;
 mod delivery;
+mod errors;
+mod publish;
+#[cfg(feature = "testing")]
+mod testing;
+mod topology;
 
 use std::collections::HashSet;
-use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
-use lapin::protocol::AMQPErrorKind;
-use lapin::publisher_confirm::Confirmation;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use queue::FailureRecord;
-use tokio::sync::watch;
-use tracing::{debug, info, warn};
 
 pub use config::{RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES};
+use connection::Link;
 use delivery::RabbitSubscription;
 
-use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
+#[cfg(doc)]
+use crate::driver::ErrorKind;
+use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
+use crate::support::Lifecycle;
 
 const NAME: &str = "rabbitmq";
+
 /// What a job's longest hold on a delivery must leave free of
 /// [`RabbitConfig::consumer_timeout`]: the broker checks the timeout on a
 /// 60-second tick, and the settlement after the last execution takes time too.
 pub const CONSUMER_TIMEOUT_MARGIN: Duration = Duration::from_secs(60);
-
-/// How long [`Driver::stop`] waits, after a released channel closed, for
-/// lapin to remove it from the connection (see `await_released_channels`).
-const CHANNEL_REMOVAL_WAIT: Duration = Duration::from_millis(50);
-
-/// How long [`Driver::stop`] waits at most for released channels to close.
-const RELEASED_CHANNELS_WAIT: Duration = Duration::from_secs(2);
 
 /// The header carrying the deliveries a message consumed before its latest
 /// publish.
@@ -219,57 +232,16 @@ pub const DEFAULT_DELAY_BUCKETS: &[u64] = &[
     24 * 3600,
 ];
 
-fn config_error(message: impl Into<String>) -> DriverError {
-    DriverError::new(NAME, ErrorKind::Config, message.into())
-}
-
-fn error(kind: ErrorKind, message: impl Into<String>) -> DriverError {
-    DriverError::new(NAME, kind, message.into())
-}
-
-/// A broker round trip bounded by `limit`; a timeout is `kind`.
-async fn bounded<T>(
-    limit: Duration,
-    what: &str,
-    kind: ErrorKind,
-    fut: impl Future<Output = lapin::Result<T>>,
-) -> Result<T, DriverError> {
-    answer(limit, what, kind, tokio::time::timeout(limit, fut).await)
-}
-
-/// The result of an operation bounded by `limit`, as a driver error.
-fn answer<T>(
-    limit: Duration,
-    what: &str,
-    kind: ErrorKind,
-    outcome: Result<lapin::Result<T>, tokio::time::error::Elapsed>,
-) -> Result<T, DriverError> {
-    match outcome {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(error(kind, format!("{what}: {e}"))),
-        Err(_) => Err(error(kind, format!("{what}: no answer within {limit:?}"))),
-    }
-}
-
-/// Whether a released channel may still have a close in flight.
-fn closing(status: &lapin::ChannelStatus) -> bool {
-    matches!(
-        status.state(),
-        lapin::ChannelState::Connected | lapin::ChannelState::Closing
-    )
-}
-
-struct Link {
-    connection: Arc<Connection>,
-    publisher: Option<Channel>,
-}
-
-pub(crate) struct Inner {
+struct Inner {
     config: RabbitConfig,
     link: tokio::sync::Mutex<Option<Link>>,
+    /// Queues declared on the current connection.
     declared: Mutex<HashSet<String>>,
+    /// Every queue declared since the driver was made, for the test suites'
+    /// clean-up.
+    #[cfg(feature = "testing")]
     known: Mutex<HashSet<String>>,
-    stopped: watch::Sender<bool>,
+    lifecycle: Lifecycle,
     /// Channels a subscription let go of. lapin closes a channel in the
     /// background when its last handle drops; [`Driver::stop`] waits for
     /// those closes before closing the connection, because a background
@@ -294,27 +266,19 @@ impl std::fmt::Debug for RabbitDriver {
     }
 }
 
-/// Which kind of queue a name is, for its arguments.
-#[derive(Debug, Clone, Copy)]
-enum Role {
-    Work,
-    Hold(Duration),
-    Failure,
-}
-
 impl RabbitDriver {
     /// A driver with `config`; connects on first use. Fails with
     /// [`ErrorKind::Config`] on an invalid configuration.
     pub fn new(mut config: RabbitConfig) -> Result<Self, DriverError> {
         config.validate()?;
-        let (stopped, _) = watch::channel(false);
         Ok(RabbitDriver {
             inner: Arc::new(Inner {
                 config,
                 link: tokio::sync::Mutex::new(None),
                 declared: Mutex::default(),
+                #[cfg(feature = "testing")]
                 known: Mutex::default(),
-                stopped,
+                lifecycle: Lifecycle::new(NAME),
                 released: Mutex::default(),
             }),
         })
@@ -332,521 +296,6 @@ impl RabbitDriver {
     pub fn config(&self) -> &RabbitConfig {
         &self.inner.config
     }
-
-    /// The bucket a delay rounds up to; `None` above the largest bucket.
-    pub fn bucket_for(&self, delay: Duration) -> Option<Duration> {
-        self.inner
-            .config
-            .delay_buckets
-            .iter()
-            .copied()
-            .find(|b| *b >= delay)
-    }
-
-    /// The hold queue of `queue` for `bucket`.
-    pub fn hold_queue_name(queue: &str, bucket: Duration) -> String {
-        format!("{queue}.hold.{}ms", bucket.as_millis())
-    }
-
-    /// The failure queue of `queue`, if failure queues are configured.
-    pub fn failure_queue_name(&self, queue: &str) -> Option<String> {
-        self.inner
-            .config
-            .failure_queue
-            .as_ref()
-            .map(|p| p.replace("{queue}", queue))
-    }
-
-    fn lock_set(set: &Mutex<HashSet<String>>) -> MutexGuard<'_, HashSet<String>> {
-        set.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn is_stopped(&self) -> bool {
-        *self.inner.stopped.borrow()
-    }
-
-    fn check_running(&self) -> Result<(), DriverError> {
-        if self.is_stopped() {
-            Err(error(
-                ErrorKind::Stopped,
-                "the rabbitmq driver has been stopped",
-            ))
-        } else {
-            Ok(())
-        }
-    }
-
-    /// The live connection, reconnecting if it was lost.
-    async fn connection(&self) -> Result<Arc<Connection>, DriverError> {
-        let mut link = self.inner.link.lock().await;
-        self.check_running()?;
-        if let Some(link) = link.as_ref() {
-            if link.connection.status().connected() {
-                return Ok(link.connection.clone());
-            }
-        }
-        let config = &self.inner.config;
-        let properties = ConnectionProperties::default()
-            .with_executor(tokio_executor_trait::Tokio::current())
-            .with_reactor(tokio_reactor_trait::Tokio)
-            .with_connection_name(LongString::from(config.connection_name.clone()));
-        let connection = match tokio::time::timeout(
-            config.operation_timeout,
-            Connection::connect_with_config(
-                &config.url,
-                properties,
-                lapin::tcp::OwnedTLSConfig {
-                    identity: None,
-                    cert_chain: config.ca_certificates.clone(),
-                },
-            ),
-        )
-        .await
-        {
-            Ok(Ok(connection)) => Arc::new(connection),
-            Ok(Err(e)) => {
-                return Err(error(
-                    ErrorKind::Connection,
-                    format!("cannot connect to {}: {e}", config.redacted_url()),
-                ))
-            }
-            Err(_) => {
-                return Err(error(
-                    ErrorKind::Connection,
-                    format!(
-                        "cannot connect to {}: no answer within {:?}",
-                        config.redacted_url(),
-                        config.operation_timeout
-                    ),
-                ))
-            }
-        };
-        info!(url = %config.redacted_url(), "connected to RabbitMQ");
-        // Queues may have been deleted while we were away: declare again.
-        Self::lock_set(&self.inner.declared).clear();
-        *link = Some(Link {
-            connection: connection.clone(),
-            publisher: None,
-        });
-        Ok(connection)
-    }
-
-    /// A channel in confirm mode for publishing, shared by the driver.
-    async fn publisher(&self) -> Result<Channel, DriverError> {
-        let connection = self.connection().await?;
-        let mut link = self.inner.link.lock().await;
-        let Some(link) = link
-            .as_mut()
-            .filter(|l| Arc::ptr_eq(&l.connection, &connection))
-        else {
-            return Err(error(
-                ErrorKind::Connection,
-                "the connection was replaced; try again",
-            ));
-        };
-        if let Some(channel) = link.publisher.as_ref().filter(|c| c.status().connected()) {
-            return Ok(channel.clone());
-        }
-        let limit = self.inner.config.operation_timeout;
-        let channel = bounded(
-            limit,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await?;
-        bounded(
-            limit,
-            "confirm.select",
-            ErrorKind::Connection,
-            channel.confirm_select(ConfirmSelectOptions::default()),
-        )
-        .await?;
-        link.publisher = Some(channel.clone());
-        Ok(channel)
-    }
-
-    fn arguments(&self, role: Role, work_queue: &str) -> FieldTable {
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
-        );
-        match role {
-            Role::Work => {
-                if let Some(limit) = self.inner.config.delivery_limit {
-                    args.insert(
-                        "x-delivery-limit".into(),
-                        AMQPValue::LongLongInt(i64::from(limit)),
-                    );
-                }
-            }
-            Role::Hold(bucket) => {
-                args.insert(
-                    "x-message-ttl".into(),
-                    AMQPValue::LongLongInt(bucket.as_millis() as i64),
-                );
-                args.insert(
-                    "x-dead-letter-exchange".into(),
-                    AMQPValue::LongString("".into()),
-                );
-                args.insert(
-                    "x-dead-letter-routing-key".into(),
-                    AMQPValue::LongString(work_queue.into()),
-                );
-                args.insert(
-                    "x-dead-letter-strategy".into(),
-                    AMQPValue::LongString("at-least-once".into()),
-                );
-                args.insert(
-                    "x-overflow".into(),
-                    AMQPValue::LongString("reject-publish".into()),
-                );
-            }
-            Role::Failure => {}
-        }
-        args
-    }
-
-    /// Records that the caller dropped its handle on `channel`: lapin closes
-    /// it in the background once no delivery holds it any more.
-    pub(crate) fn release(&self, channel: &Channel) {
-        self.still_closing().push(channel.status().clone());
-    }
-
-    /// The released channels whose close may still be in flight.
-    fn still_closing(&self) -> MutexGuard<'_, Vec<lapin::ChannelStatus>> {
-        let mut released = self
-            .inner
-            .released
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        released.retain(closing);
-        released
-    }
-
-    /// Waits until every released channel finished closing, or `limit`.
-    ///
-    /// A channel reads as closed once its `close-ok` arrived, but lapin
-    /// removes it from the connection afterwards, in a task of its own. If
-    /// the connection closes before that task ran, lapin removes the channel
-    /// twice and logs the second removal as a connection error ("invalid
-    /// channel") although the close was clean. So this also waits
-    /// [`CHANNEL_REMOVAL_WAIT`] once no channel is closing any more.
-    async fn await_released_channels(&self, limit: Duration) {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let pending = self.still_closing().len();
-            if pending == 0 {
-                // Any channel may have closed just now (a released one, or
-                // one the driver closed itself after a declaration).
-                tokio::time::sleep(CHANNEL_REMOVAL_WAIT).await;
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                debug!("{pending} released channel(s) still open; closing the connection anyway");
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// Waits (up to `limit`) for lapin's IO loop of a closed `connection` to
-    /// end. lapin answers `close` once the broker confirmed it, while its IO
-    /// loop, a thread of its own, still shuts the socket down through the
-    /// tokio reactor. A program that returns from `main` right after
-    /// [`Driver::stop`] would shut the runtime down under that thread, which
-    /// then logs an I/O error ("the Tokio context is being shut down") at
-    /// error level although nothing went wrong. Only a connection no longer
-    /// connected is waited for (its loop is ending), and only if no other
-    /// handle shares it.
-    async fn await_io_loop(connection: Arc<Connection>, limit: Duration) {
-        if connection.status().connected() {
-            return;
-        }
-        let Ok(connection) = Arc::try_unwrap(connection) else {
-            debug!("the connection is still shared; not waiting for its IO loop");
-            return;
-        };
-        match tokio::time::timeout(limit, tokio::task::spawn_blocking(move || connection.run()))
-            .await
-        {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => debug!("the connection's IO loop ended with: {e}"),
-            Ok(Err(e)) => debug!("waiting for the connection's IO loop failed: {e}"),
-            Err(_) => debug!("the connection's IO loop did not end within {limit:?}"),
-        }
-    }
-
-    /// Opens a channel on the (re-established if needed) connection.
-    pub(crate) async fn open_channel(&self) -> Result<Channel, DriverError> {
-        let connection = self.connection().await?;
-        bounded(
-            self.inner.config.operation_timeout,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await
-    }
-
-    /// Declares `name` (once per connection) with the arguments of `role`.
-    async fn declare(&self, name: &str, role: Role, work_queue: &str) -> Result<(), DriverError> {
-        if Self::lock_set(&self.inner.declared).contains(name) {
-            return Ok(());
-        }
-        let connection = self.connection().await?;
-        let limit = self.inner.config.operation_timeout;
-        // A refused declare closes its channel: use a throwaway one.
-        let channel = bounded(
-            limit,
-            "opening a channel",
-            ErrorKind::Connection,
-            connection.create_channel(),
-        )
-        .await?;
-        let options = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        let declared = tokio::time::timeout(
-            limit,
-            channel.queue_declare(name, options, self.arguments(role, work_queue)),
-        )
-        .await;
-        match declared {
-            Ok(Ok(_)) => {
-                let _ = tokio::time::timeout(limit, channel.close(200, "declared")).await;
-            }
-            Ok(Err(lapin::Error::ProtocolError(e)))
-                if matches!(e.kind(), AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::PRECONDITIONFAILED)) =>
-            {
-                return Err(config_error(format!(
-                    "queue `{name}` already exists with arguments that differ from what this driver declares \
-                     ({role:?} queue: quorum{}); delete or migrate it, or align the driver's configuration. \
-                     Broker said: {}",
-                    match role {
-                        Role::Hold(b) => format!(
-                            ", x-message-ttl={}, dead-lettering at-least-once to `{work_queue}`, x-overflow=reject-publish",
-                            b.as_millis()
-                        ),
-                        Role::Work => match self.inner.config.delivery_limit {
-                            Some(l) => format!(", x-delivery-limit={l}"),
-                            None => ", no x-delivery-limit".into(),
-                        },
-                        Role::Failure => String::new(),
-                    },
-                    e.get_message()
-                )))
-            }
-            Ok(Err(e)) => return Err(error(ErrorKind::Connection, format!("declaring queue `{name}`: {e}"))),
-            Err(_) => return Err(error(ErrorKind::Connection, format!("declaring queue `{name}`: no answer within {limit:?}"))),
-        }
-        Self::lock_set(&self.inner.declared).insert(name.to_string());
-        Self::lock_set(&self.inner.known).insert(name.to_string());
-        Ok(())
-    }
-
-    /// Declares the work queue and its failure queue.
-    async fn declare_work(&self, queue: &str) -> Result<(), DriverError> {
-        self.declare(queue, Role::Work, queue).await?;
-        if let Some(failed) = self.failure_queue_name(queue) {
-            self.declare(&failed, Role::Failure, queue).await?;
-        }
-        Ok(())
-    }
-
-    /// Declares the hold queue of `queue` for `bucket`; returns its name.
-    async fn declare_hold(&self, queue: &str, bucket: Duration) -> Result<String, DriverError> {
-        let name = Self::hold_queue_name(queue, bucket);
-        self.declare(&name, Role::Hold(bucket), queue).await?;
-        Ok(name)
-    }
-
-    /// Where a message for `queue` delayed by `delay` goes (rounding up).
-    async fn route_for_delay(
-        &self,
-        queue: &str,
-        delay: Option<Duration>,
-    ) -> Result<String, DriverError> {
-        match delay.filter(|d| !d.is_zero()) {
-            None => Ok(queue.to_string()),
-            Some(delay) => {
-                match self.bucket_for(delay) {
-                    Some(bucket) => self.declare_hold(queue, bucket).await,
-                    None => {
-                        Err(error(
-                            ErrorKind::Unsupported,
-                            format!(
-                        "delay {delay:?} exceeds the largest delay bucket {:?} of this driver",
-                        self.inner.config.delay_buckets.last().copied().unwrap_or_default()
-                    ),
-                        ))
-                    }
-                }
-            }
-        }
-    }
-
-    /// Publishes persistently to `routing_key` on the default exchange and
-    /// waits for the confirm.
-    async fn publish(
-        &self,
-        routing_key: &str,
-        body: &[u8],
-        properties: BasicProperties,
-    ) -> Result<(), DriverError> {
-        self.check_running()?;
-        let not_accepted = |e: DriverError| error(ErrorKind::NotAccepted, format!("not sent: {e}"));
-        let channel = self.publisher().await.map_err(not_accepted)?;
-        let properties = properties.with_delivery_mode(2);
-        let options = BasicPublishOptions {
-            mandatory: true,
-            ..BasicPublishOptions::default()
-        };
-        let limit = self.inner.config.operation_timeout;
-        let confirm = match tokio::time::timeout(
-            limit,
-            channel.basic_publish("", routing_key, options, body, properties),
-        )
-        .await
-        {
-            Ok(Ok(confirm)) => confirm,
-            Ok(Err(
-                e
-                @ (lapin::Error::InvalidChannelState(_) | lapin::Error::InvalidConnectionState(_)),
-            )) => {
-                return Err(error(
-                    ErrorKind::NotAccepted,
-                    format!("publish to `{routing_key}` not sent: {e}"),
-                ))
-            }
-            Ok(Err(e)) => {
-                return Err(error(
-                    ErrorKind::Uncertain,
-                    format!("publish to `{routing_key}` failed: {e}"),
-                ))
-            }
-            Err(_) => {
-                return Err(error(
-                    ErrorKind::Uncertain,
-                    format!("publish to `{routing_key}` did not finish within {limit:?}"),
-                ))
-            }
-        };
-        let limit = self.inner.config.confirm_timeout;
-        match tokio::time::timeout(limit, confirm).await {
-            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-            Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(error(
-                ErrorKind::NotAccepted,
-                format!(
-                    "publish to `{routing_key}` was returned as unroutable ({}): does the queue exist?",
-                    returned.reply_text
-                ),
-            )),
-            Ok(Ok(Confirmation::Nack(_))) => Err(error(ErrorKind::NotAccepted, format!("the broker refused the publish to `{routing_key}` (nack)"))),
-            Ok(Ok(Confirmation::NotRequested)) => {
-                Err(error(ErrorKind::Uncertain, format!("publish to `{routing_key}` was sent without a confirm")))
-            }
-            Ok(Err(e)) => Err(error(ErrorKind::Uncertain, format!("publish to `{routing_key}` sent, confirm lost: {e}"))),
-            Err(_) => Err(error(ErrorKind::Uncertain, format!("publish to `{routing_key}`: no confirm within {limit:?}"))),
-        }
-    }
-
-    /// Terminal failure records on `queue`'s failure queue, oldest first.
-    ///
-    /// Reads every message with `basic.get` and returns them to the queue
-    /// (the channel closes without acking), so the records stay. Messages
-    /// that are not failure records are skipped with a warning.
-    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        let Some(failed) = self.failure_queue_name(queue) else {
-            return Ok(Vec::new());
-        };
-        self.declare(&failed, Role::Failure, queue).await?;
-        let limit = self.inner.config.operation_timeout;
-        let channel = self.open_channel().await?;
-        let mut records = Vec::new();
-        while let Some(message) = bounded(
-            limit,
-            "basic.get",
-            ErrorKind::Connection,
-            channel.basic_get(&failed, BasicGetOptions { no_ack: false }),
-        )
-        .await?
-        {
-            match FailureRecord::decode(&message.delivery.data) {
-                Ok(record) => records.push(record),
-                Err(e) => {
-                    warn!(queue = %failed, "skipping a message that is not a failure record: {}", queue::redact::json_error(&e))
-                }
-            }
-        }
-        // Closing without acking returns every message to the queue.
-        let _ = tokio::time::timeout(limit, channel.close(200, "peeked")).await;
-        Ok(records)
-    }
-
-    /// Messages ready on `name` (any queue), by a passive declare.
-    pub async fn ready_count(&self, name: &str) -> Result<u32, DriverError> {
-        let limit = self.inner.config.operation_timeout;
-        let channel = self.open_channel().await?;
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let declared = bounded(
-            limit,
-            &format!("passive declare of `{name}`"),
-            ErrorKind::Connection,
-            channel.queue_declare(name, options, FieldTable::default()),
-        )
-        .await?;
-        let _ = tokio::time::timeout(limit, channel.close(200, "counted")).await;
-        Ok(declared.message_count())
-    }
-
-    /// Every queue this driver has declared (work, hold and failure queues).
-    pub fn declared_queues(&self) -> Vec<String> {
-        let mut names: Vec<String> = Self::lock_set(&self.inner.known).iter().cloned().collect();
-        names.sort();
-        names
-    }
-
-    /// Deletes `names` (for tests and tooling), even if in use or not empty.
-    pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
-        let limit = self.inner.config.operation_timeout;
-        let channel = self.open_channel().await?;
-        for name in names {
-            bounded(
-                limit,
-                &format!("deleting `{name}`"),
-                ErrorKind::Connection,
-                channel.queue_delete(name, QueueDeleteOptions::default()),
-            )
-            .await?;
-            Self::lock_set(&self.inner.known).remove(name);
-            Self::lock_set(&self.inner.declared).remove(name);
-        }
-        let _ = tokio::time::timeout(limit, channel.close(200, "deleted")).await;
-        Ok(())
-    }
-
-    fn properties(id: Option<&str>, attempts: u32, shutdowns: u32) -> BasicProperties {
-        let mut headers = FieldTable::default();
-        headers.insert(
-            ATTEMPTS_HEADER.into(),
-            AMQPValue::LongLongInt(i64::from(attempts)),
-        );
-        headers.insert(
-            SHUTDOWNS_HEADER.into(),
-            AMQPValue::LongLongInt(i64::from(shutdowns)),
-        );
-        let properties = BasicProperties::default().with_headers(headers);
-        match id {
-            Some(id) => properties.with_message_id(ShortString::from(id.to_string())),
-            None => properties,
-        }
-    }
 }
 
 #[async_trait]
@@ -856,76 +305,22 @@ impl Driver for RabbitDriver {
     }
 
     fn capabilities(&self) -> Capabilities {
+        let config = &self.inner.config;
         Capabilities {
-            max_retry_delay: self.inner.config.delay_buckets.last().copied(),
+            max_retry_delay: config.delay_buckets.last().copied(),
             delayed_dispatch: true,
             reject_drops: true,
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
-            max_message_bytes: Some(self.inner.config.max_message_bytes),
-            max_deliveries: self.inner.config.delivery_limit.map(|limit| limit.saturating_add(1)),
+            max_message_bytes: Some(config.max_message_bytes),
+            // x-delivery-limit counts returns: it allows one delivery more.
+            max_deliveries: config.delivery_limit.map(|limit| limit.saturating_add(1)),
         }
     }
 
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
-        self.check_running()?;
-        let not_sent = |e: DriverError| match e.kind() {
-            ErrorKind::Config
-            | ErrorKind::Unsupported
-            | ErrorKind::Stopped
-            | ErrorKind::NotAccepted => e,
-            _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),
-        };
-        let limit = self.inner.config.max_message_bytes;
-        if message.body.len() > limit {
-            return Err(error(
-                ErrorKind::NotAccepted,
-                format!(
-                    "message of {} bytes is over the rabbitmq driver's limit of {limit} bytes \
-                     (max_message_bytes, the broker's max_message_size); nothing was sent",
-                    message.body.len()
-                ),
-            ));
-        }
-        self.declare_work(queue).await.map_err(not_sent)?;
-        let target = self
-            .route_for_delay(queue, message.delay)
-            .await
-            .map_err(not_sent)?;
-        self.publish(
-            &target,
-            &message.body,
-            Self::properties(Some(&message.id), 0, 0),
-        )
-        .await
-    }
-
-    fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
-        let limit = self.inner.config.consumer_timeout;
-        let Some(hold) = queue::budget::longest_hold(spec) else {
-            warn!(
-                job = %spec.name,
-                "job `{}` has no timeout: a handler running longer than the broker's consumer_timeout \
-                 ({limit:?}) loses its channel and its message is redelivered while it still runs",
-                spec.name
-            );
-            return Ok(());
-        };
-        if hold.saturating_add(CONSUMER_TIMEOUT_MARGIN) > limit {
-            let timeout = spec.timeout.unwrap_or_default();
-            return Err(config_error(format!(
-                "job `{}` can hold a delivery for {hold:?} (timeout {timeout:?} x {} in-process attempts, \
-                 plus tier-one waits), which with {CONSUMER_TIMEOUT_MARGIN:?} to spare does not fit in \
-                 consumer_timeout {limit:?} (RabbitConfig::consumer_timeout, which must equal the broker's \
-                 consumer_timeout setting): the broker would close the channel and redeliver the message \
-                 while the handler still runs; shorten the job's timeout or tier one, or raise \
-                 consumer_timeout on the broker and in the configuration",
-                spec.name,
-                spec.tier_one.attempts.max(1)
-            )));
-        }
-        Ok(())
+        self.dispatch(queue, message).await
     }
 
     async fn subscribe(
@@ -933,53 +328,15 @@ impl Driver for RabbitDriver {
         queue: &str,
         prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
-        self.check_running()?;
-        self.declare_work(queue).await?;
-        let mut subscription = RabbitSubscription::new(self.clone(), queue, prefetch);
-        subscription.open().await?;
+        let subscription = RabbitSubscription::start(self.clone(), queue, prefetch).await?;
         Ok(Box::new(subscription))
     }
 
     async fn stop(&self) -> Result<(), DriverError> {
-        self.inner.stopped.send_replace(true);
-        let link = self.inner.link.lock().await.take();
-        let Some(Link {
-            connection,
-            publisher,
-        }) = link
-        else {
-            return Ok(());
-        };
-        let limit = self.inner.config.operation_timeout;
-        self.await_released_channels(limit.min(RELEASED_CHANNELS_WAIT))
-            .await;
-        let mut closed = Ok(());
-        if connection.status().connected() {
-            let outcome =
-                tokio::time::timeout(limit, connection.close(200, "driver stopped")).await;
-            // A channel whose last handle dropped just now (a delivery
-            // settled by a task still running) was being closed in the
-            // background when the connection began closing; lapin then
-            // ends the connection with that error instead of a clean
-            // close. The connection is gone either way and everything
-            // settled before `stop` was already on the wire.
-            closed = match &outcome {
-                Ok(Err(lapin::Error::InvalidChannelState(state)))
-                    if !connection.status().connected() =>
-                {
-                    debug!("connection ended without a clean close (a channel was {state:?})");
-                    Ok(())
-                }
-                _ => answer(
-                    limit,
-                    "closing the connection",
-                    ErrorKind::Connection,
-                    outcome,
-                ),
-            };
-        }
-        drop(publisher);
-        Self::await_io_loop(connection, limit).await;
-        closed
+        self.disconnect().await
+    }
+
+    fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
+        delivery::check_hold(&self.inner.config, spec)
     }
 }

@@ -1,0 +1,119 @@
+//! Sending: a dispatch, a retry's copy and a failure record are each one
+//! persistent, mandatory publish on the driver's confirm channel, waiting
+//! for the broker's confirm.
+
+use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+use queue::FailureRecord;
+
+use super::errors::{confirmed, error, publish_failed};
+use super::{RabbitDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};
+use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
+
+/// The properties of a message with `id` that consumed `attempts`
+/// deliveries, `shutdowns` of them handed back by a graceful shutdown.
+fn counted(id: Option<&str>, attempts: u32, shutdowns: u32) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ATTEMPTS_HEADER.into(),
+        AMQPValue::LongLongInt(i64::from(attempts)),
+    );
+    headers.insert(
+        SHUTDOWNS_HEADER.into(),
+        AMQPValue::LongLongInt(i64::from(shutdowns)),
+    );
+    let properties = BasicProperties::default().with_headers(headers);
+    match id {
+        Some(id) => properties.with_message_id(ShortString::from(id.to_string())),
+        None => properties,
+    }
+}
+
+impl RabbitDriver {
+    /// A new message for `queue` (see [`Driver::send`]): refused before any
+    /// I/O when too long, otherwise published to the work queue or the hold
+    /// queue of its delay's bucket, both declared first.
+    pub(super) async fn dispatch(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
+        self.inner.lifecycle.check_running()?;
+        self.capabilities()
+            .refuse_oversize(NAME, message.body.len())?;
+        self.declare_work(queue)
+            .await
+            .map_err(DriverError::not_sent)?;
+        let bucket = self.hold_for(message.delay)?;
+        let target = self
+            .destination(queue, bucket)
+            .await
+            .map_err(DriverError::not_sent)?;
+        self.publish(&target, &message.body, counted(Some(&message.id), 0, 0))
+            .await
+    }
+
+    /// A retry's copy of a delivered message, to `target` (the work queue or
+    /// a hold queue), carrying its counts.
+    pub(super) async fn republish(
+        &self,
+        target: &str,
+        body: &[u8],
+        message_id: Option<&str>,
+        attempts: u32,
+        shutdowns: u32,
+    ) -> Result<(), DriverError> {
+        self.publish(target, body, counted(message_id, attempts, shutdowns))
+            .await
+    }
+
+    /// The failure record of the message `message_id`, to `failure_queue`.
+    pub(super) async fn publish_failure(
+        &self,
+        failure_queue: &str,
+        record: &FailureRecord,
+        message_id: Option<&str>,
+    ) -> Result<(), DriverError> {
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_message_id(message_id.unwrap_or_default().into());
+        self.publish(failure_queue, &record.encode(), properties)
+            .await
+    }
+
+    /// Publishes persistently to `routing_key` on the default exchange and
+    /// waits for the confirm.
+    async fn publish(
+        &self,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), DriverError> {
+        self.inner.lifecycle.check_running()?;
+        let channel = self.publisher().await.map_err(DriverError::not_sent)?;
+        let properties = properties.with_delivery_mode(2);
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let limit = self.inner.config.operation_timeout;
+        let confirm = match tokio::time::timeout(
+            limit,
+            channel.basic_publish("", routing_key, options, body, properties),
+        )
+        .await
+        {
+            Ok(Ok(confirm)) => confirm,
+            Ok(Err(e)) => return Err(publish_failed(routing_key, e)),
+            Err(_) => {
+                return Err(error(
+                    ErrorKind::Uncertain,
+                    format!("publish to `{routing_key}` did not finish within {limit:?}"),
+                ))
+            }
+        };
+        let limit = self.inner.config.confirm_timeout;
+        confirmed(
+            routing_key,
+            limit,
+            tokio::time::timeout(limit, confirm).await,
+        )
+    }
+}

@@ -1,0 +1,64 @@
+//! Helpers for the conformance and fault suites (feature `testing`): setting
+//! up and inspecting a broker. Not a supported API.
+
+use std::time::Duration;
+
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+
+use super::errors::bounded;
+use super::RabbitDriver;
+use crate::driver::{DriverError, ErrorKind};
+use crate::support::lock;
+
+impl RabbitDriver {
+    /// The bucket a delay rounds up to; `None` above the largest bucket.
+    pub fn bucket_for(&self, delay: Duration) -> Option<Duration> {
+        self.bucket(delay)
+    }
+
+    /// Messages ready on `name` (any queue), by a passive declare.
+    pub async fn ready_count(&self, name: &str) -> Result<u32, DriverError> {
+        let limit = self.inner.config.operation_timeout;
+        let channel = self.open_channel().await?;
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declared = bounded(
+            limit,
+            &format!("passive declare of `{name}`"),
+            ErrorKind::Connection,
+            channel.queue_declare(name, options, FieldTable::default()),
+        )
+        .await?;
+        let _ = tokio::time::timeout(limit, channel.close(200, "counted")).await;
+        Ok(declared.message_count())
+    }
+
+    /// Every queue this driver has declared (work, hold and failure queues).
+    pub fn declared_queues(&self) -> Vec<String> {
+        let mut names: Vec<String> = lock(&self.inner.known).iter().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Deletes `names`, even if in use or not empty.
+    pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
+        let limit = self.inner.config.operation_timeout;
+        let channel = self.open_channel().await?;
+        for name in names {
+            bounded(
+                limit,
+                &format!("deleting `{name}`"),
+                ErrorKind::Connection,
+                channel.queue_delete(name, QueueDeleteOptions::default()),
+            )
+            .await?;
+            lock(&self.inner.known).remove(name);
+            lock(&self.inner.declared).remove(name);
+        }
+        let _ = tokio::time::timeout(limit, channel.close(200, "deleted")).await;
+        Ok(())
+    }
+}

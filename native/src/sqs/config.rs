@@ -4,9 +4,9 @@ use std::fmt;
 use std::time::Duration;
 
 use aws_sdk_sqs::config::SharedCredentialsProvider;
-use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
 
-use super::{config_error, MAX_VISIBILITY};
+use super::errors::config_error;
+use super::MAX_VISIBILITY;
 use crate::driver::DriverError;
 
 /// Where the driver's AWS credentials come from. `Debug` never shows a key.
@@ -59,6 +59,11 @@ impl fmt::Debug for SqsCredentials {
 
 /// Settings for [`SqsDriver`](super::SqsDriver).
 ///
+/// There is no setting for the attempt caps: a work queue's redrive policy
+/// is read from SQS, and a consumer checks its `maxReceiveCount` against
+/// the registry's own jobs when it starts, naming the job that needs more
+/// (see the [module documentation](super#delivery-limit)).
+///
 /// `Debug` never shows credentials.
 #[derive(Clone, Debug)]
 pub struct SqsConfig {
@@ -89,12 +94,6 @@ pub struct SqsConfig {
     /// queue's name (default `{queue}-failed`). `None`: terminal failures are
     /// logged at error level and deleted.
     pub failure_queue: Option<String>,
-    /// The largest attempt cap of any job (and of the unknown-name rule)
-    /// consumed through this driver. A work queue whose redrive policy has a
-    /// `maxReceiveCount` below it is refused, since SQS would move a message
-    /// to its dead-letter queue before the facade's cap. Default: the
-    /// unknown-name cap, 10.
-    pub largest_attempt_cap: u32,
     /// Bound on every request (a receive gets the wait time on top). A send
     /// that does not finish within it is reported as uncertain.
     pub operation_timeout: Duration,
@@ -111,7 +110,6 @@ impl SqsConfig {
             wait_time: Duration::from_secs(20),
             create_queues: true,
             failure_queue: Some("{queue}-failed".into()),
-            largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
             operation_timeout: Duration::from_secs(10),
         }
     }

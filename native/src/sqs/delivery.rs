@@ -10,11 +10,14 @@ use queue::{FailureRecord, Instant, Settlement};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
+use super::connection::bounded;
+use super::errors::{error, is_missing_queue, sdk_error};
+use super::publish::decode_body;
 use super::{
-    bounded, ceil_seconds, decode_body, error, is_missing_queue, sdk_error, SqsDriver,
-    ATTEMPTS_ATTRIBUTE, ENCODING_ATTRIBUTE, MAX_VISIBILITY, SHUTDOWNS_ATTRIBUTE,
+    SqsDriver, ATTEMPTS_ATTRIBUTE, ENCODING_ATTRIBUTE, MAX_VISIBILITY, NAME, SHUTDOWNS_ATTRIBUTE,
 };
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
+use crate::support::failed;
 
 /// Whether a received message's body is base64 (see [`ENCODING_ATTRIBUTE`]).
 pub(super) fn is_base64(message: &Message) -> bool {
@@ -62,22 +65,23 @@ pub(super) struct SqsSubscription {
 }
 
 impl SqsSubscription {
-    pub(super) fn new(
-        driver: SqsDriver,
+    /// A subscription to `queue`, resolving (creating) the work queue and
+    /// its failure queue first. Receives nothing until asked.
+    pub(super) async fn open(
+        driver: &SqsDriver,
         queue: &str,
-        url: String,
-        failure_url: Option<String>,
         prefetch: usize,
-    ) -> Self {
-        SqsSubscription {
-            driver,
+    ) -> Result<Self, DriverError> {
+        let (url, failure_url) = driver.resolve_work(queue).await?;
+        Ok(SqsSubscription {
+            driver: driver.clone(),
             queue: queue.into(),
             url: url.into(),
             failure_url: failure_url.map(Into::into),
             max_messages: prefetch.clamp(1, 10) as i32,
             buffer: VecDeque::new(),
             pending: None,
-        }
+        })
     }
 
     /// Starts a `ReceiveMessage` call in its own task.
@@ -154,9 +158,9 @@ impl SqsSubscription {
 #[async_trait]
 impl Subscription for SqsSubscription {
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
-        let mut stopped = self.driver.inner.stopped.subscribe();
+        let life = &self.driver.inner.life;
         loop {
-            if *stopped.borrow_and_update() {
+            if life.is_stopped() {
                 self.buffer.clear();
                 return None;
             }
@@ -171,7 +175,7 @@ impl Subscription for SqsSubscription {
             };
             // Cancel-safe: if this future is dropped here, `pending` stays.
             let joined = tokio::select! {
-                _ = stopped.changed() => continue,
+                _ = life.stopped() => continue,
                 joined = pending => joined,
             };
             self.pending = None;
@@ -179,9 +183,11 @@ impl Subscription for SqsSubscription {
                 Ok(Ok(batch)) => self.buffer.extend(batch),
                 Ok(Err(e)) => return Some(Err(e)),
                 Err(e) => {
-                    return Some(Err(error(
+                    return Some(Err(failed(
+                        NAME,
                         ErrorKind::Connection,
-                        format!("the receive task of `{}` failed: {e}", self.queue),
+                        format!("the receive task of `{}`", self.queue),
+                        e,
                     )))
                 }
             }
@@ -263,7 +269,7 @@ impl Drop for Hold {
     /// subscription): make the message visible again now, best effort.
     fn drop(&mut self) {
         self.renewal.abort();
-        if self.settled || self.driver.is_stopped() {
+        if self.settled || self.driver.inner.life.is_stopped() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -323,7 +329,7 @@ async fn renew(
     loop {
         tokio::time::sleep(period).await;
         let stopped = stop.lock().await;
-        if *stopped || driver.is_stopped() {
+        if *stopped || driver.inner.life.is_stopped() {
             return;
         }
         let left = limit.saturating_duration_since(Instant::now());
@@ -363,7 +369,7 @@ impl SqsDelivery {
             // Driver timing: back when the current visibility ends.
             return Ok(());
         };
-        let seconds = ceil_seconds(delay);
+        let seconds = queue::whole_seconds_up(delay);
         let since_receive = self.hold.received.elapsed();
         if since_receive.saturating_add(Duration::from_secs(seconds)) > MAX_VISIBILITY {
             return Err(error(
@@ -439,7 +445,7 @@ impl Delivery for SqsDelivery {
 
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         self.hold.stop_renewal().await;
-        if self.hold.driver.is_stopped() {
+        if self.hold.driver.inner.life.is_stopped() {
             return Err(error(
                 ErrorKind::Stopped,
                 "the sqs driver has been stopped; the message returns when its visibility ends",

@@ -1,0 +1,171 @@
+//! Helpers for the conformance and fault suites (feature `testing`): the
+//! queues a driver created, deleting queues, counting messages, and setting
+//! up what the driver itself never does (a redrive policy, a queue deleted
+//! behind its back). Not a supported API.
+
+use aws_sdk_sqs::types::QueueAttributeName;
+
+use super::connection::bounded;
+use super::errors::{config_error, is_missing_queue, sdk_error};
+use super::topology::check_name;
+use super::SqsDriver;
+use crate::driver::{DriverError, ErrorKind};
+use crate::support::lock;
+
+impl SqsDriver {
+    /// Every queue this driver created (work and failure queues).
+    pub fn created_queues(&self) -> Vec<String> {
+        lock(&self.inner.created).iter().cloned().collect()
+    }
+
+    /// Deletes `names` (for tests and tooling), whatever they hold. Names
+    /// that do not exist are skipped.
+    pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
+        for name in names {
+            check_name(name)?;
+            self.forget(name);
+            let Some(url) = self.lookup(name).await? else {
+                continue;
+            };
+            self.delete_url(name, url).await?;
+            lock(&self.inner.created).remove(name);
+        }
+        Ok(())
+    }
+
+    /// Deletes `queue` while this driver keeps its URL, as if someone else
+    /// had deleted it. A queue that does not exist is an error.
+    pub async fn delete_queue_keeping_url(&self, queue: &str) -> Result<(), DriverError> {
+        check_name(queue)?;
+        let Some(url) = self.lookup(queue).await? else {
+            return Err(config_error(format!("queue `{queue}` does not exist")));
+        };
+        self.delete_url(queue, url).await
+    }
+
+    /// Messages on `queue`, visible, in flight or delayed (SQS's
+    /// approximate counts). A queue that does not exist is an error.
+    pub async fn message_count(&self, queue: &str) -> Result<u64, DriverError> {
+        check_name(queue)?;
+        let Some(url) = self.lookup(queue).await? else {
+            return Err(config_error(format!("queue `{queue}` does not exist")));
+        };
+        let counts = [
+            QueueAttributeName::ApproximateNumberOfMessages,
+            QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+            QueueAttributeName::ApproximateNumberOfMessagesDelayed,
+        ];
+        let attributes = self.attributes(queue, &url, &counts).await?;
+        let mut total = 0;
+        for name in &counts {
+            let count = attributes
+                .iter()
+                .find(|(n, _)| n == name)
+                .and_then(|(_, v)| v.parse::<u64>().ok())
+                .ok_or_else(|| {
+                    config_error(format!("queue `{queue}`: no readable {}", name.as_str()))
+                })?;
+            total += count;
+        }
+        Ok(total)
+    }
+
+    /// Creates `dead_letter_queue`, then `queue` with a redrive policy that
+    /// moves a message there after `max_receive_count` receives (SQS's own
+    /// dead-lettering, the delivery limit [`Driver::delivery_limit`]
+    /// reports). Both count among [`created_queues`](Self::created_queues).
+    ///
+    /// [`Driver::delivery_limit`]: crate::Driver::delivery_limit
+    pub async fn create_queue_with_redrive(
+        &self,
+        queue: &str,
+        dead_letter_queue: &str,
+        max_receive_count: u32,
+    ) -> Result<(), DriverError> {
+        check_name(queue)?;
+        check_name(dead_letter_queue)?;
+        let dlq_url = self.create_with(dead_letter_queue, None).await?;
+        let arn = self
+            .attributes(dead_letter_queue, &dlq_url, &[QueueAttributeName::QueueArn])
+            .await?
+            .into_iter()
+            .find_map(|(n, v)| (n == QueueAttributeName::QueueArn).then_some(v))
+            .ok_or_else(|| {
+                config_error(format!(
+                    "queue `{dead_letter_queue}`: no QueueArn in the answer"
+                ))
+            })?;
+        let policy = serde_json::json!({
+            "deadLetterTargetArn": arn,
+            "maxReceiveCount": max_receive_count,
+        });
+        self.create_with(queue, Some(policy.to_string())).await?;
+        Ok(())
+    }
+
+    /// `CreateQueue` with an optional redrive policy; the URL.
+    async fn create_with(
+        &self,
+        name: &str,
+        redrive: Option<String>,
+    ) -> Result<String, DriverError> {
+        let what = format!("CreateQueue `{name}`");
+        let mut request = self.inner.client.create_queue().queue_name(name);
+        if let Some(policy) = redrive {
+            request = request.attributes(QueueAttributeName::RedrivePolicy, policy);
+        }
+        let limit = self.inner.config.operation_timeout;
+        let out = bounded(limit, &what, ErrorKind::Connection, request.send())
+            .await?
+            .map_err(|e| sdk_error(&what, e, ErrorKind::Config, ErrorKind::Connection))?;
+        lock(&self.inner.created).insert(name.to_string());
+        out.queue_url()
+            .map(str::to_string)
+            .ok_or_else(|| config_error(format!("{what}: no URL in the answer")))
+    }
+
+    /// `GetQueueAttributes` of `names`.
+    async fn attributes(
+        &self,
+        queue: &str,
+        url: &str,
+        names: &[QueueAttributeName],
+    ) -> Result<Vec<(QueueAttributeName, String)>, DriverError> {
+        let what = format!("GetQueueAttributes `{queue}`");
+        let mut request = self.inner.client.get_queue_attributes().queue_url(url);
+        for name in names {
+            request = request.attribute_names(name.clone());
+        }
+        let limit = self.inner.config.operation_timeout;
+        let out = bounded(limit, &what, ErrorKind::Connection, request.send())
+            .await?
+            .map_err(|e| sdk_error(&what, e, ErrorKind::Connection, ErrorKind::Connection))?;
+        Ok(out
+            .attributes()
+            .map(|a| a.iter().map(|(n, v)| (n.clone(), v.clone())).collect())
+            .unwrap_or_default())
+    }
+
+    /// `DeleteQueue`; one already gone is not an error.
+    async fn delete_url(&self, name: &str, url: String) -> Result<(), DriverError> {
+        let what = format!("DeleteQueue `{name}`");
+        let limit = self.inner.config.operation_timeout;
+        let answer = bounded(
+            limit,
+            &what,
+            ErrorKind::Connection,
+            self.inner.client.delete_queue().queue_url(url).send(),
+        )
+        .await?;
+        match answer {
+            Ok(_) => Ok(()),
+            Err(e) if is_missing_queue(&e) => Ok(()),
+            Err(e) => Err(sdk_error(
+                &what,
+                e,
+                ErrorKind::Connection,
+                ErrorKind::Connection,
+            )),
+        }
+    }
+}

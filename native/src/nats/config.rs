@@ -3,9 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use queue::settle::DEFAULT_UNKNOWN_NAME_ATTEMPTS;
-
-use super::config_error;
+use super::errors::config_error;
 use crate::driver::DriverError;
 
 /// Settings for [`NatsDriver`](super::NatsDriver).
@@ -33,14 +31,11 @@ pub struct NatsConfig {
     pub ack_wait: Duration,
     /// The consumer's `MaxDeliver`. `None` (default, recommended): unlimited
     /// (`-1`), so the server never stops redelivering a message on its own.
-    /// If set, it must be at least [`largest_attempt_cap`](Self::largest_attempt_cap)
-    /// plus one (see [`queue::deliveries_needed`]).
+    /// If set, it must be positive, and a consumer refuses to start when it
+    /// is below what a job of the queue needs: the job's attempt cap plus
+    /// one ([`queue::deliveries_needed`]), checked against the registry's
+    /// own jobs ([`queue::check_delivery_limit`]).
     pub max_deliver: Option<u32>,
-    /// The largest attempt cap of any job (and of the unknown-name rule)
-    /// consumed through this driver. A [`max_deliver`](Self::max_deliver)
-    /// below it is refused, since the server would stop delivering a message
-    /// before the facade's cap. Default: the unknown-name cap, 10.
-    pub largest_attempt_cap: u32,
     /// The failure subject of a queue, `{queue}` replaced by the queue's
     /// name and `{prefix}` by [`subject_prefix`](Self::subject_prefix)
     /// (default `{prefix}.{queue}.failed`). Records published there are kept
@@ -70,7 +65,6 @@ impl NatsConfig {
             consumer_name: "queue-worker".into(),
             ack_wait: Duration::from_secs(30),
             max_deliver: None,
-            largest_attempt_cap: DEFAULT_UNKNOWN_NAME_ATTEMPTS,
             failure_subject: Some("{prefix}.{queue}.failed".into()),
             operation_timeout: Duration::from_secs(10),
             fetch_expiry: Duration::from_secs(5),
@@ -132,19 +126,10 @@ impl NatsConfig {
                 )));
             }
         }
-        if let Some(limit) = self.max_deliver {
-            let needed = queue::deliveries_needed(self.largest_attempt_cap, true).unwrap_or(0);
-            if limit < needed {
-                return Err(config_error(format!(
-                    "MaxDeliver {limit} is below {needed}, the largest attempt cap {} plus the delivery \
-                     that records a message which crashed its worker every time: the server would stop \
-                     delivering messages before the facade ends them; raise it or leave it unset",
-                    self.largest_attempt_cap
-                )));
-            }
-            if limit == 0 {
-                return Err(config_error("MaxDeliver must be positive (or unset)"));
-            }
+        // Whether MaxDeliver leaves room for every job is checked by the
+        // consumer, against the registry's own jobs.
+        if self.max_deliver == Some(0) {
+            return Err(config_error("MaxDeliver must be positive (or unset)"));
         }
         if self.ack_wait < Duration::from_millis(100) {
             return Err(config_error(format!(
@@ -170,7 +155,6 @@ impl fmt::Debug for NatsConfig {
             .field("consumer_name", &self.consumer_name)
             .field("ack_wait", &self.ack_wait)
             .field("max_deliver", &self.max_deliver)
-            .field("largest_attempt_cap", &self.largest_attempt_cap)
             .field("failure_subject", &self.failure_subject)
             .field("operation_timeout", &self.operation_timeout)
             .field("fetch_expiry", &self.fetch_expiry)
@@ -332,14 +316,10 @@ mod tests {
             .unwrap();
         assert!(!err.to_string().contains("hunter2"), "{err}");
         let mut c = NatsConfig::new("nats://localhost");
-        c.max_deliver = Some(3);
+        c.max_deliver = Some(0);
         assert!(c.validate().unwrap_err().to_string().contains("MaxDeliver"));
-        c.max_deliver = Some(10);
-        assert!(
-            c.validate().is_err(),
-            "the cap itself leaves no room for the crash bound"
-        );
-        c.max_deliver = Some(11);
+        // Whether it is enough for the jobs is the consumer's check.
+        c.max_deliver = Some(3);
         assert!(c.validate().is_ok());
         let c = NatsConfig::new("nats://localhost").failure_subject(Some("failed"));
         assert!(c.validate().is_err());

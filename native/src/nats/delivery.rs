@@ -1,4 +1,5 @@
-//! Subscriptions (pull requests) and deliveries (with their lease).
+//! Subscriptions (pull requests) and deliveries: their lease while they are
+//! handled, and their settlement.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -6,7 +7,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::connection::State;
 use async_nats::jetstream::consumer::pull::Batch;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::message::Acker;
@@ -18,10 +18,11 @@ use queue::{FailureRecord, Settlement};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
-use super::{error, NatsDriver, ATTEMPTS_HEADER, SHUTDOWNS_HEADER};
+use super::errors::{self, error};
+use super::publish::Stored;
+use super::{NatsDriver, ATTEMPTS_HEADER, SHUTDOWNS_HEADER};
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
-
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+use crate::support::Reconnect;
 
 type Opening = Pin<Box<dyn Future<Output = Result<Pull, DriverError>> + Send>>;
 
@@ -33,7 +34,7 @@ struct Pull {
     generation: u64,
 }
 
-pub(super) struct NatsSubscription {
+struct NatsSubscription {
     driver: NatsDriver,
     queue: String,
     prefetch: usize,
@@ -43,17 +44,33 @@ pub(super) struct NatsSubscription {
     pull: Option<Pull>,
     /// A pull request being sent (kept across cancelled `next()` calls).
     opening: Option<Opening>,
-    backoff: Duration,
+    /// The waits before pulling again after a failed pull.
+    backoff: Reconnect,
+}
+
+impl NatsDriver {
+    /// A subscription to `queue` (declared first), with at most `prefetch`
+    /// deliveries outstanding.
+    pub(super) async fn subscription(
+        &self,
+        queue: &str,
+        prefetch: usize,
+    ) -> Result<Box<dyn Subscription>, DriverError> {
+        self.inner.life.check_running()?;
+        let consumer = self.declare(queue).await?;
+        Ok(Box::new(NatsSubscription::new(
+            self.clone(),
+            queue,
+            prefetch,
+            consumer,
+        )))
+    }
 }
 
 impl NatsSubscription {
-    pub(super) fn new(
-        driver: NatsDriver,
-        queue: &str,
-        prefetch: usize,
-        consumer: PullConsumer,
-    ) -> Self {
+    fn new(driver: NatsDriver, queue: &str, prefetch: usize, consumer: PullConsumer) -> Self {
         NatsSubscription {
+            backoff: driver.reconnect(),
             driver,
             queue: queue.to_string(),
             prefetch: prefetch.max(1),
@@ -61,7 +78,6 @@ impl NatsSubscription {
             consumer: Some(consumer),
             pull: None,
             opening: None,
-            backoff: FIRST_BACKOFF,
         }
     }
 
@@ -80,19 +96,7 @@ impl NatsSubscription {
                 None => driver.declare(&queue).await?,
             };
             let link = driver.link().await?;
-            // Wait out a reconnection rather than queueing a request for it.
-            let mut waited = Duration::ZERO;
-            while link.client.connection_state() != State::Connected {
-                driver.check_running()?;
-                if waited >= driver.inner.config.operation_timeout {
-                    return Err(error(
-                        ErrorKind::Connection,
-                        "not connected to NATS (reconnecting)",
-                    ));
-                }
-                tokio::time::sleep(FIRST_BACKOFF).await;
-                waited += FIRST_BACKOFF;
-            }
+            driver.wait_connected(&link).await?;
             let generation = *driver.inner.connections.borrow();
             let limit = driver.inner.config.operation_timeout;
             let batch = tokio::time::timeout(
@@ -110,12 +114,7 @@ impl NatsSubscription {
                     format!("pull request on `{queue}`: no answer within {limit:?}"),
                 )
             })?
-            .map_err(|e| {
-                error(
-                    ErrorKind::Connection,
-                    format!("pull request on `{queue}`: {e}"),
-                )
-            })?;
+            .map_err(|e| errors::connection(format!("pull request on `{queue}`"), e))?;
             Ok(Pull {
                 batch,
                 consumer,
@@ -126,15 +125,23 @@ impl NatsSubscription {
 
     fn deliver(&self, message: Message) -> Box<dyn Delivery> {
         let headers = message.headers.as_ref();
-        let (attempt, sequence, published) = match message.info() {
+        let (attempt, stored) = match message.info() {
             Ok(info) => (
                 attempt_of(headers, info.delivered),
-                info.stream_sequence,
-                info.published.unix_timestamp_nanos(),
+                Stored {
+                    sequence: info.stream_sequence,
+                    published: info.published.unix_timestamp_nanos(),
+                },
             ),
             Err(e) => {
                 warn!(queue = %self.queue, "a delivery without JetStream metadata: {e}");
-                (0, 0, 0)
+                (
+                    0,
+                    Stored {
+                        sequence: 0,
+                        published: 0,
+                    },
+                )
             }
         };
         let shutdowns = header_count(headers, SHUTDOWNS_HEADER);
@@ -156,25 +163,18 @@ impl NatsSubscription {
             message,
             attempt,
             shutdowns,
-            sequence,
-            published,
+            stored,
             lease: Some(lease),
             outstanding: self.outstanding.clone(),
             settled: false,
         })
     }
 
-    async fn wait(&mut self, stopped: &mut tokio::sync::watch::Receiver<bool>) {
-        let wait = self.backoff;
-        self.backoff = (self.backoff * 2).min(
-            self.driver
-                .inner
-                .config
-                .max_reconnect_backoff
-                .max(FIRST_BACKOFF),
-        );
+    /// Waits before pulling again (ends early once the driver is stopped).
+    async fn wait(&mut self) {
+        let wait = self.backoff.failed();
         tokio::select! {
-            _ = stopped.changed() => {}
+            _ = self.driver.inner.life.stopped() => {}
             _ = tokio::time::sleep(wait) => {}
         }
     }
@@ -183,7 +183,7 @@ impl NatsSubscription {
 #[async_trait]
 impl Subscription for NatsSubscription {
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
-        let mut stopped = self.driver.inner.stopped.subscribe();
+        let mut stopped = self.driver.inner.life.watch();
         let mut connections = self.driver.inner.connections.subscribe();
         loop {
             if *stopped.borrow_and_update() {
@@ -210,7 +210,7 @@ impl Subscription for NatsSubscription {
                 };
                 match item {
                     Some(Ok(message)) => {
-                        self.backoff = FIRST_BACKOFF;
+                        self.backoff.succeeded();
                         return Some(Ok(self.deliver(message)));
                     }
                     Some(Err(e)) => {
@@ -218,7 +218,7 @@ impl Subscription for NatsSubscription {
                         self.pull = None;
                         self.consumer = None;
                         self.driver.forget(&self.queue);
-                        self.wait(&mut stopped).await;
+                        self.wait().await;
                     }
                     None => {
                         // Fulfilled or expired: send the next one.
@@ -245,10 +245,10 @@ impl Subscription for NatsSubscription {
                 }
                 Err(e) if e.kind() == ErrorKind::Stopped => return None,
                 Err(e) => {
-                    warn!(queue = %self.queue, "cannot pull, retrying in {:?}: {e}", self.backoff);
+                    warn!(queue = %self.queue, "cannot pull, retrying in {:?}: {e}", self.backoff.upcoming());
                     self.consumer = None;
                     self.driver.forget(&self.queue);
-                    self.wait(&mut stopped).await;
+                    self.wait().await;
                     if e.kind() == ErrorKind::Config {
                         // Someone changed the topology under us: say so to the consumer too.
                         return Some(Err(e));
@@ -280,8 +280,7 @@ struct NatsDelivery {
     attempt: u32,
     /// Earlier deliveries a graceful shutdown handed back.
     shutdowns: u32,
-    sequence: u64,
-    published: i128,
+    stored: Stored,
     lease: Option<JoinHandle<()>>,
     outstanding: Arc<AtomicUsize>,
     settled: bool,
@@ -301,23 +300,7 @@ impl NatsDelivery {
         let limit = self.driver.inner.config.operation_timeout;
         match tokio::time::timeout(limit, self.message.double_ack_with(kind)).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => {
-                let timed_out = e
-                    .downcast_ref::<std::io::Error>()
-                    .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut);
-                Err(error(
-                    if timed_out {
-                        ErrorKind::Uncertain
-                    } else {
-                        ErrorKind::Connection
-                    },
-                    format!(
-                        "{what} of a delivery from `{}` not confirmed: {e}; if the server did not get it, \
-                         the message is redelivered after AckWait",
-                        self.queue
-                    ),
-                ))
-            }
+            Ok(Err(e)) => Err(errors::settlement(what, &self.queue, e)),
             Err(_) => Err(error(
                 ErrorKind::Uncertain,
                 format!(
@@ -340,25 +323,14 @@ impl NatsDelivery {
     /// attempt and one more shutdown, then acks the original. If the copy is
     /// not accepted the original is left (it comes back), never acked.
     async fn hand_back(&mut self) -> Result<(), DriverError> {
-        let shutdowns = self.shutdowns.saturating_add(1);
-        // Never the original's id: the duplicate window would drop the copy.
-        let id = format!(
-            "{}:{}:{}:shutdown:{shutdowns}",
-            self.driver.stream_name(&self.queue),
-            self.sequence,
-            self.published
-        );
-        let headers = [
-            (ATTEMPTS_HEADER, self.attempt.to_string()),
-            (SHUTDOWNS_HEADER, shutdowns.to_string()),
-        ];
         // The lease keeps running while the copy is published.
         self.driver
-            .publish(
-                &self.driver.subject(&self.queue),
+            .publish_shutdown_copy(
+                &self.queue,
+                self.stored,
                 self.message.payload.to_vec(),
-                &id,
-                &headers,
+                self.attempt,
+                self.shutdowns.saturating_add(1),
             )
             .await?;
         self.reply(AckKind::Ack, "ack after the shutdown copy")
@@ -369,14 +341,8 @@ impl NatsDelivery {
         match self.driver.failure_subject(&self.queue) {
             Some(subject) => {
                 // The lease keeps running while the record is transferred.
-                let dedup = format!(
-                    "failed:{}:{}:{}",
-                    self.driver.stream_name(&self.queue),
-                    self.sequence,
-                    self.published
-                );
                 self.driver
-                    .publish(&subject, record.encode(), &dedup, &[])
+                    .publish_failure(&self.queue, &subject, self.stored, record)
                     .await?;
                 self.reply(AckKind::Ack, "ack after the failure transfer")
                     .await
@@ -401,7 +367,7 @@ impl Drop for NatsDelivery {
     fn drop(&mut self) {
         self.stop_lease();
         self.outstanding.fetch_sub(1, Ordering::SeqCst);
-        if self.settled || self.driver.is_stopped() {
+        if self.settled || self.driver.inner.life.is_stopped() {
             return;
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -432,7 +398,7 @@ impl Delivery for NatsDelivery {
     }
 
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
-        if self.driver.is_stopped() {
+        if self.driver.inner.life.is_stopped() {
             self.settled = true;
             return Err(error(
                 ErrorKind::Stopped,

@@ -126,11 +126,14 @@
 //!
 //! By default the consumer has no MaxDeliver (`-1`): the server never stops
 //! delivering a message before the facade's cap. If
-//! [`max_deliver`](NatsConfig::max_deliver) is set it must be at least
-//! [`largest_attempt_cap`](NatsConfig::largest_attempt_cap) plus one
+//! [`max_deliver`](NatsConfig::max_deliver) is set, the driver reports it as
+//! [`Capabilities::max_deliveries`], and a [`Consumer`](crate::Consumer)
+//! refuses to start ([`ErrorKind::Config`], naming the job) when it is below
+//! what a job registered for the queue needs: the job's attempt cap plus one
 //! ([`queue::deliveries_needed`]: the extra delivery is the one on which the
-//! facade records a message that crashed its worker every time), otherwise
-//! the driver refuses to start ([`ErrorKind::Config`]).
+//! facade records a message that crashed its worker every time). The rule
+//! is [`queue::check_delivery_limit`], applied to the registry's own jobs,
+//! so no cap is copied into the driver's settings.
 //!
 //! # Consumption and reconnection
 //!
@@ -156,32 +159,59 @@
 //! optionally `nats://user:password@host:port` or `nats://token@host:port`.
 //! The credentials are taken out of the address before it is used, and
 //! never appear in `Debug` output, errors or logs.
+//!
+//! # Errors
+//!
+//! An error from async-nats is kept as the cause of the [`DriverError`]
+//! (reach it with [`DriverError::find`]), under the driver's description of
+//! what it was doing.
+//!
+//! # Layout
+//!
+//! - this file: the contract above, [`NatsDriver`] and its `Driver` impl,
+//!   which hands each operation to one of the files below;
+//! - `config.rs`: [`NatsConfig`] and its validation;
+//! - `connection.rs`: connecting, reconnection waits, the stopped state,
+//!   `stop`;
+//! - `topology.rs`: names, declaring and inspecting streams and the
+//!   consumer, reading failure records;
+//! - `publish.rs`: dispatch, and the failure record and shutdown copy a
+//!   settlement publishes;
+//! - `delivery.rs`: subscriptions, deliveries, leases and settlements;
+//! - `errors.rs`: async-nats' errors as [`DriverError`]s;
+//! - `testing.rs` (feature `testing`): helpers for the test suites.
+//!
+//! [`ErrorKind::Config`]: crate::ErrorKind::Config
+//! [`ErrorKind::NotAccepted`]: crate::ErrorKind::NotAccepted
+//! [`ErrorKind::Uncertain`]: crate::ErrorKind::Uncertain
+//! [`ErrorKind::Unsupported`]: crate::ErrorKind::Unsupported
+//! [`FailureRecord::encode`]: queue::FailureRecord::encode
 
 mod config;
+mod connection;
 mod delivery;
+mod errors;
+mod publish;
+#[cfg(feature = "testing")]
+mod testing;
+mod topology;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::collections::HashMap;
+#[cfg(feature = "testing")]
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
-use async_nats::connection::State;
-use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy, PullConsumer};
-use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind, PublishErrorKind};
-use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::publish::PublishAck;
-use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
-use async_nats::jetstream::{self, ErrorCode};
-use async_nats::{Client, ConnectOptions, Event};
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::Client;
 use async_trait::async_trait;
-use queue::FailureRecord;
 use tokio::sync::watch;
-use tracing::{info, warn};
 
+use config::Endpoint;
 pub use config::NatsConfig;
-use config::{Auth, Endpoint};
-use delivery::NatsSubscription;
+use connection::Link;
 
-use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
+use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
+use crate::support::{lock, Lifecycle};
 
 const NAME: &str = "nats";
 
@@ -199,49 +229,16 @@ pub const SHUTDOWNS_HEADER: &str = "Queue-Shutdowns";
 /// carried counts.
 pub const HEADER_ROOM: usize = 256;
 
-fn config_error(message: impl Into<String>) -> DriverError {
-    DriverError::new(NAME, ErrorKind::Config, message.into())
-}
-
-fn error(kind: ErrorKind, message: impl Into<String>) -> DriverError {
-    DriverError::new(NAME, kind, message.into())
-}
-
-/// The server's error, if `e`'s chain carries one (a refusal, as opposed to
-/// a transport failure).
-fn server_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a jetstream::Error> {
-    let mut current = Some(e);
-    while let Some(e) = current {
-        if let Some(found) = e.downcast_ref::<jetstream::Error>() {
-            return Some(found);
-        }
-        current = e.source();
-    }
-    None
-}
-
-#[derive(Clone)]
-struct Link {
-    client: Client,
-    js: jetstream::Context,
-}
-
-/// Which stream a name is, for its configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Work,
-    Failure,
-}
-
-pub(crate) struct Inner {
+struct Inner {
     config: NatsConfig,
     endpoint: Endpoint,
     link: tokio::sync::Mutex<Option<Link>>,
     /// Queues whose topology this driver declared, with their consumer.
     consumers: Mutex<HashMap<String, PullConsumer>>,
-    /// Every stream this driver declared.
+    /// Every stream this driver declared (for the test suites' clean-up).
+    #[cfg(feature = "testing")]
     known: Mutex<HashSet<String>>,
-    stopped: watch::Sender<bool>,
+    life: Lifecycle,
     /// Bumped on every (re)connection of the client.
     connections: Arc<watch::Sender<u64>>,
     /// The client once connected, to read the server's `max_payload`
@@ -265,17 +262,12 @@ impl std::fmt::Debug for NatsDriver {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl NatsDriver {
     /// A driver with `config`; connects on first use. Fails with
-    /// [`ErrorKind::Config`] on an invalid configuration (including a
-    /// MaxDeliver below the largest attempt cap).
+    /// [`ErrorKind::Config`](crate::ErrorKind::Config) on an invalid
+    /// configuration.
     pub fn new(config: NatsConfig) -> Result<Self, DriverError> {
         let endpoint = config.validate()?;
-        let (stopped, _) = watch::channel(false);
         let (connections, _) = watch::channel(0);
         Ok(NatsDriver {
             inner: Arc::new(Inner {
@@ -283,8 +275,9 @@ impl NatsDriver {
                 endpoint,
                 link: tokio::sync::Mutex::new(None),
                 consumers: Mutex::default(),
+                #[cfg(feature = "testing")]
                 known: Mutex::default(),
-                stopped,
+                life: Lifecycle::new(NAME),
                 connections: Arc::new(connections),
                 client: Mutex::default(),
             }),
@@ -292,7 +285,7 @@ impl NatsDriver {
     }
 
     /// A driver with `config`, connected now (so a wrong URL or credentials
-    /// fail here, as [`ErrorKind::Connection`]).
+    /// fail here, as [`ErrorKind::Connection`](crate::ErrorKind::Connection)).
     pub async fn connect(config: NatsConfig) -> Result<Self, DriverError> {
         let driver = Self::new(config)?;
         driver.link().await?;
@@ -304,40 +297,6 @@ impl NatsDriver {
         &self.inner.config
     }
 
-    /// The subject messages of `queue` are stored under.
-    pub fn subject(&self, queue: &str) -> String {
-        format!("{}.{queue}", self.inner.config.subject_prefix)
-    }
-
-    /// The work stream of `queue`.
-    pub fn stream_name(&self, queue: &str) -> String {
-        let cleaned: String = queue
-            .chars()
-            .map(|c| {
-                if c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\') {
-                    '_'
-                } else {
-                    c
-                }
-            })
-            .collect();
-        format!("{}_{cleaned}", self.inner.config.stream_prefix)
-    }
-
-    /// The failure subject of `queue`, if failure subjects are configured.
-    pub fn failure_subject(&self, queue: &str) -> Option<String> {
-        self.inner.config.failure_subject.as_ref().map(|p| {
-            p.replace("{prefix}", &self.inner.config.subject_prefix)
-                .replace("{queue}", queue)
-        })
-    }
-
-    /// The failure stream of `queue` (used only if a failure subject is
-    /// configured).
-    pub fn failure_stream_name(&self, queue: &str) -> String {
-        format!("{}_failed", self.stream_name(queue))
-    }
-
     /// The largest dispatch body the connected server stores: its
     /// `max_payload` minus [`HEADER_ROOM`]. `None` before the first
     /// connection.
@@ -346,562 +305,6 @@ impl NatsDriver {
         let max_payload = client.as_ref()?.server_info().max_payload;
         (max_payload > 0).then(|| max_payload.saturating_sub(HEADER_ROOM))
     }
-
-    fn is_stopped(&self) -> bool {
-        *self.inner.stopped.borrow()
-    }
-
-    fn check_running(&self) -> Result<(), DriverError> {
-        if self.is_stopped() {
-            Err(error(
-                ErrorKind::Stopped,
-                "the nats driver has been stopped",
-            ))
-        } else {
-            Ok(())
-        }
-    }
-
-    fn check_queue(&self, queue: &str) -> Result<(), DriverError> {
-        if config::valid_subject(queue) {
-            Ok(())
-        } else {
-            Err(config_error(format!(
-                "queue name `{queue}` cannot be part of a NATS subject (no spaces, `*`, `>` or empty dot-separated tokens)"
-            )))
-        }
-    }
-
-    /// The connection (async-nats keeps it up by itself once made).
-    async fn link(&self) -> Result<Link, DriverError> {
-        let mut link = self.inner.link.lock().await;
-        self.check_running()?;
-        if let Some(link) = link.as_ref() {
-            return Ok(link.clone());
-        }
-        let config = &self.inner.config;
-        let endpoint = &self.inner.endpoint;
-        let connections = self.inner.connections.clone();
-        let max_backoff = config.max_reconnect_backoff.max(Duration::from_millis(100));
-        let address = endpoint.address.clone();
-        let mut options = ConnectOptions::new()
-            .name(&config.connection_name)
-            .connection_timeout(config.operation_timeout)
-            .request_timeout(Some(config.operation_timeout))
-            .reconnect_delay_callback(move |attempts| {
-                let exponent = u32::try_from(attempts.min(16)).unwrap_or(16);
-                Duration::from_millis(100)
-                    .saturating_mul(2u32.saturating_pow(exponent))
-                    .min(max_backoff)
-            })
-            .event_callback(move |event| {
-                let connections = connections.clone();
-                let address = address.clone();
-                async move {
-                    match event {
-                        Event::Connected => {
-                            connections.send_modify(|n| *n += 1);
-                            info!(url = %address, "connected to NATS");
-                        }
-                        Event::Disconnected => {
-                            connections.send_modify(|n| *n += 1);
-                            warn!(url = %address, "disconnected from NATS; reconnecting");
-                        }
-                        other => warn!(url = %address, "NATS connection event: {other}"),
-                    }
-                }
-            });
-        options = match &endpoint.auth {
-            Auth::None => options,
-            Auth::UserPassword(user, password) => {
-                options.user_and_password(user.clone(), password.clone())
-            }
-            Auth::Token(token) => options.token(token.clone()),
-        };
-        let client = match tokio::time::timeout(
-            config.operation_timeout,
-            options.connect(endpoint.address.as_str()),
-        )
-        .await
-        {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => {
-                return Err(error(
-                    ErrorKind::Connection,
-                    format!("cannot connect to {}: {e}", endpoint.address),
-                ))
-            }
-            Err(_) => {
-                return Err(error(
-                    ErrorKind::Connection,
-                    format!(
-                        "cannot connect to {}: no answer within {:?}",
-                        endpoint.address, config.operation_timeout
-                    ),
-                ))
-            }
-        };
-        let js = jetstream::ContextBuilder::new()
-            .timeout(config.operation_timeout)
-            .build(client.clone());
-        *lock(&self.inner.client) = Some(client.clone());
-        let fresh = Link { client, js };
-        *link = Some(fresh.clone());
-        Ok(fresh)
-    }
-
-    fn wanted_stream(&self, name: &str, subject: &str, role: Role) -> stream::Config {
-        stream::Config {
-            name: name.to_string(),
-            subjects: vec![subject.to_string()],
-            retention: match role {
-                Role::Work => RetentionPolicy::WorkQueue,
-                Role::Failure => RetentionPolicy::Limits,
-            },
-            storage: StorageType::File,
-            ..Default::default()
-        }
-    }
-
-    fn stream_conflicts(actual: &stream::Config, wanted: &stream::Config) -> Vec<String> {
-        let mut conflicts = Vec::new();
-        if !actual.subjects.iter().any(|s| wanted.subjects.contains(s)) {
-            conflicts.push(format!(
-                "subjects {:?} do not include `{}`",
-                actual.subjects, wanted.subjects[0]
-            ));
-        }
-        if actual.retention != wanted.retention {
-            conflicts.push(format!(
-                "retention {:?}, expected {:?}",
-                actual.retention, wanted.retention
-            ));
-        }
-        if actual.storage != wanted.storage {
-            conflicts.push(format!(
-                "storage {:?}, expected {:?}",
-                actual.storage, wanted.storage
-            ));
-        }
-        conflicts
-    }
-
-    /// Makes sure the stream `name` exists with the configuration of `role`.
-    async fn ensure_stream(
-        &self,
-        js: &jetstream::Context,
-        name: &str,
-        subject: &str,
-        role: Role,
-    ) -> Result<stream::Stream, DriverError> {
-        let wanted = self.wanted_stream(name, subject, role);
-        let check = |stream: stream::Stream| {
-            let conflicts = Self::stream_conflicts(&stream.cached_info().config, &wanted);
-            if conflicts.is_empty() {
-                lock(&self.inner.known).insert(name.to_string());
-                Ok(stream)
-            } else {
-                Err(config_error(format!(
-                    "stream `{name}` already exists with a configuration that differs from what this driver \
-                     declares ({role:?} stream: subject `{subject}`, {:?} retention, file storage): {}; \
-                     delete or migrate it, or align the driver's configuration",
-                    wanted.retention,
-                    conflicts.join("; ")
-                )))
-            }
-        };
-        for _ in 0..2 {
-            match js.get_stream(name).await {
-                Ok(stream) => return check(stream),
-                Err(e) => match e.kind() {
-                    GetStreamErrorKind::JetStream(j)
-                        if j.error_code() == ErrorCode::STREAM_NOT_FOUND => {}
-                    GetStreamErrorKind::InvalidStreamName | GetStreamErrorKind::EmptyName => {
-                        return Err(config_error(format!("`{name}` is not a valid stream name")))
-                    }
-                    _ => {
-                        return Err(error(
-                            ErrorKind::Connection,
-                            format!("looking up stream `{name}`: {e}"),
-                        ))
-                    }
-                },
-            }
-            match js.create_stream(wanted.clone()).await {
-                Ok(stream) => {
-                    info!(stream = name, subject, "declared stream");
-                    return check(stream);
-                }
-                Err(e) => match e.kind() {
-                    // Declared concurrently by someone else: inspect theirs.
-                    CreateStreamErrorKind::JetStream(j)
-                        if j.error_code() == ErrorCode::STREAM_NAME_EXIST =>
-                    {
-                        continue
-                    }
-                    CreateStreamErrorKind::JetStream(j) => {
-                        return Err(config_error(format!(
-                        "the server refused to create stream `{name}` for subject `{subject}`: {j}"
-                    )))
-                    }
-                    CreateStreamErrorKind::InvalidStreamName
-                    | CreateStreamErrorKind::EmptyStreamName => {
-                        return Err(config_error(format!("`{name}` is not a valid stream name")))
-                    }
-                    _ => {
-                        return Err(error(
-                            ErrorKind::Connection,
-                            format!("creating stream `{name}`: {e}"),
-                        ))
-                    }
-                },
-            }
-        }
-        Err(error(
-            ErrorKind::Connection,
-            format!("stream `{name}` kept changing while it was declared"),
-        ))
-    }
-
-    fn wanted_consumer(&self) -> pull::Config {
-        let config = &self.inner.config;
-        pull::Config {
-            durable_name: Some(config.consumer_name.clone()),
-            deliver_policy: DeliverPolicy::All,
-            ack_policy: AckPolicy::Explicit,
-            ack_wait: config.ack_wait,
-            max_deliver: config.max_deliver.map_or(-1, i64::from),
-            ..Default::default()
-        }
-    }
-
-    fn consumer_conflicts(&self, actual: &consumer::Config, subject: &str) -> Vec<String> {
-        let wanted = self.wanted_consumer();
-        let mut conflicts = Vec::new();
-        if actual.deliver_subject.is_some() {
-            conflicts.push("it is a push consumer".to_string());
-        }
-        if actual.ack_policy != wanted.ack_policy {
-            conflicts.push(format!("ack policy {:?}", actual.ack_policy));
-        }
-        if actual.ack_wait != wanted.ack_wait {
-            conflicts.push(format!(
-                "AckWait {:?}, expected {:?}",
-                actual.ack_wait, wanted.ack_wait
-            ));
-        }
-        let unlimited = |n: i64| n <= 0;
-        if actual.max_deliver != wanted.max_deliver
-            && !(unlimited(actual.max_deliver) && unlimited(wanted.max_deliver))
-        {
-            conflicts.push(format!(
-                "MaxDeliver {}, expected {}",
-                actual.max_deliver, wanted.max_deliver
-            ));
-        }
-        if actual.deliver_policy != wanted.deliver_policy {
-            conflicts.push(format!("deliver policy {:?}", actual.deliver_policy));
-        }
-        if !actual.filter_subject.is_empty() && actual.filter_subject != subject {
-            conflicts.push(format!("filter subject `{}`", actual.filter_subject));
-        }
-        conflicts
-    }
-
-    /// Makes sure the durable pull consumer exists on `stream` as configured.
-    async fn ensure_consumer(
-        &self,
-        js: &jetstream::Context,
-        stream: &stream::Stream,
-        subject: &str,
-    ) -> Result<PullConsumer, DriverError> {
-        let name = &self.inner.config.consumer_name;
-        let stream_name = &stream.cached_info().config.name;
-        let check = |info: consumer::Info| {
-            let conflicts = self.consumer_conflicts(&info.config, subject);
-            if conflicts.is_empty() {
-                let config = <pull::Config as consumer::FromConsumer>::try_from_consumer_config(
-                    info.config.clone(),
-                )
-                .map_err(|e| config_error(format!("consumer `{name}`: {e}")))?;
-                Ok(PullConsumer::new(config, info, js.clone()))
-            } else {
-                let wanted = self.wanted_consumer();
-                Err(config_error(format!(
-                    "consumer `{name}` on stream `{stream_name}` already exists with a configuration that \
-                     differs from what this driver declares (pull, explicit ack, AckWait {:?}, MaxDeliver {}, \
-                     deliver all): {}; delete it, or align the driver's configuration",
-                    wanted.ack_wait,
-                    wanted.max_deliver,
-                    conflicts.join("; ")
-                )))
-            }
-        };
-        for _ in 0..2 {
-            match stream.consumer_info(name).await {
-                Ok(info) => return check(info),
-                Err(e) if e.kind() == consumer_not_found() => {}
-                Err(e) => {
-                    return Err(error(
-                        ErrorKind::Connection,
-                        format!("looking up consumer `{name}` on `{stream_name}`: {e}"),
-                    ))
-                }
-            }
-            match stream.create_consumer(self.wanted_consumer()).await {
-                Ok(mut consumer) => {
-                    info!(stream = %stream_name, consumer = %name, "declared consumer");
-                    let info = consumer.info().await.map_err(|e| {
-                        error(
-                            ErrorKind::Connection,
-                            format!("consumer `{name}` on `{stream_name}`: {e}"),
-                        )
-                    })?;
-                    return check(info.clone());
-                }
-                Err(e) => match e.kind() {
-                    async_nats::jetstream::stream::ConsumerErrorKind::JetStream(j) => {
-                        if j.error_code() == ErrorCode::CONSUMER_NAME_EXIST
-                            || j.error_code() == ErrorCode::CONSUMER_ALREADY_EXISTS
-                        {
-                            continue;
-                        }
-                        return Err(config_error(format!(
-                            "the server refused to create consumer `{name}` on stream `{stream_name}`: {j}"
-                        )));
-                    }
-                    _ => {
-                        return Err(error(
-                            ErrorKind::Connection,
-                            format!("creating consumer `{name}` on `{stream_name}`: {e}"),
-                        ))
-                    }
-                },
-            }
-        }
-        Err(error(
-            ErrorKind::Connection,
-            format!("consumer `{name}` kept changing while it was declared"),
-        ))
-    }
-
-    /// Declares `queue`'s work stream, consumer and failure stream (once per
-    /// driver, again after [`forget`](Self::forget)); returns the consumer.
-    async fn declare(&self, queue: &str) -> Result<PullConsumer, DriverError> {
-        self.check_queue(queue)?;
-        if let Some(consumer) = lock(&self.inner.consumers).get(queue) {
-            return Ok(consumer.clone());
-        }
-        let link = self.link().await?;
-        let subject = self.subject(queue);
-        let stream = self
-            .ensure_stream(&link.js, &self.stream_name(queue), &subject, Role::Work)
-            .await?;
-        let consumer = self.ensure_consumer(&link.js, &stream, &subject).await?;
-        if let Some(failed) = self.failure_subject(queue) {
-            self.ensure_stream(
-                &link.js,
-                &self.failure_stream_name(queue),
-                &failed,
-                Role::Failure,
-            )
-            .await?;
-        }
-        lock(&self.inner.consumers).insert(queue.to_string(), consumer.clone());
-        Ok(consumer)
-    }
-
-    /// Forgets that `queue` was declared, so the next use declares it again.
-    fn forget(&self, queue: &str) {
-        lock(&self.inner.consumers).remove(queue);
-    }
-
-    /// The connection, if the client is connected now. While it reconnects
-    /// every request would wait in its queue until the server is back or the
-    /// operation timeout ends, so a publish to `subject` fails at once as not
-    /// accepted instead.
-    async fn connected_link(&self, subject: &str) -> Result<Link, DriverError> {
-        let link = self
-            .link()
-            .await
-            .map_err(|e| error(ErrorKind::NotAccepted, format!("not sent: {e}")))?;
-        if link.client.connection_state() != State::Connected {
-            return Err(error(
-                ErrorKind::NotAccepted,
-                format!(
-                    "publish to `{subject}` not sent: not connected to NATS at {} (reconnecting)",
-                    self.inner.endpoint.address
-                ),
-            ));
-        }
-        Ok(link)
-    }
-
-    /// Publishes to `subject` with `Nats-Msg-Id` = `message_id` and the
-    /// `headers`, and waits for the `PubAck`.
-    async fn publish(
-        &self,
-        subject: &str,
-        body: Vec<u8>,
-        message_id: &str,
-        headers: &[(&str, String)],
-    ) -> Result<PublishAck, DriverError> {
-        self.check_running()?;
-        let link = self.connected_link(subject).await?;
-        let mut publish = PublishMessage::build()
-            .payload(body.into())
-            .message_id(message_id);
-        for (name, value) in headers {
-            publish = publish.header(*name, value.as_str());
-        }
-        let ack = link
-            .js
-            .send_publish(subject.to_string(), publish)
-            .await
-            .map_err(|e| {
-                error(
-                    ErrorKind::NotAccepted,
-                    format!("publish to `{subject}` not sent: {e}"),
-                )
-            })?;
-        match ack.await {
-            Ok(ack) => Ok(ack),
-            Err(e) => match e.kind() {
-                PublishErrorKind::StreamNotFound => Err(error(
-                    ErrorKind::NotAccepted,
-                    format!(
-                        "publish to `{subject}`: no stream stores this subject (no responders)"
-                    ),
-                )),
-                PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => Err(error(
-                    ErrorKind::Uncertain,
-                    format!("publish to `{subject}` sent, no PubAck: {e}"),
-                )),
-                _ if server_error(&e).is_some() => Err(error(
-                    ErrorKind::NotAccepted,
-                    format!("the server refused the publish to `{subject}`: {e}"),
-                )),
-                _ => Err(error(
-                    ErrorKind::Uncertain,
-                    format!("publish to `{subject}` sent, PubAck unreadable: {e}"),
-                )),
-            },
-        }
-    }
-
-    /// Terminal failure records of `queue`, oldest first, read from its
-    /// failure stream by sequence without removing them. Messages that are
-    /// not failure records are skipped with a warning.
-    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        let Some(subject) = self.failure_subject(queue) else {
-            return Ok(Vec::new());
-        };
-        let link = self.link().await?;
-        let name = self.failure_stream_name(queue);
-        let mut stream = self
-            .ensure_stream(&link.js, &name, &subject, Role::Failure)
-            .await?;
-        let state = stream
-            .info()
-            .await
-            .map_err(|e| error(ErrorKind::Connection, format!("stream `{name}`: {e}")))?
-            .state
-            .clone();
-        let mut records = Vec::new();
-        if state.messages == 0 {
-            return Ok(records);
-        }
-        for sequence in state.first_sequence..=state.last_sequence {
-            match stream.get_raw_message(sequence).await {
-                Ok(message) => match FailureRecord::decode(&message.payload) {
-                    Ok(record) => records.push(record),
-                    Err(e) => {
-                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {}", queue::redact::json_error(&e))
-                    }
-                },
-                Err(e)
-                    if server_error(&e).map(|j| j.error_code())
-                        == Some(ErrorCode::NO_MESSAGE_FOUND) => {}
-                Err(e) if e.to_string().contains("no message found") => {}
-                Err(e) => {
-                    return Err(error(
-                        ErrorKind::Connection,
-                        format!("reading `{name}` sequence {sequence}: {e}"),
-                    ))
-                }
-            }
-        }
-        Ok(records)
-    }
-
-    /// Messages stored in `queue`'s work stream (ready, waiting for a retry
-    /// delay, or being handled).
-    pub async fn stored_count(&self, queue: &str) -> Result<u64, DriverError> {
-        let link = self.link().await?;
-        let name = self.stream_name(queue);
-        let mut stream = link
-            .js
-            .get_stream(&name)
-            .await
-            .map_err(|e| error(ErrorKind::Connection, format!("stream `{name}`: {e}")))?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| error(ErrorKind::Connection, format!("stream `{name}`: {e}")))?;
-        Ok(info.state.messages)
-    }
-
-    /// Every stream this driver has declared (work and failure streams).
-    pub fn declared_streams(&self) -> Vec<String> {
-        let mut names: Vec<String> = lock(&self.inner.known).iter().cloned().collect();
-        names.sort();
-        names
-    }
-
-    /// Deletes the streams `names` with their consumers (for tests and
-    /// tooling). A stream that does not exist is not an error.
-    pub async fn delete_streams(&self, names: &[String]) -> Result<(), DriverError> {
-        let link = self.link().await?;
-        for name in names {
-            match link.js.delete_stream(name).await {
-                Ok(_) => {}
-                Err(e) => match e.kind() {
-                    GetStreamErrorKind::JetStream(j)
-                        if j.error_code() == ErrorCode::STREAM_NOT_FOUND => {}
-                    _ => {
-                        return Err(error(
-                            ErrorKind::Connection,
-                            format!("deleting stream `{name}`: {e}"),
-                        ))
-                    }
-                },
-            }
-            lock(&self.inner.known).remove(name);
-        }
-        lock(&self.inner.consumers).clear();
-        Ok(())
-    }
-
-    /// Deletes `queue`'s durable consumer (for tests and tooling).
-    pub async fn delete_consumer(&self, queue: &str) -> Result<(), DriverError> {
-        let link = self.link().await?;
-        let name = self.stream_name(queue);
-        let stream = link
-            .js
-            .get_stream(&name)
-            .await
-            .map_err(|e| error(ErrorKind::Connection, format!("stream `{name}`: {e}")))?;
-        stream
-            .delete_consumer(&self.inner.config.consumer_name)
-            .await
-            .map_err(|e| error(ErrorKind::Connection, format!("deleting consumer: {e}")))?;
-        self.forget(queue);
-        Ok(())
-    }
-}
-
-fn consumer_not_found() -> async_nats::jetstream::context::ConsumerInfoErrorKind {
-    async_nats::jetstream::context::ConsumerInfoErrorKind::NotFound
 }
 
 #[async_trait]
@@ -923,74 +326,22 @@ impl Driver for NatsDriver {
         }
     }
 
+    /// See `publish.rs`.
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
-        self.check_running()?;
-        if let Some(delay) = message.delay.filter(|d| !d.is_zero()) {
-            return Err(error(
-                ErrorKind::Unsupported,
-                format!(
-                    "delayed dispatch ({delay:?}) is not supported: JetStream 2.9 has no scheduled messages"
-                ),
-            ));
-        }
-        // Before the stream setup, which would wait in the client's queue
-        // while it reconnects.
-        self.connected_link(&self.subject(queue)).await?;
-        // The limit is the server's: known once connected.
-        self.capabilities()
-            .refuse_oversize(NAME, message.body.len())?;
-        self.declare(queue).await.map_err(|e| match e.kind() {
-            ErrorKind::Config | ErrorKind::Stopped | ErrorKind::NotAccepted => e,
-            _ => error(ErrorKind::NotAccepted, format!("not sent: {e}")),
-        })?;
-        let result = self
-            .publish(&self.subject(queue), message.body, &message.id, &[])
-            .await;
-        if let Err(e) = &result {
-            if e.kind() == ErrorKind::NotAccepted {
-                // The stream may have been deleted: declare again next time.
-                self.forget(queue);
-            }
-        }
-        result.map(|_| ())
+        self.dispatch(queue, message).await
     }
 
+    /// See `delivery.rs`.
     async fn subscribe(
         &self,
         queue: &str,
         prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
-        self.check_running()?;
-        let consumer = self.declare(queue).await?;
-        Ok(Box::new(NatsSubscription::new(
-            self.clone(),
-            queue,
-            prefetch,
-            consumer,
-        )))
+        self.subscription(queue, prefetch).await
     }
 
+    /// See `connection.rs`.
     async fn stop(&self) -> Result<(), DriverError> {
-        self.inner.stopped.send_replace(true);
-        let link = self.inner.link.lock().await.take();
-        if let Some(link) = link {
-            let limit = self.inner.config.operation_timeout;
-            match tokio::time::timeout(limit, link.client.drain()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    return Err(error(
-                        ErrorKind::Connection,
-                        format!("closing the connection: {e}"),
-                    ))
-                }
-                Err(_) => {
-                    return Err(error(
-                        ErrorKind::Connection,
-                        format!("closing the connection: no answer within {limit:?}"),
-                    ))
-                }
-            }
-        }
-        Ok(())
+        self.close().await
     }
 }

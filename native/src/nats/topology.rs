@@ -1,0 +1,334 @@
+//! Names, and the streams and consumer a queue needs: declared once per
+//! driver (again after a failure suggests the server lost them), inspected
+//! rather than overwritten when they already exist, and read back for the
+//! failure records an operator looks at.
+
+use async_nats::jetstream;
+use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
+use queue::FailureRecord;
+use tracing::{info, warn};
+
+use super::config::valid_subject;
+use super::errors::{self, config_error, error};
+use super::NatsDriver;
+use crate::driver::{DriverError, ErrorKind};
+use crate::support::lock;
+
+/// Which stream a name is, for its configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    Work,
+    Failure,
+}
+
+impl NatsDriver {
+    /// The subject messages of `queue` are stored under.
+    pub fn subject(&self, queue: &str) -> String {
+        format!("{}.{queue}", self.inner.config.subject_prefix)
+    }
+
+    /// The work stream of `queue`.
+    pub fn stream_name(&self, queue: &str) -> String {
+        let cleaned: String = queue
+            .chars()
+            .map(|c| {
+                if c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\') {
+                    '_'
+                } else {
+                    c
+                }
+            })
+            .collect();
+        format!("{}_{cleaned}", self.inner.config.stream_prefix)
+    }
+
+    /// The failure subject of `queue`, if failure subjects are configured.
+    pub fn failure_subject(&self, queue: &str) -> Option<String> {
+        self.inner.config.failure_subject.as_ref().map(|p| {
+            p.replace("{prefix}", &self.inner.config.subject_prefix)
+                .replace("{queue}", queue)
+        })
+    }
+
+    /// The failure stream of `queue` (used only if a failure subject is
+    /// configured).
+    pub fn failure_stream_name(&self, queue: &str) -> String {
+        format!("{}_failed", self.stream_name(queue))
+    }
+
+    fn check_queue(&self, queue: &str) -> Result<(), DriverError> {
+        if valid_subject(queue) {
+            Ok(())
+        } else {
+            Err(config_error(format!(
+                "queue name `{queue}` cannot be part of a NATS subject (no spaces, `*`, `>` or empty dot-separated tokens)"
+            )))
+        }
+    }
+
+    fn wanted_stream(&self, name: &str, subject: &str, role: Role) -> stream::Config {
+        stream::Config {
+            name: name.to_string(),
+            subjects: vec![subject.to_string()],
+            retention: match role {
+                Role::Work => RetentionPolicy::WorkQueue,
+                Role::Failure => RetentionPolicy::Limits,
+            },
+            storage: StorageType::File,
+            ..Default::default()
+        }
+    }
+
+    fn stream_conflicts(actual: &stream::Config, wanted: &stream::Config) -> Vec<String> {
+        let mut conflicts = Vec::new();
+        if !actual.subjects.iter().any(|s| wanted.subjects.contains(s)) {
+            conflicts.push(format!(
+                "subjects {:?} do not include `{}`",
+                actual.subjects, wanted.subjects[0]
+            ));
+        }
+        if actual.retention != wanted.retention {
+            conflicts.push(format!(
+                "retention {:?}, expected {:?}",
+                actual.retention, wanted.retention
+            ));
+        }
+        if actual.storage != wanted.storage {
+            conflicts.push(format!(
+                "storage {:?}, expected {:?}",
+                actual.storage, wanted.storage
+            ));
+        }
+        conflicts
+    }
+
+    /// Makes sure the stream `name` exists with the configuration of `role`.
+    pub(super) async fn ensure_stream(
+        &self,
+        js: &jetstream::Context,
+        name: &str,
+        subject: &str,
+        role: Role,
+    ) -> Result<stream::Stream, DriverError> {
+        let wanted = self.wanted_stream(name, subject, role);
+        let check = |stream: stream::Stream| {
+            let conflicts = Self::stream_conflicts(&stream.cached_info().config, &wanted);
+            if conflicts.is_empty() {
+                #[cfg(feature = "testing")]
+                lock(&self.inner.known).insert(name.to_string());
+                Ok(stream)
+            } else {
+                Err(config_error(format!(
+                    "stream `{name}` already exists with a configuration that differs from what this driver \
+                     declares ({role:?} stream: subject `{subject}`, {:?} retention, file storage): {}; \
+                     delete or migrate it, or align the driver's configuration",
+                    wanted.retention,
+                    conflicts.join("; ")
+                )))
+            }
+        };
+        for _ in 0..2 {
+            match js.get_stream(name).await {
+                Ok(stream) => return check(stream),
+                Err(e) => {
+                    if let Some(err) = errors::stream_lookup(name, e) {
+                        return Err(err);
+                    }
+                }
+            }
+            match js.create_stream(wanted.clone()).await {
+                Ok(stream) => {
+                    info!(stream = name, subject, "declared stream");
+                    return check(stream);
+                }
+                // None: declared concurrently by someone else, inspect theirs.
+                Err(e) => {
+                    if let Some(err) = errors::stream_create(name, subject, e) {
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        Err(error(
+            ErrorKind::Connection,
+            format!("stream `{name}` kept changing while it was declared"),
+        ))
+    }
+
+    fn wanted_consumer(&self) -> pull::Config {
+        let config = &self.inner.config;
+        pull::Config {
+            durable_name: Some(config.consumer_name.clone()),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: config.ack_wait,
+            max_deliver: config.max_deliver.map_or(-1, i64::from),
+            ..Default::default()
+        }
+    }
+
+    fn consumer_conflicts(&self, actual: &consumer::Config, subject: &str) -> Vec<String> {
+        let wanted = self.wanted_consumer();
+        let mut conflicts = Vec::new();
+        if actual.deliver_subject.is_some() {
+            conflicts.push("it is a push consumer".to_string());
+        }
+        if actual.ack_policy != wanted.ack_policy {
+            conflicts.push(format!("ack policy {:?}", actual.ack_policy));
+        }
+        if actual.ack_wait != wanted.ack_wait {
+            conflicts.push(format!(
+                "AckWait {:?}, expected {:?}",
+                actual.ack_wait, wanted.ack_wait
+            ));
+        }
+        let unlimited = |n: i64| n <= 0;
+        if actual.max_deliver != wanted.max_deliver
+            && !(unlimited(actual.max_deliver) && unlimited(wanted.max_deliver))
+        {
+            conflicts.push(format!(
+                "MaxDeliver {}, expected {}",
+                actual.max_deliver, wanted.max_deliver
+            ));
+        }
+        if actual.deliver_policy != wanted.deliver_policy {
+            conflicts.push(format!("deliver policy {:?}", actual.deliver_policy));
+        }
+        if !actual.filter_subject.is_empty() && actual.filter_subject != subject {
+            conflicts.push(format!("filter subject `{}`", actual.filter_subject));
+        }
+        conflicts
+    }
+
+    /// Makes sure the durable pull consumer exists on `stream` as configured.
+    async fn ensure_consumer(
+        &self,
+        js: &jetstream::Context,
+        stream: &stream::Stream,
+        subject: &str,
+    ) -> Result<PullConsumer, DriverError> {
+        let name = &self.inner.config.consumer_name;
+        let stream_name = &stream.cached_info().config.name;
+        let check = |info: consumer::Info| {
+            let conflicts = self.consumer_conflicts(&info.config, subject);
+            if conflicts.is_empty() {
+                let config = <pull::Config as consumer::FromConsumer>::try_from_consumer_config(
+                    info.config.clone(),
+                )
+                .map_err(|e| errors::not_a_pull_consumer(name, e))?;
+                Ok(PullConsumer::new(config, info, js.clone()))
+            } else {
+                let wanted = self.wanted_consumer();
+                Err(config_error(format!(
+                    "consumer `{name}` on stream `{stream_name}` already exists with a configuration that \
+                     differs from what this driver declares (pull, explicit ack, AckWait {:?}, MaxDeliver {}, \
+                     deliver all): {}; delete it, or align the driver's configuration",
+                    wanted.ack_wait,
+                    wanted.max_deliver,
+                    conflicts.join("; ")
+                )))
+            }
+        };
+        for _ in 0..2 {
+            match stream.consumer_info(name).await {
+                Ok(info) => return check(info),
+                Err(e) => {
+                    if let Some(err) = errors::consumer_lookup(name, stream_name, e) {
+                        return Err(err);
+                    }
+                }
+            }
+            match stream.create_consumer(self.wanted_consumer()).await {
+                Ok(mut consumer) => {
+                    info!(stream = %stream_name, consumer = %name, "declared consumer");
+                    let info = consumer.info().await.map_err(|e| {
+                        errors::connection(format!("consumer `{name}` on `{stream_name}`"), e)
+                    })?;
+                    return check(info.clone());
+                }
+                // None: declared concurrently by someone else, inspect theirs.
+                Err(e) => {
+                    if let Some(err) = errors::consumer_create(name, stream_name, e) {
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        Err(error(
+            ErrorKind::Connection,
+            format!("consumer `{name}` kept changing while it was declared"),
+        ))
+    }
+
+    /// Declares `queue`'s work stream, consumer and failure stream (once per
+    /// driver, again after [`forget`](Self::forget)); returns the consumer.
+    pub(super) async fn declare(&self, queue: &str) -> Result<PullConsumer, DriverError> {
+        self.check_queue(queue)?;
+        if let Some(consumer) = lock(&self.inner.consumers).get(queue) {
+            return Ok(consumer.clone());
+        }
+        let link = self.link().await?;
+        let subject = self.subject(queue);
+        let stream = self
+            .ensure_stream(&link.js, &self.stream_name(queue), &subject, Role::Work)
+            .await?;
+        let consumer = self.ensure_consumer(&link.js, &stream, &subject).await?;
+        if let Some(failed) = self.failure_subject(queue) {
+            self.ensure_stream(
+                &link.js,
+                &self.failure_stream_name(queue),
+                &failed,
+                Role::Failure,
+            )
+            .await?;
+        }
+        lock(&self.inner.consumers).insert(queue.to_string(), consumer.clone());
+        Ok(consumer)
+    }
+
+    /// Forgets that `queue` was declared, so the next use declares it again.
+    pub(super) fn forget(&self, queue: &str) {
+        lock(&self.inner.consumers).remove(queue);
+    }
+
+    /// Terminal failure records of `queue`, oldest first, read from its
+    /// failure stream by sequence without removing them. Messages that are
+    /// not failure records are skipped with a warning.
+    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
+        let Some(subject) = self.failure_subject(queue) else {
+            return Ok(Vec::new());
+        };
+        let link = self.link().await?;
+        let name = self.failure_stream_name(queue);
+        let mut stream = self
+            .ensure_stream(&link.js, &name, &subject, Role::Failure)
+            .await?;
+        let state = stream
+            .info()
+            .await
+            .map_err(|e| errors::connection(format!("stream `{name}`"), e))?
+            .state
+            .clone();
+        let mut records = Vec::new();
+        if state.messages == 0 {
+            return Ok(records);
+        }
+        for sequence in state.first_sequence..=state.last_sequence {
+            match stream.get_raw_message(sequence).await {
+                Ok(message) => match FailureRecord::decode(&message.payload) {
+                    Ok(record) => records.push(record),
+                    Err(e) => {
+                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {}", queue::json_error(&e))
+                    }
+                },
+                Err(e) => {
+                    if let Some(err) = errors::raw_message(&name, sequence, e) {
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        Ok(records)
+    }
+}

@@ -48,6 +48,8 @@
 //! (connection lost, no answer within
 //! [`operation_timeout`](SqsConfig::operation_timeout), unreadable answer)
 //! is [`ErrorKind::Uncertain`]. The SDK's standard retries apply first.
+//! Every error from a request keeps the SDK's error as its cause (reach it
+//! with [`DriverError::find`]).
 //!
 //! # Consumption
 //!

@@ -80,7 +80,7 @@ impl Lifecycle {
 
     /// Marks the driver stopped; `true` for the call that stopped it.
     pub(crate) fn stop(&self) -> bool {
-        self.stopped.send_replace(true) == false
+        !self.stopped.send_replace(true)
     }
 
     /// Resolves once the driver is stopped (at once if it already is).
@@ -91,6 +91,7 @@ impl Lifecycle {
     }
 
     /// A receiver for tasks that outlive a borrow of the driver.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) fn watch(&self) -> watch::Receiver<bool> {
         self.stopped.subscribe()
     }

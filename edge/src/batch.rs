@@ -197,7 +197,13 @@ impl EdgeConsumer {
 /// an operator has hours to deploy a fix before the consumer's
 /// `max_retries` moves it to the dead-letter queue (which the check requires
 /// on every consumer). Returns how many were handed back.
-pub fn hand_back_misconfigured<M: QueueMessage>(queue: &str, messages: &[M], error: &str) -> usize {
+// Called by the Worker (wasm32); tested natively.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+pub(crate) fn hand_back_misconfigured<M: QueueMessage>(
+    queue: &str,
+    messages: &[M],
+    error: &str,
+) -> usize {
     let delay = crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs() as u32;
     log_error(&format!(
         "queue-edge: the consumer of `{queue}` is misconfigured; {} message(s) handed back for {delay} s: {error}",

@@ -11,16 +11,24 @@
 //!
 //! # Layout
 //!
-//! - [`batch`]: the batch loop ([`EdgeConsumer`]), written once for the
+//! Each item has one path: the consumer, its settings and errors at the
+//! crate root, wrangler.toml's model under [`wrangler`] and the native
+//! harness under [`testing`]. The other modules are private, one concern
+//! each:
+//!
+//! - `batch`: the batch loop ([`EdgeConsumer`]), written once for the
 //!   Worker and the native harness over two small traits
 //!   ([`QueueMessage`], [`Bindings`]).
-//! - [`options`]: how the Worker builds a consumer from the jobs, the
-//!   embedded wrangler.toml and the operator's variables.
+//! - `options`: how the Worker builds a consumer from the jobs, the
+//!   embedded wrangler.toml and the operator's variables ([`Options`],
+//!   [`check`]).
 //! - [`wrangler`]: reading wrangler.toml and checking it against the jobs.
-//! - [`plan`]: how a settlement maps onto the platform (delay rounding, the
-//!   24-hour limit, the invocation budget). Pure.
-//! - [`limits`]: the platform's 128 KB message limit, checked before a send
-//!   by the producer and the harness alike. Pure.
+//! - `plan`: how a settlement maps onto the platform (delay rounding, the
+//!   24-hour limit [`MAX_DELAY`], the invocation budget of [`EdgeConfig`]),
+//!   and the binding's errors ([`EdgeError`]). Pure.
+//! - `limits`: the platform's 128 KB message limit ([`MAX_MESSAGE_BYTES`]),
+//!   checked before a send by the producer and the harness alike. Pure.
+//! - `log`: one structured line per settlement ([`LogSink`]).
 //! - [`testing`] (native): Cloudflare Queues semantics without wrangler.
 //! - `consumer` (wasm32): the platform's objects, the panic hook and the
 //!   resumable invocation behind [`consumer!`].
@@ -109,11 +117,11 @@
 //! Deferral happens only when a batch is slower than the budget, so size
 //! `max_batch_size` and the budget so that it is rare.
 
-pub mod batch;
-pub mod limits;
+mod batch;
+mod limits;
 mod log;
-pub mod options;
-pub mod plan;
+mod options;
+mod plan;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;
 pub mod wrangler;
@@ -128,9 +136,10 @@ mod producer;
 mod runtime;
 
 pub use batch::{BatchSummary, Bindings, EdgeConsumer, QueueMessage};
+pub use limits::MAX_MESSAGE_BYTES;
 pub use log::LogSink;
-pub use options::{build_consumer, check, Options};
-pub use plan::{EdgeConfig, EdgeError, EdgeErrorKind};
+pub use options::{check, Options};
+pub use plan::{EdgeConfig, EdgeError, EdgeErrorKind, MAX_DELAY};
 #[cfg(target_arch = "wasm32")]
 pub use producer::EdgeProducer;
 #[cfg(target_arch = "wasm32")]
@@ -185,7 +194,7 @@ macro_rules! consumer {
         fn wrangler_toml_fits_the_jobs() {
             let options = __QUEUE_EDGE_OPTIONS;
             let registry = $jobs().unwrap_or_else(|e| panic!("the jobs do not build: {e}"));
-            if let Err(problems) = $crate::options::check(&registry, &options, None) {
+            if let Err(problems) = $crate::check(&registry, &options, None) {
                 panic!("{problems}");
             }
         }

@@ -1,21 +1,5 @@
-//! The platform's size limit on one message, checked before any send.
-//!
-//! Cloudflare Queues refuses a message above 128 KB, where its documentation
-//! counts a KB as 1000 bytes: 128,000 bytes of serialized message. Our
-//! messages travel as JSON text, so the serialized size is the UTF-8 length
-//! of the envelope's text. Checking it here, before the binding is called,
-//! turns an oversized dispatch into a clear error that names the limit and
-//! the size, with nothing sent, instead of an exception from the platform
-//! whose text varies between `wrangler dev` and production. A body of
-//! exactly the limit is accepted.
-//!
-//! The platform also counts up to about 100 bytes of its own metadata
-//! towards the limit, so a body within that margin of the limit may still be
-//! refused by the platform itself; that refusal reaches the caller as the
-//! send's own error.
-//!
-//! The check is pure and shared: the Worker's `EdgeProducer` (wasm32) and
-//! the native harness ([`crate::testing`]) both run it.
+//! The platform's size limit on one message ([`MAX_MESSAGE_BYTES`]),
+//! checked before any send.
 
 use queue::Envelope;
 
@@ -23,12 +7,27 @@ use crate::plan::{EdgeError, EdgeErrorKind};
 
 /// The largest message body Cloudflare Queues takes, in bytes (128 KB with
 /// 1 KB = 1000 bytes, as the platform's limits page counts it).
+///
+/// Our messages travel as JSON text, so the serialized size is the UTF-8 length
+/// of the envelope's text. Checking it here, before the binding is called,
+/// turns an oversized dispatch into a clear error that names the limit and
+/// the size, with nothing sent, instead of an exception from the platform
+/// whose text varies between `wrangler dev` and production. A body of
+/// exactly the limit is accepted.
+///
+/// The platform also counts up to about 100 bytes of its own metadata
+/// towards the limit, so a body within that margin of the limit may still be
+/// refused by the platform itself; that refusal reaches the caller as the
+/// send's own error.
+///
+/// The check is pure and shared: the Worker's `EdgeProducer` (wasm32) and
+/// the native harness (`queue_edge::testing`) both run it.
 pub const MAX_MESSAGE_BYTES: usize = 128_000;
 
 /// Refuses a message body above [`MAX_MESSAGE_BYTES`]. The error (kind
 /// [`EdgeErrorKind::Unsupported`]) names the limit and the body's size; the
 /// body itself stays out of it, as it may hold payload data.
-pub fn check_message_size(body: &str) -> Result<(), EdgeError> {
+pub(crate) fn check_message_size(body: &str) -> Result<(), EdgeError> {
     let size = body.len();
     if size > MAX_MESSAGE_BYTES {
         return Err(EdgeError::new(
@@ -44,7 +43,7 @@ pub fn check_message_size(body: &str) -> Result<(), EdgeError> {
 
 /// An envelope as the text a Queue binding sends, refused if above
 /// [`MAX_MESSAGE_BYTES`].
-pub fn envelope_text(envelope: &Envelope) -> Result<String, EdgeError> {
+pub(crate) fn envelope_text(envelope: &Envelope) -> Result<String, EdgeError> {
     let text = String::from_utf8(envelope.encode())
         .map_err(|e| EdgeError::new(EdgeErrorKind::Encode, e.to_string()))?;
     check_message_size(&text)?;

@@ -13,6 +13,14 @@ use crate::plan::EdgeConfig;
 use crate::wrangler::{Checked, Wrangler};
 
 /// Options of a worker built with [`crate::consumer!`].
+///
+/// An operator may retune a deployed worker without rebuilding it through
+/// Worker variables (in `[vars]` or with `wrangler --var`), read when the
+/// consumer is built: `EDGE_BUDGET_MS` and `EDGE_RESERVE_MS`
+/// ([`EdgeConfig::budget`](crate::EdgeConfig::budget) and
+/// [`EdgeConfig::settlement_reserve`](crate::EdgeConfig::settlement_reserve)),
+/// `EDGE_CONCURRENCY` (overrides `concurrency`), `UNKNOWN_NAME_ATTEMPTS` and
+/// `UNKNOWN_NAME_RETRY_DELAY_MS` (the registry's unknown-name cap and delay).
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
     /// The text of the worker's wrangler.toml (the macro embeds it). The
@@ -47,10 +55,10 @@ impl Default for Options {
     }
 }
 
-/// Worker variables an operator may set (in `[vars]` or with `--var`)
-/// without rebuilding: `EDGE_BUDGET_MS`, `EDGE_RESERVE_MS`,
-/// `EDGE_CONCURRENCY`, `UNKNOWN_NAME_ATTEMPTS`, `UNKNOWN_NAME_RETRY_DELAY_MS`.
-pub const VARIABLES: &[&str] = &[
+/// Worker variables an operator may set (see [`Options`]). The native
+/// harness refuses any other name.
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+pub(crate) const VARIABLES: &[&str] = &[
     "EDGE_BUDGET_MS",
     "EDGE_RESERVE_MS",
     "EDGE_CONCURRENCY",
@@ -61,7 +69,7 @@ pub const VARIABLES: &[&str] = &[
 /// Builds the consumer of `queue`: the registry with the operator's
 /// variables applied, checked against wrangler.toml (every problem named,
 /// with its job and field), the settlement log installed.
-pub fn build_consumer(
+pub(crate) fn build_consumer(
     queue: &str,
     mut registry: Registry,
     options: &Options,

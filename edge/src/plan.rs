@@ -11,7 +11,7 @@ pub const MAX_DELAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// How long a misconfigured worker hands each message back for: long
 /// enough for an operator to deploy a fix, within the platform's delay limit.
-pub const MISCONFIGURED_RETRY_DELAY: Duration = Duration::from_secs(12 * 60 * 60);
+pub(crate) const MISCONFIGURED_RETRY_DELAY: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// Consumer settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,7 +142,7 @@ impl From<EdgeError> for queue::SettlementError {
 /// A retry delay in whole seconds, rounded up (never shortened). `None`
 /// leaves the timing to the consumer's `retry_delay` setting. Above 24 hours
 /// the platform cannot hold the message back: an `Unsupported` error.
-pub fn delay_seconds(delay: Option<Duration>) -> Result<Option<u32>, EdgeError> {
+pub(crate) fn delay_seconds(delay: Option<Duration>) -> Result<Option<u32>, EdgeError> {
     let Some(delay) = delay else { return Ok(None) };
     if delay > MAX_DELAY {
         return Err(EdgeError::new(

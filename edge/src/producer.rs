@@ -14,7 +14,7 @@ use crate::plan::{delay_seconds, EdgeError, EdgeErrorKind};
 /// consumer sees is byte for byte what the native drivers carry.
 ///
 /// A message above the platform's limit
-/// ([`MAX_MESSAGE_BYTES`](crate::limits::MAX_MESSAGE_BYTES)) is refused with
+/// ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES)) is refused with
 /// [`EdgeErrorKind::Unsupported`] before the binding is called; in a batch,
 /// one oversized message refuses the whole batch and nothing is sent.
 pub struct EdgeProducer {

@@ -3,7 +3,7 @@
 //!
 //! [`CloudflareQueues`] is an in-memory model of the queues a worker's
 //! wrangler.toml declares. It builds each queue's consumer exactly as the
-//! Worker does ([`crate::build_consumer`]: the operator variables, the check
+//! Worker does (the operator variables of [`Options`], the check
 //! of wrangler.toml against the jobs, the settlement log) and hands it batches
 //! through the same batch loop the Worker runs ([`crate::EdgeConsumer`]), so
 //! a message settles here as it would under `wrangler dev`. Time is virtual:
@@ -108,7 +108,7 @@
 //! # The Worker's configuration
 //!
 //! `[vars]` of the given wrangler.toml are the operator variables
-//! ([`crate::options::VARIABLES`]), and [`CloudflareQueues::var`] overrides
+//! (listed on [`Options`]), and [`CloudflareQueues::var`] overrides
 //! one, as `wrangler dev --var` would. The check of wrangler.toml against the
 //! jobs runs with them, as in the Worker, and a configuration the Worker
 //! would refuse is refused by [`CloudflareQueues::new`] and
@@ -136,7 +136,7 @@
 //! - **Limits.** Message and batch sizes, retention (a message left on a
 //!   queue stays forever), the platform's wall-clock and CPU limits, and a
 //!   producer's `delivery_delay` are not modelled. Send delays are limited to
-//!   [`crate::plan::MAX_DELAY`].
+//!   [`MAX_DELAY`](crate::MAX_DELAY).
 //! - **Hooks.** The `consumer!` macro's `other_queues` and `after_batch`
 //!   hooks take JavaScript values and are not run.
 //! - **Order.** The platform's order within a batch is best effort; the
@@ -439,7 +439,7 @@ impl CloudflareQueues {
         Ok(harness)
     }
 
-    /// Sets the operator variable `name` (one of [`VARIABLES`], such as
+    /// Sets the operator variable `name` (listed on [`Options`], such as
     /// `EDGE_BUDGET_MS`) to `value`, overriding `[vars]`, and rebuilds the
     /// consumers with it (their registries and counters start afresh, as
     /// after a redeploy).
@@ -492,7 +492,7 @@ impl CloudflareQueues {
     /// # Panics
     ///
     /// If `payload` does not serialize, or its message is above the
-    /// platform's size limit ([`crate::limits::MAX_MESSAGE_BYTES`]; see
+    /// platform's size limit ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES); see
     /// [`try_send`](Self::try_send)).
     pub fn send<P: Serialize>(&mut self, job: &Job<P>, payload: &P) -> String {
         self.send_with_delay(job, payload, Duration::ZERO)
@@ -504,8 +504,8 @@ impl CloudflareQueues {
     /// # Panics
     ///
     /// If `payload` does not serialize, its message is above the platform's
-    /// size limit ([`crate::limits::MAX_MESSAGE_BYTES`]), or `delay` is above
-    /// the platform's limit ([`crate::plan::MAX_DELAY`]).
+    /// size limit ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES)), or `delay` is above
+    /// the platform's limit ([`MAX_DELAY`](crate::MAX_DELAY)).
     pub fn send_with_delay<P: Serialize>(
         &mut self,
         job: &Job<P>,
@@ -522,7 +522,7 @@ impl CloudflareQueues {
     /// # Panics
     ///
     /// If `payload` does not serialize, or its message is above the
-    /// platform's size limit ([`crate::limits::MAX_MESSAGE_BYTES`]; see
+    /// platform's size limit ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES); see
     /// [`try_send`](Self::try_send)).
     pub fn send_to<P: Serialize>(&mut self, queue: &str, job: &Job<P>, payload: &P) -> String {
         self.send_envelope(queue, job, payload, Duration::ZERO)
@@ -530,7 +530,7 @@ impl CloudflareQueues {
 
     /// Sends like [`send`](Self::send), but returns the error
     /// `EdgeProducer::dispatch` returns instead of panicking: a message above
-    /// the platform's limit ([`crate::limits::MAX_MESSAGE_BYTES`]) is refused
+    /// the platform's limit ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES)) is refused
     /// and nothing is queued.
     pub fn try_send<P: Serialize>(
         &mut self,
@@ -579,7 +579,7 @@ impl CloudflareQueues {
     /// this worker does not know, or any queue of the model), visible at
     /// once. Returns the new message's id.
     pub fn send_raw(&mut self, queue: &str, body: impl Into<Vec<u8>>) -> String {
-        let id = queue::envelope::new_message_id();
+        let id = queue::new_message_id();
         let now = self.now();
         self.enqueue(queue, id.clone(), body.into(), now);
         id
@@ -678,7 +678,7 @@ impl CloudflareQueues {
             {
                 records.insert(message.clone(), record);
             }
-            let id = queue::envelope::new_message_id();
+            let id = queue::new_message_id();
             self.enqueue(&sent.queue, id, sent.body, sent.at);
         }
 
@@ -911,7 +911,7 @@ impl CloudflareQueues {
             Some(Call::Retry { .. }) if queued.attempts >= settings.deliveries() => {
                 match &settings.dead_letter_queue {
                     Some(dlq) => {
-                        let id = queue::envelope::new_message_id();
+                        let id = queue::new_message_id();
                         self.enqueue(dlq, id.clone(), queued.body, now);
                         MessageState::DeadLettered {
                             queue: dlq.clone(),

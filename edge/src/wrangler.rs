@@ -43,17 +43,17 @@ use crate::plan::EdgeConfig;
 // - `max_retries` cannot exceed 100.
 
 /// The retries a consumer gets when wrangler.toml gives no `max_retries`.
-pub const DEFAULT_MAX_RETRIES: u32 = 3;
+pub(crate) const DEFAULT_MAX_RETRIES: u32 = 3;
 /// The batch size a consumer gets when wrangler.toml gives no `max_batch_size`.
-pub const DEFAULT_MAX_BATCH_SIZE: u32 = 10;
+pub(crate) const DEFAULT_MAX_BATCH_SIZE: u32 = 10;
 /// How long the platform waits to fill a batch when wrangler.toml gives no
 /// `max_batch_timeout`.
-pub const DEFAULT_MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(5);
 /// The delay before a retried message comes back when wrangler.toml gives no
 /// `retry_delay`: none.
-pub const DEFAULT_RETRY_DELAY: Duration = Duration::ZERO;
+pub(crate) const DEFAULT_RETRY_DELAY: Duration = Duration::ZERO;
 /// The highest `max_retries` the platform accepts.
-pub const MAX_RETRIES_LIMIT: u32 = 100;
+pub(crate) const MAX_RETRIES_LIMIT: u32 = 100;
 
 /// One `[[queues.producers]]` entry: a binding the worker sends through.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -283,11 +283,12 @@ impl Wrangler {
     /// with the queue in the reason) and the field:
     ///
     /// 1. `queue`: a job's queue has no consumer entry.
-    /// 2. `retry`: a job's consumer gives up before the facade does
-    ///    ([`job_max_retries`]).
+    /// 2. `retry`: a job's consumer gives up before the facade does: its
+    ///    deliveries (`max_retries + 1`) must reach
+    ///    [`queue::deliveries_needed`] for the job's cap.
     /// 3. `unknown_name_attempts`: a job queue's consumer gives up on a
     ///    message with an unknown job name before the facade does
-    ///    ([`unknown_name_deliveries_needed`]).
+    ///    ([`queue::unknown_name_deliveries_needed`]).
     /// 4. `wrangler.queues.consumers.dead_letter_queue`: a job queue's
     ///    consumer has no dead-letter queue (the platform would delete what
     ///    it gives up on), or its dead-letter queue is itself a job queue.
@@ -295,7 +296,7 @@ impl Wrangler {
     ///    or it sends to a job queue.
     ///
     /// Also `wrangler.queues.consumers.max_retries` (above the platform's
-    /// limit of [`MAX_RETRIES_LIMIT`]) and `wrangler.queues.consumers` (a job
+    /// limit of 100) and `wrangler.queues.consumers` (a job
     /// queue with more than one consumer entry).
     pub fn check(
         &self,
@@ -503,7 +504,7 @@ impl Checked {
 /// instance every time is recorded, plus [`SHUTDOWN_GRACE`]). A job without
 /// a cap can never be honoured: the platform always ends its messages first.
 /// The error names the job and the field `retry`.
-pub fn job_max_retries(spec: &JobSpec, max_retries: u32) -> Result<(), PolicyError> {
+pub(crate) fn job_max_retries(spec: &JobSpec, max_retries: u32) -> Result<(), PolicyError> {
     let deliveries = max_retries.saturating_add(1);
     let cap = spec.retry.attempts;
     let reason = match deliveries_needed(cap, false) {
@@ -536,7 +537,7 @@ pub fn job_max_retries(spec: &JobSpec, max_retries: u32) -> Result<(), PolicyErr
 /// ([`queue::deliveries_needed`]), one delivery of grace
 /// ([`SHUTDOWN_GRACE`]) is added: the message that loses its last delivery
 /// that way still ends in the facade's failure record.
-pub fn unknown_name_deliveries_needed(cap: UnknownNameAttempts) -> Option<u32> {
+pub(crate) fn unknown_name_deliveries_needed(cap: UnknownNameAttempts) -> Option<u32> {
     cap.limit()
         .map(|limit| limit.saturating_add(SHUTDOWN_GRACE))
 }

@@ -6,9 +6,8 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 use queue::{Envelope, Job, JobContext, JobError, Registry, RegistryError};
-use queue_edge::limits::MAX_MESSAGE_BYTES;
 use queue_edge::testing::{CloudflareQueues, MessageState};
-use queue_edge::{EdgeErrorKind, Options};
+use queue_edge::{EdgeErrorKind, Options, MAX_MESSAGE_BYTES};
 
 const WRANGLER: &str = r#"
 [[queues.producers]]

@@ -145,7 +145,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 async fn main() {
     let (mut raw_pub, mut raw_con, mut our_pub, mut our_con) = (vec![], vec![], vec![], vec![]);
     for round in 0..5 {
-        let suffix = queue::envelope::new_message_id();
+        let suffix = queue::new_message_id();
         let (p, c) = raw_lapin(&format!("bench-raw-{round}-{suffix}")).await;
         raw_pub.push(p);
         raw_con.push(c);

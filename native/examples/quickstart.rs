@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use queue::budget::human;
+use queue::human;
 use queue::{
     failure_budget, Envelope, Event, EventKind, EventSink, FailureRecord, Registry, Resolution,
     UnknownNameAttempts,

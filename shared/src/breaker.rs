@@ -1,16 +1,4 @@
-//! A circuit breaker per named dependency.
-//!
-//! Why: when a dependency is down, retrying it in-process only adds load and
-//! latency. After `failure_threshold` consecutive failures the breaker opens;
-//! calls through it then fail at once (without running the protected
-//! operation) until `cool_down` has passed, when one probe call is let
-//! through (half-open). The probe's success closes the breaker; its failure
-//! opens it again. The executor skips tier-one retries while a job's breaker
-//! is open, so the delivery falls straight through to broker redelivery
-//! (tier two), where the wait is longer and costs nothing.
-//!
-//! The clock is injected, so the breaker behaves the same natively and on the
-//! edge and is testable without sleeping.
+//! A circuit breaker per named dependency ([`CircuitBreaker`]).
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -131,6 +119,18 @@ struct Inner {
 }
 
 /// A shareable circuit breaker. Clones share state.
+///
+/// Why: when a dependency is down, retrying it in-process only adds load and
+/// latency. After `failure_threshold` consecutive failures the breaker opens;
+/// calls through it then fail at once (without running the protected
+/// operation) until `cool_down` has passed, when one probe call is let
+/// through (half-open). The probe's success closes the breaker; its failure
+/// opens it again. The executor skips tier-one retries while a job's breaker
+/// is open, so the delivery falls straight through to broker redelivery
+/// (tier two), where the wait is longer and costs nothing.
+///
+/// The clock is injected, so the breaker behaves the same natively and on the
+/// edge and is testable without sleeping.
 #[derive(Clone)]
 pub struct CircuitBreaker {
     inner: Arc<Inner>,

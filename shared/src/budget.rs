@@ -1,27 +1,5 @@
-//! The failure budget: what the failure path costs, before it happens.
-//!
-//! Why: retry tiers multiply. Three in-process attempts beneath three
-//! deliveries is nine executions of the same work, not six, and when the
-//! retried operation is expensive that product is what an outage costs. The
-//! worker prints each job's budget at start so the number is seen before the
-//! bill arrives.
-//!
-//! The time is a bound, not an estimate: it adds up the longest each wait can
-//! be.
-//!
-//! - Tier one waits, between in-process attempts, either its backoff (after
-//!   an ordinary error) or a handler's retry-after of up to
-//!   `tier_one.max_wait` (a longer one goes to tier two), so each in-process
-//!   wait counts as the longer of the two.
-//! - Tier two waits the job's backoff, or the driver's redelivery timing for
-//!   a job without one. A handler's retry-after that reaches tier two
-//!   replaces the backoff with a delay the handler chose; the budget assumes
-//!   such retry-afters are no longer than the backoff they replace. A
-//!   handler that asks for more has explicitly asked for more time than
-//!   the budget shows.
-//! - Executing counts the full timeout for every execution (deadlines are
-//!   cooperative, so a handler that ignores its deadline can exceed even
-//!   that).
+//! The failure budget ([`FailureBudget`], [`failure_budget`]) and the longest hold
+//! on one delivery ([`longest_hold`]).
 
 use std::fmt;
 use std::time::Duration;
@@ -31,6 +9,29 @@ use serde::Serialize;
 use crate::job::JobSpec;
 
 /// Worst-case cost of a message that always fails.
+///
+/// Why: retry tiers multiply. Three in-process attempts beneath three
+/// deliveries is nine executions of the same work, not six, and when the
+/// retried operation is expensive that product is what an outage costs. The
+/// worker prints each job's budget at start so the number is seen before the
+/// bill arrives.
+///
+/// The time is a bound, not an estimate: it adds up the longest each wait can
+/// be.
+///
+/// - Tier one waits, between in-process attempts, either its backoff (after
+///   an ordinary error) or a handler's retry-after of up to
+///   `tier_one.max_wait` (a longer one goes to tier two), so each in-process
+///   wait counts as the longer of the two.
+/// - Tier two waits the job's backoff, or the driver's redelivery timing for
+///   a job without one. A handler's retry-after that reaches tier two
+///   replaces the backoff with a delay the handler chose; the budget assumes
+///   such retry-afters are no longer than the backoff they replace. A
+///   handler that asks for more has explicitly asked for more time than
+///   the budget shows.
+/// - Executing counts the full timeout for every execution (deadlines are
+///   cooperative, so a handler that ignores its deadline can exceed even
+///   that).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FailureBudget {
     /// The job.
@@ -63,8 +64,8 @@ impl FailureBudget {
 
 /// Computes the budget for `spec`. `redelivery_hint` is what the driver waits
 /// when the facade leaves the timing to it (a visibility timeout, say); it is
-/// used for tier-two retries of jobs without a backoff. See the
-/// [module docs](self) for what the time bounds and what it assumes.
+/// used for tier-two retries of jobs without a backoff. See
+/// [`FailureBudget`] for what the time bounds and what it assumes.
 pub fn failure_budget(spec: &JobSpec, redelivery_hint: Duration) -> FailureBudget {
     let n = spec.tier_one.attempts.max(1);
     let tier_one_wait = tier_one_waits(spec);

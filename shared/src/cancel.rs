@@ -1,9 +1,4 @@
-//! A runtime-free cancellation signal.
-//!
-//! The consumer cancels one token on shutdown; every handler context holds a
-//! clone. Handlers either poll [`CancelToken::is_cancelled`] or await
-//! [`CancelToken::cancelled`]. Implemented here (not with tokio) because the
-//! rules crate must build for wasm32 without an async runtime.
+//! A runtime-free cancellation signal ([`CancelToken`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,6 +6,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 /// A cloneable, one-way cancellation flag that wakes its waiters.
+///
+/// The consumer cancels one token on shutdown; every handler context holds a
+/// clone. Handlers either poll [`CancelToken::is_cancelled`] or await
+/// [`CancelToken::cancelled`]. Implemented here (not with tokio) because the
+/// rules crate must build for wasm32 without an async runtime.
 #[derive(Debug, Clone, Default)]
 pub struct CancelToken {
     inner: Arc<Mutex<State>>,

@@ -1,30 +1,4 @@
-//! Operator overrides of tier depths and backoffs, from a file or the environment.
-//!
-//! Why: the right retry depth depends on what the retried operation costs,
-//! and that changes faster than code is deployed. Overrides let an operator
-//! retune a job without a rebuild. They are applied and validated when the
-//! worker starts: a typo in a job name or a bad value is a startup error that
-//! names the job and the field, not a silent default.
-//!
-//! File (TOML):
-//!
-//! ```toml
-//! [jobs.build-report]
-//! attempts = 5                      # tier two: deliveries
-//! timeout = "30s"
-//! backoff = { initial = "2s", multiplier = 2.0, max = "10s" }
-//! tier_one = { attempts = 3, initial = "100ms", multiplier = 2.0, max = "1s", max_wait = "5s" }
-//! ```
-//!
-//! Environment: `QUEUE_JOB__<JOB>__<FIELD>=value`, where `<JOB>` is the job
-//! name upper-cased with `-` and `.` as `_`, and `<FIELD>` is one of
-//! `ATTEMPTS`, `TIMEOUT`, `BACKOFF_INITIAL`, `BACKOFF_MULTIPLIER`,
-//! `BACKOFF_MAX`, `TIER_ONE_ATTEMPTS`, `TIER_ONE_INITIAL`,
-//! `TIER_ONE_MULTIPLIER`, `TIER_ONE_MAX`, `TIER_ONE_MAX_WAIT`. The environment
-//! wins over the file. Durations read like `250ms`, `2s`, `1m 30s`.
-//!
-//! Applying is all or nothing: when one override is refused, no job's
-//! policy changes.
+//! Operator overrides of tier depths and backoffs ([`Overrides`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -36,12 +10,12 @@ use crate::policy::{Backoff, PolicyError};
 use crate::registry::Registry;
 
 /// The environment variable prefix for overrides.
-pub const ENV_PREFIX: &str = "QUEUE_JOB__";
+pub(crate) const ENV_PREFIX: &str = "QUEUE_JOB__";
 
 /// Overrides for one job. Every field is optional.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct JobOverride {
+pub(crate) struct JobOverride {
     /// Tier two: total deliveries.
     pub attempts: Option<u32>,
     /// Per-execution timeout (`"0s"`: none).
@@ -55,7 +29,7 @@ pub struct JobOverride {
 /// An exponential backoff, field by field.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BackoffOverride {
+pub(crate) struct BackoffOverride {
     /// First delay.
     pub initial: Option<String>,
     /// Growth factor.
@@ -67,7 +41,7 @@ pub struct BackoffOverride {
 /// Tier one, field by field.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TierOneOverride {
+pub(crate) struct TierOneOverride {
     /// Executions per delivery.
     pub attempts: Option<u32>,
     /// First in-process delay.
@@ -81,6 +55,32 @@ pub struct TierOneOverride {
 }
 
 /// A set of overrides, by job.
+///
+/// Why: the right retry depth depends on what the retried operation costs,
+/// and that changes faster than code is deployed. Overrides let an operator
+/// retune a job without a rebuild. They are applied and validated when the
+/// worker starts: a typo in a job name or a bad value is a startup error that
+/// names the job and the field, not a silent default.
+///
+/// File (TOML):
+///
+/// ```toml
+/// [jobs.build-report]
+/// attempts = 5                      # tier two: deliveries
+/// timeout = "30s"
+/// backoff = { initial = "2s", multiplier = 2.0, max = "10s" }
+/// tier_one = { attempts = 3, initial = "100ms", multiplier = 2.0, max = "1s", max_wait = "5s" }
+/// ```
+///
+/// Environment: `QUEUE_JOB__<JOB>__<FIELD>=value`, where `<JOB>` is the job
+/// name upper-cased with `-` and `.` as `_`, and `<FIELD>` is one of
+/// `ATTEMPTS`, `TIMEOUT`, `BACKOFF_INITIAL`, `BACKOFF_MULTIPLIER`,
+/// `BACKOFF_MAX`, `TIER_ONE_ATTEMPTS`, `TIER_ONE_INITIAL`,
+/// `TIER_ONE_MULTIPLIER`, `TIER_ONE_MAX`, `TIER_ONE_MAX_WAIT`. The environment
+/// wins over the file. Durations read like `250ms`, `2s`, `1m 30s`.
+///
+/// Applying is all or nothing: when one override is refused, no job's
+/// policy changes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
     /// Keyed by exact job name (file) or by the normalised name (environment).

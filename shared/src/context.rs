@@ -1,14 +1,4 @@
-//! What a handler knows about the execution it is in.
-//!
-//! An execution ends for two outside reasons: its deadline (the job's
-//! timeout, or the driver's hold on the delivery) and shutdown. Both are
-//! cooperative: the handler looks, through [`JobContext::check_deadline`],
-//! [`JobContext::check_cancelled`], or by waiting with [`JobContext::sleep`],
-//! which ends at whichever comes first, like a Go `select` on `ctx.Done()`.
-//! The two are told apart because they settle differently: a shutdown error
-//! ([`Cancelled`], or one wrapping it) hands the delivery back at once,
-//! skipping the cap; a missed deadline ([`DeadlineExceeded`]) is an ordinary
-//! error that follows the job's retry policy.
+//! What a handler knows about the execution it is in ([`JobContext`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -73,6 +63,16 @@ impl From<DeadlineExceeded> for Interrupted {
 /// return, it must look. [`JobContext::sleep`] (which ends at either),
 /// [`JobContext::check_deadline`] and [`JobContext::check_cancelled`] make
 /// that easy.
+///
+/// An execution ends for two outside reasons: its deadline (the job's
+/// timeout, or the driver's hold on the delivery) and shutdown. Both are
+/// cooperative: the handler looks, through [`JobContext::check_deadline`],
+/// [`JobContext::check_cancelled`], or by waiting with [`JobContext::sleep`],
+/// which ends at whichever comes first, like a Go `select` on `ctx.Done()`.
+/// The two are told apart because they settle differently: a shutdown error
+/// ([`Cancelled`], or one wrapping it) hands the delivery back at once,
+/// skipping the cap; a missed deadline ([`DeadlineExceeded`]) is an ordinary
+/// error that follows the job's retry policy.
 #[derive(Clone)]
 pub struct JobContext {
     inner: Arc<Inner>,

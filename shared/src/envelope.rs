@@ -1,9 +1,4 @@
-//! The envelope: the one wire format every backend carries.
-//!
-//! JSON, so that a message is readable in a broker's management UI and can be
-//! produced from any language. The `v` field versions the format: a decoder
-//! refuses versions newer than it knows with a clear error instead of
-//! misreading them, and new optional fields can be added without a new version.
+//! The wire format every backend carries ([`Envelope`]).
 
 use std::collections::BTreeMap;
 
@@ -13,9 +8,14 @@ use crate::redact::json_error;
 use crate::runtime::{SystemTime, UNIX_EPOCH};
 
 /// The envelope format version this crate writes.
-pub const ENVELOPE_VERSION: u32 = 1;
+pub(crate) const ENVELOPE_VERSION: u32 = 1;
 
 /// One message on the wire.
+///
+/// JSON, so that a message is readable in a broker's management UI and can be
+/// produced from any language. The `v` field versions the format: a decoder
+/// refuses versions newer than it knows with a clear error instead of
+/// misreading them, and new optional fields can be added without a new version.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope {
     /// Format version.

@@ -1,32 +1,4 @@
-//! Handler outcomes as errors.
-//!
-//! A handler returns `Result<(), JobError>`. `Ok(())` asks for acknowledgement;
-//! an error asks for a retry, unless it carries one of the outcome markers
-//! [`Permanent`], [`RetryAfter`] or [`Reject`]. The markers are ordinary error
-//! types, and they are found anywhere in the source chain: an application
-//! may wrap a `Permanent` in its own error type and the consumer still sees a
-//! permanent failure. This mirrors how `errors.Is`/`errors.As` work in Go and
-//! keeps the cause of every failure matchable.
-//!
-//! Each marker may be built without a cause and keeps its outcome: a
-//! `Permanent` with no cause is still a terminal failure, never a success.
-//!
-//! # Wrappers
-//!
-//! The search follows `source()`, and also looks inside a
-//! [`std::io::Error`] (whose `source()` skips the error it wraps) and the
-//! crate's own [`BreakerError`](crate::BreakerError). A foreign wrapper that
-//! forwards `source()` past the error it holds (thiserror's
-//! `#[error(transparent)]`) hides a marker inside it: wrap with `#[source]`
-//! or `#[from]` instead, or return the marker outermost.
-//!
-//! # When markers nest
-//!
-//! The outermost marker wins: it is the decision taken last, closest to the
-//! handler's return. `retry_after(permanent(e), 5s)` retries after 5 s (the
-//! handler overrode a library's verdict); `permanent(retry_after(e, 5s))`
-//! fails for good. The shutdown rule applies when the outermost marker is
-//! the consumer's cancellation.
+//! Handler outcomes as errors ([`JobError`] and its markers).
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -40,6 +12,36 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// Any error type converts into it with `?`. Use [`JobError::permanent`],
 /// [`JobError::retry_after`] and [`JobError::reject`] to ask for a specific
 /// outcome.
+///
+/// A handler returns `Result<(), JobError>`. `Ok(())` asks for acknowledgement;
+/// an error asks for a retry, unless it carries one of the outcome markers
+/// [`Permanent`], [`RetryAfter`] or [`Reject`]. The markers are ordinary error
+/// types, and they are found anywhere in the source chain: an application
+/// may wrap a `Permanent` in its own error type and the consumer still sees a
+/// permanent failure. This mirrors how `errors.Is`/`errors.As` work in Go and
+/// keeps the cause of every failure matchable.
+///
+/// Each marker may be built without a cause and keeps its outcome: a
+/// `Permanent` with no cause is still a terminal failure, never a success.
+///
+/// # Wrappers
+///
+/// The search follows `source()`, and also looks inside a
+/// [`std::io::Error`] (whose `source()` skips the error it wraps) and the
+/// crate's own [`BreakerError`](crate::BreakerError). A foreign wrapper that
+/// forwards `source()` past the error it holds (thiserror's
+/// `#[error(transparent)]`) hides a marker inside it: wrap with `#[source]`
+/// or `#[from]` instead, or return the marker outermost.
+///
+/// # When markers nest
+///
+/// The outermost marker wins: it is the decision taken last, closest to the
+/// handler's return. `retry_after(permanent(e), 5s)` retries after 5 s (the
+/// handler overrode a library's verdict); `permanent(retry_after(e, 5s))`
+/// fails for good. The shutdown rule applies when the outermost marker is
+/// the consumer's cancellation.
+///
+/// # Example
 ///
 /// ```
 /// use queue::{JobError, Outcome};

@@ -1,10 +1,4 @@
-//! Outcome events.
-//!
-//! An event reports a settlement the backend *accepted*: `failed` is emitted
-//! only after the terminal settlement went through, and a settlement the
-//! backend refused produces no outcome event at all (only
-//! [`EventSink::settlement_failed`]). Payloads are left out unless the
-//! application opts in, because they may hold personal data or secrets.
+//! Outcome events ([`Event`], [`EventSink`]).
 
 use std::time::Duration;
 
@@ -16,6 +10,12 @@ use crate::settle::Failure;
 use crate::stats::Resolution;
 
 /// One accepted outcome.
+///
+/// An event reports a settlement the backend *accepted*: `failed` is emitted
+/// only after the terminal settlement went through, and a settlement the
+/// backend refused produces no outcome event at all (only
+/// [`EventSink::settlement_failed`]). Payloads are left out unless the
+/// application opts in, because they may hold personal data or secrets.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Event {
     /// Job name (the unknown name for unknown-name events; empty when the

@@ -1,8 +1,4 @@
-//! Job declarations.
-//!
-//! A job is declared once, with its name, queue and policy, and validated
-//! then: an invalid policy is an error at declaration (or at start, for
-//! configuration overrides), never a surprise when a message arrives.
+//! Job declarations ([`Job`], [`JobSpec`]).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -14,7 +10,7 @@ use crate::error::BoxError;
 use crate::policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
 
 /// The queue a job goes to when none is named.
-pub const DEFAULT_QUEUE: &str = "default";
+pub(crate) const DEFAULT_QUEUE: &str = "default";
 
 /// The untyped part of a job declaration: everything the rules need.
 #[derive(Debug, Clone)]
@@ -116,6 +112,10 @@ type Validator<P> = Arc<dyn Fn(&P) -> Result<(), BoxError> + Send + Sync>;
 
 /// A typed job declaration: the payload type `P` plus its [`JobSpec`].
 ///
+/// A job is declared once, with its name, queue and policy, and validated
+/// then: an invalid policy is an error at declaration (or at start, for
+/// configuration overrides), never a surprise when a message arrives.
+///
 /// ```
 /// use std::time::Duration;
 /// use queue::Job;
@@ -203,7 +203,7 @@ pub struct JobBuilder<P> {
 }
 
 impl<P> JobBuilder<P> {
-    /// The queue the job's messages travel on (default [`DEFAULT_QUEUE`]).
+    /// The queue the job's messages travel on (default `"default"`).
     pub fn queue(mut self, queue: impl Into<String>) -> Self {
         self.spec.queue = queue.into();
         self

@@ -5,26 +5,40 @@
 //! simulation) runs each delivery through [`Registry::deliver`]: it decides
 //! how to settle it ([`Registry::process`]), has the backend carry the
 //! settlement out through a [`DeliveryHandle`], and reports the backend's
-//! answer ([`Registry::settled`]). This crate decides; drivers act. It does no I/O, owns no async runtime and
-//! builds for `wasm32-unknown-unknown` as well as native targets.
+//! answer ([`Registry::settled`]). This crate decides; drivers act. It does
+//! no I/O, owns no async runtime and builds for `wasm32-unknown-unknown` as
+//! well as native targets.
 //!
 //! # Layout
 //!
-//! - [`job`]: declarations and their validated policy.
-//! - [`policy`]: the attempt cap and backoff schedule (tier two), tier one.
-//! - [`error`]: handler outcomes as error markers found through the source chain.
-//! - [`envelope`]: the versioned wire format.
-//! - [`settle`](mod@settle): the decision function, unknown-name and poison rules.
-//! - [`registry`]: handlers by name and the per-delivery decision.
-//! - [`pipeline`]: one delivery end to end (decide, settle, report), the
-//!   entry point every host calls.
+//! Every public item has one path, at the crate root (`queue::Job`,
+//! `queue::Settlement`, ...). The modules are private, one concern each;
+//! the main item of each carries the why.
+//!
+//! - `job`: declarations and their validated policy ([`Job`], [`JobSpec`]).
+//! - `policy`: the attempt cap and backoff schedule of tier two, and tier
+//!   one ([`RetryPolicy`], [`Backoff`], [`TierOnePolicy`]).
+//! - `error`: handler outcomes as error markers found through the source
+//!   chain ([`JobError`], [`Permanent`], [`RetryAfter`], [`Reject`]).
+//! - `envelope`: the versioned wire format ([`Envelope`]).
+//! - `settle`: the decision table from what happened to what the backend
+//!   should do ([`Settlement`]), the unknown-name and crash rules.
+//! - `registry`: handlers by name and the decision for one delivery
+//!   ([`Registry`], [`Registry::process`]).
+//! - `pipeline`: one delivery end to end (decide, settle, report), the
+//!   entry point every host calls ([`Registry::deliver`], [`DeliveryHandle`]).
+//! - `limit`: the broker-limit rule every host checks before consuming
+//!   ([`check_delivery_limit`]).
 //! - `executor`: tier one, in-process retries inside a delivery.
-//! - [`breaker`]: the circuit breaker per named dependency.
-//! - [`record`], [`event`], [`stats`], [`budget`]: what an operator sees.
-//! - [`redact`]: decode errors without the payload values serde quotes.
-//! - [`config`]: operator overrides of tier depths and backoffs.
-//! - [`runtime`], [`cancel`], [`context`]: injected time, cancellation, and
-//!   what a handler knows about its execution.
+//! - `breaker`: the circuit breaker per named dependency ([`CircuitBreaker`]).
+//! - `record`, `event`, `stats`, `budget`: what an operator sees
+//!   ([`FailureRecord`], [`Event`], [`Stats`], [`FailureBudget`]).
+//! - `redact`: decode errors without the payload values serde quotes
+//!   ([`json_error`]).
+//! - `config`: operator overrides of tier depths and backoffs ([`Overrides`]).
+//! - `runtime`, `cancel`, `context`: injected time, cancellation, and what a
+//!   handler knows about its execution ([`Runtime`], [`CancelToken`],
+//!   [`JobContext`]).
 //!
 //! # Example
 //!
@@ -61,38 +75,40 @@
 // state held in `Arc` need not be `Send`; one `Arc` type keeps both targets alike.
 #![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
 
-pub mod breaker;
-pub mod budget;
-pub mod cancel;
-pub mod config;
-pub mod context;
-pub mod envelope;
-pub mod error;
-pub mod event;
+mod breaker;
+mod budget;
+mod cancel;
+mod config;
+mod context;
+mod envelope;
+mod error;
+mod event;
 mod executor;
-pub mod job;
-pub mod limit;
+mod job;
+mod limit;
 mod maybe_send;
 mod panic;
-pub mod pipeline;
-pub mod policy;
-pub mod record;
-pub mod redact;
-pub mod registry;
-pub mod runtime;
-pub mod settle;
-pub mod stats;
+mod pipeline;
+mod policy;
+mod record;
+mod redact;
+mod registry;
+mod runtime;
+mod settle;
+mod stats;
 
 pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
 pub use budget::{failure_budget, human, longest_hold, FailureBudget};
-pub use cancel::CancelToken;
+pub use cancel::{CancelToken, Cancellation};
 pub use config::Overrides;
 pub use context::{DeadlineExceeded, Interrupted, JobContext};
 pub use envelope::{new_message_id, Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
 pub use event::{Event, EventKind, EventSink};
 pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
-pub use limit::{check_delivery_limit, unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy};
+pub use limit::{
+    check_delivery_limit, unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
+};
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
 pub use policy::{
@@ -103,8 +119,7 @@ pub use redact::json_error;
 pub use registry::{Delivery, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
-    deliveries_needed, exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision,
-    Failure, FailureKind, Settlement, UnknownNameAttempts, DEFAULT_UNKNOWN_NAME_ATTEMPTS,
-    SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
+    deliveries_needed, exceeds_crash_bound, Failure, FailureKind, Settlement, UnknownNameAttempts,
+    DEFAULT_UNKNOWN_NAME_ATTEMPTS, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
 pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};

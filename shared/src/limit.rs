@@ -1,14 +1,4 @@
-//! The broker-limit rule: a backend's own cap on deliveries must leave room
-//! for every job's attempt cap.
-//!
-//! Most brokers can end a message themselves after some number of
-//! deliveries (JetStream `MaxDeliver`, SQS `maxReceiveCount`, a quorum
-//! queue's `x-delivery-limit`, Cloudflare's `max_retries`). A message ended
-//! that way gets no failure record, so a backend whose limit is below what a
-//! job needs ([`deliveries_needed`](crate::deliveries_needed)) is refused
-//! before anything is consumed. Every host checks the same rule, from the
-//! registry's own jobs: the native consumer with the limit its driver
-//! reports, the edge with the consumer's `max_retries` from `wrangler.toml`.
+//! The broker-limit rule ([`check_delivery_limit`]).
 
 use std::fmt;
 
@@ -104,6 +94,15 @@ pub fn unknown_name_deliveries_needed(limit: Option<u32>) -> Option<u32> {
 ///
 /// The first job (by name) that needs more is reported, then the
 /// unknown-name rule.
+///
+/// Most brokers can end a message themselves after some number of
+/// deliveries (JetStream `MaxDeliver`, SQS `maxReceiveCount`, a quorum
+/// queue's `x-delivery-limit`, Cloudflare's `max_retries`). A message ended
+/// that way gets no failure record, so a backend whose limit is below what a
+/// job needs ([`deliveries_needed`](crate::deliveries_needed)) is refused
+/// before anything is consumed. Every host checks the same rule, from the
+/// registry's own jobs: the native consumer with the limit its driver
+/// reports, the edge with the consumer's `max_retries` from `wrangler.toml`.
 pub fn check_delivery_limit(
     registry: &Registry,
     queue: &str,
@@ -167,7 +166,11 @@ mod tests {
     #[test]
     fn each_job_on_the_queue_needs_its_cap_plus_the_crash_delivery() {
         let registry = build(
-            &[("small", "q", 3), ("big", "q", 6), ("other", "elsewhere", 50)],
+            &[
+                ("small", "q", 3),
+                ("big", "q", 6),
+                ("other", "elsewhere", 50),
+            ],
             UnknownNameAttempts::limited(2),
         );
         // big needs 7 where shutdown returns are counted, 8 where not.

@@ -1,14 +1,16 @@
-//! `Send` where the target has threads, nothing where it does not.
-//!
-//! Handler futures run on a multi-threaded tokio runtime natively, so they must
-//! be `Send` there. In a Cloudflare Worker (wasm32) JavaScript values are not
-//! `Send` and there is one thread, so requiring `Send` would forbid ordinary
-//! handler code. One alias per target keeps a single handler trait for both.
+//! `Send` where the target has threads, nothing where it does not
+//! ([`MaybeSend`]).
 
 use std::future::Future;
 use std::pin::Pin;
 
 /// `Send` on native targets; no bound on wasm32.
+///
+/// Handler futures run on a multi-threaded tokio runtime natively, so they
+/// must be `Send` there. In a Cloudflare Worker (wasm32) JavaScript values
+/// are not `Send` and there is one thread, so requiring `Send` would forbid
+/// ordinary handler code. One trait per target keeps a single handler trait
+/// for both.
 #[cfg(not(target_arch = "wasm32"))]
 pub trait MaybeSend: Send {}
 #[cfg(not(target_arch = "wasm32"))]

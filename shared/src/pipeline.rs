@@ -1,13 +1,4 @@
-//! One delivery, end to end, written once for every host.
-//!
-//! Why: the native worker, the Cloudflare edge and the simulation used to
-//! repeat the same steps (process, settle, report) and could drift apart.
-//! [`Registry::deliver`] runs them in one order everywhere: decide with
-//! [`Registry::process`], ask the host to carry the settlement out within a
-//! fresh [`SETTLEMENT_BUDGET`] measured on the injected [`Runtime`] (so
-//! shutdown never cuts acknowledgement of finished work short), then count
-//! and emit the event only if the backend accepted. A host supplies a
-//! [`DeliveryHandle`]: the facts of the delivery and the means to settle it.
+//! One delivery, end to end ([`Registry::deliver`], [`DeliveryHandle`]).
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -99,6 +90,15 @@ impl StdError for SettlementError {
 
 /// A delivery as a host holds it: what the rules need to know, and the
 /// means to settle it once.
+///
+/// Why: the native worker, the Cloudflare edge and the simulation used to
+/// repeat the same steps (process, settle, report) and could drift apart.
+/// [`Registry::deliver`] runs them in one order everywhere: decide with
+/// [`Registry::process`], ask the host to carry the settlement out within a
+/// fresh [`SETTLEMENT_BUDGET`] measured on the injected [`Runtime`] (so
+/// shutdown never cuts acknowledgement of finished work short), then count
+/// and emit the event only if the backend accepted. A host supplies a
+/// [`DeliveryHandle`]: the facts of the delivery and the means to settle it.
 pub trait DeliveryHandle: MaybeSend {
     /// The raw body.
     fn body(&self) -> &[u8];

@@ -1,10 +1,4 @@
-//! Retry policy: the attempt cap and the backoff schedule.
-//!
-//! The schedule is a pure function of the attempt number so that every driver
-//! and the edge compute the same delays, and so that it can be checked by
-//! property tests rather than by sleeping. Arithmetic saturates: a huge
-//! multiplier or attempt number yields the cap (or `Duration::MAX`), never a
-//! panic or an overflow.
+//! Retry policy: the attempt cap and the backoff schedule ([`RetryPolicy`], [`Backoff`]).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -14,6 +8,12 @@ use std::time::Duration;
 use crate::panic::guard;
 
 /// The delay schedule between attempts.
+///
+/// The schedule is a pure function of the attempt number so that every driver
+/// and the edge compute the same delays, and so that it can be checked by
+/// property tests rather than by sleeping. Arithmetic saturates: a huge
+/// multiplier or attempt number yields the cap (or `Duration::MAX`), never a
+/// panic or an overflow.
 #[derive(Clone)]
 pub enum Backoff {
     /// `initial * multiplier^(k-2)` before attempt `k`, capped at `max`

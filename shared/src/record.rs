@@ -1,9 +1,4 @@
-//! Failure records: what a terminal failure leaves behind.
-//!
-//! A record keeps enough to investigate and replay by hand: the envelope when
-//! it decoded, the raw body when it did not (poison), the reason, and how
-//! many deliveries and executions the message consumed. Records can hold job
-//! data and unsanitised error text: protect the destination accordingly.
+//! Failure records ([`FailureRecord`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -12,9 +7,14 @@ use crate::runtime::{SystemTime, UNIX_EPOCH};
 use crate::settle::{Failure, FailureKind};
 
 /// The format version of failure records.
-pub const FAILURE_RECORD_VERSION: u32 = 1;
+pub(crate) const FAILURE_RECORD_VERSION: u32 = 1;
 
 /// A terminal failure, as published to a failure destination.
+///
+/// A record keeps enough to investigate and replay by hand: the envelope when
+/// it decoded, the raw body when it did not (poison), the reason, and how
+/// many deliveries and executions the message consumed. Records can hold job
+/// data and unsanitised error text: protect the destination accordingly.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FailureRecord {
     /// Format version.

@@ -1,33 +1,4 @@
-//! Decode errors without the payload in them.
-//!
-//! Why: serde's error messages quote the value they choke on
-//! (`invalid type: string "4111 1111 1111 1111", expected u64`), and a decode
-//! failure's message travels into the `failed` event, the consumer's log and
-//! every sink an operator wires up. Payloads may hold personal data or
-//! secrets, so no payload value reaches an event or a log unless the
-//! application opts in ([`Registry::events_include_payload`]). The bytes
-//! themselves are not lost: the failure record keeps the raw body, and the
-//! failure destination is where job data belongs.
-//!
-//! [`json_error`] keeps what serde says about the *schema* (field names,
-//! expected types, the allowed variants) and the position, and replaces what
-//! it says about the *value* with the value's kind:
-//!
-//! | serde_json says | we say |
-//! |---|---|
-//! | syntax and end-of-input errors (`expected value`, `EOF while parsing a string`, `trailing characters`, ...) | the same |
-//! | ``missing field `x` ``, ``duplicate field `x` `` (names from the type) | the same |
-//! | `invalid length 3, expected ...` | the same |
-//! | `invalid type: string "...", expected u64` | `invalid type: string, expected u64` |
-//! | ``invalid value: integer `-4`, expected u32`` | `invalid value: integer, expected u32` |
-//! | ``unknown variant `x`, expected one of ...`` | `unknown variant, expected one of ...` |
-//! | ``unknown field `x`, expected one of ...`` | `unknown field, expected one of ...` |
-//! | anything else (a custom `Deserialize` error, I/O) | the category only |
-//!
-//! The position (`at line L column C`) is kept where serde_json reports one;
-//! a payload decoded from an already parsed JSON value has none.
-//!
-//! [`Registry::events_include_payload`]: crate::Registry::events_include_payload
+//! Decode errors without the payload in them ([`json_error`]).
 
 use serde_json::error::Category;
 
@@ -55,9 +26,37 @@ const KINDS: &[&str] = &[
 
 /// `err`'s message with every payload value taken out, and its position.
 ///
-/// See the [module docs](self) for what is kept. The result never quotes a
-/// value from the input: what remains comes from the target type's schema or
-/// from serde_json's fixed syntax messages.
+/// The result never quotes a value from the input: what remains comes from
+/// the target type's schema or from serde_json's fixed syntax messages.
+///
+/// Why: serde's error messages quote the value they choke on
+/// (`invalid type: string "4111 1111 1111 1111", expected u64`), and a decode
+/// failure's message travels into the `failed` event, the consumer's log and
+/// every sink an operator wires up. Payloads may hold personal data or
+/// secrets, so no payload value reaches an event or a log unless the
+/// application opts in ([`Registry::events_include_payload`]). The bytes
+/// themselves are not lost: the failure record keeps the raw body, and the
+/// failure destination is where job data belongs.
+///
+/// It keeps what serde says about the *schema* (field names,
+/// expected types, the allowed variants) and the position, and replaces what
+/// it says about the *value* with the value's kind:
+///
+/// | serde_json says | we say |
+/// |---|---|
+/// | syntax and end-of-input errors (`expected value`, `EOF while parsing a string`, `trailing characters`, ...) | the same |
+/// | ``missing field `x` ``, ``duplicate field `x` `` (names from the type) | the same |
+/// | `invalid length 3, expected ...` | the same |
+/// | `invalid type: string "...", expected u64` | `invalid type: string, expected u64` |
+/// | ``invalid value: integer `-4`, expected u32`` | `invalid value: integer, expected u32` |
+/// | ``unknown variant `x`, expected one of ...`` | `unknown variant, expected one of ...` |
+/// | ``unknown field `x`, expected one of ...`` | `unknown field, expected one of ...` |
+/// | anything else (a custom `Deserialize` error, I/O) | the category only |
+///
+/// The position (`at line L column C`) is kept where serde_json reports one;
+/// a payload decoded from an already parsed JSON value has none.
+///
+/// [`Registry::events_include_payload`]: crate::Registry::events_include_payload
 pub fn json_error(err: &serde_json::Error) -> String {
     let full = err.to_string();
     let message = if err.line() == 0 {

@@ -1,11 +1,4 @@
-//! The registry of handlers and the processing of one delivery.
-//!
-//! [`Registry::process`] is the whole consumer pipeline for one delivery,
-//! written once for every backend: decode the envelope, find the handler,
-//! decode and validate the payload, run the two retry tiers, and decide the
-//! settlement. The driver carries the settlement out and reports back with
-//! [`Registry::settled`], which emits the event and counts the outcome only
-//! if the backend accepted it.
+//! The registry of handlers and the processing of one delivery ([`Registry`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,8 +11,8 @@ use serde::de::DeserializeOwned;
 use crate::cancel::CancelToken;
 use crate::context::{ContextParts, JobContext};
 use crate::envelope::Envelope;
+use crate::error::JobError;
 use crate::error::Panicked;
-use crate::error::{BoxError, JobError};
 use crate::event::{Event, EventKind, EventSink};
 use crate::executor::run_tiers;
 use crate::job::{Job, JobSpec};
@@ -119,6 +112,13 @@ struct RunSummary {
 }
 
 /// Handlers by job name, plus consumer-wide settings and counters.
+///
+/// [`Registry::process`] is the whole consumer pipeline for one delivery,
+/// written once for every backend: decode the envelope, find the handler,
+/// decode and validate the payload, run the two retry tiers, and decide the
+/// settlement. The driver carries the settlement out and reports back with
+/// [`Registry::settled`], which emits the event and counts the outcome only
+/// if the backend accepted it.
 pub struct Registry {
     jobs: BTreeMap<String, Box<dyn ErasedJob>>,
     unknown_name_attempts: UnknownNameAttempts,
@@ -671,9 +671,4 @@ impl Known {
             message_id: text("id"),
         }
     }
-}
-
-/// Wraps a validation message as a boxed error (for [`JobBuilder::validate`](crate::JobBuilder::validate)).
-pub fn invalid(message: impl Into<String>) -> BoxError {
-    message.into().into()
 }

@@ -1,15 +1,10 @@
-//! Time, injected.
-//!
-//! The rules never read a clock or sleep on their own: the native worker
-//! passes a tokio-backed [`Runtime`], the edge a Workers timer, and tests a
-//! [`VirtualRuntime`] whose sleeps advance a virtual clock instantly. This is
-//! what lets the same executor run on wasm32 (where `std::time::Instant::now`
-//! panics and tokio's timer is unavailable) and be tested without sleeping.
+//! Time, injected ([`Runtime`], [`Clock`], [`VirtualRuntime`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub use web_time::{Instant, SystemTime, UNIX_EPOCH};
+pub use web_time::Instant;
+pub(crate) use web_time::{SystemTime, UNIX_EPOCH};
 
 use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 
@@ -20,6 +15,12 @@ pub trait Clock: MaybeSend + MaybeSync {
 }
 
 /// A clock plus the ability to sleep.
+///
+/// The rules never read a clock or sleep on their own: the native worker
+/// passes a tokio-backed [`Runtime`], the edge a Workers timer, and tests a
+/// [`VirtualRuntime`] whose sleeps advance a virtual clock instantly. This is
+/// what lets the same executor run on wasm32 (where `std::time::Instant::now`
+/// panics and tokio's timer is unavailable) and be tested without sleeping.
 pub trait Runtime: Clock {
     /// A future that completes after `duration`.
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;

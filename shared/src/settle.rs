@@ -1,8 +1,9 @@
-//! The one decision: from what happened to what the backend should do.
+//! The one decision: from what happened to what the backend should do
+//! ([`Settlement`], whose docs give the rules).
 //!
-//! Every driver, and the edge, asks this module what to request and only
-//! carries the answer out. A rule change is one edit here, and the table-driven
-//! tests below pin every row of the outcome table.
+//! Every driver, and the edge, gets its settlement from here and only carries
+//! it out. A rule change is one edit here, and the table-driven tests below
+//! pin every row of the outcome table.
 
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use crate::policy::RetryPolicy;
 use crate::record::FailureRecord;
 
 /// How long an unknown job name waits before its next delivery.
-pub const UNKNOWN_NAME_RETRY_DELAY: Duration = Duration::from_secs(30);
+pub(crate) const UNKNOWN_NAME_RETRY_DELAY: Duration = Duration::from_secs(30);
 /// The default cap on deliveries of a message whose job name is unknown.
 pub const DEFAULT_UNKNOWN_NAME_ATTEMPTS: u32 = 10;
 /// The fresh budget every settlement gets, detached from shutdown.
@@ -25,7 +26,7 @@ pub const SETTLEMENT_BUDGET: Duration = Duration::from_secs(30);
 /// failure record to a terminal failure, so a backend never receives a
 /// terminal failure without its record.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// The work is done: remove the message.
     Ack,
     /// Deliver again. `None`: the driver's own timing; `Some(d)`: no sooner
@@ -45,9 +46,37 @@ pub enum Decision {
 
 /// What the consumer asks the backend to do with a delivery.
 ///
-/// Drivers carry it out and decide nothing. A terminal failure carries the
-/// record to transfer before the message is removed, so one cannot be built
-/// without it.
+/// Drivers carry it out and decide nothing: every host gets its settlement
+/// from [`Registry::process`](crate::Registry::process) (through
+/// [`Registry::deliver`](crate::Registry::deliver)). A terminal failure
+/// carries the record to transfer before the message is removed, so one
+/// cannot be built without it.
+///
+/// # The rules
+///
+/// The first row that applies decides. "Outermost" is the first outcome
+/// marker found walking the handler error's source chain (see
+/// [`JobError`](crate::JobError)); the cap is the job's
+/// [`RetryPolicy::attempts`](crate::RetryPolicy::attempts) (0: none), and a
+/// driver that cannot count deliveries reports attempt 0, so no cap applies.
+///
+/// | What happened | Settlement |
+/// |---|---|
+/// | the body is not an envelope this worker reads (poison) | `Fail`, [`FailureKind::MalformedEnvelope`], keeping the raw body |
+/// | no handler is registered for the job name | `Retry` after the registry's unknown-name delay; `Fail`, [`FailureKind::UnknownName`], once the delivery count reaches [`UnknownNameAttempts`] |
+/// | the payload does not decode, or the job's validation refuses it | `Fail`, [`FailureKind::UndecodablePayload`] or [`FailureKind::InvalidPayload`] |
+/// | the delivery is past the crash bound ([`exceeds_crash_bound`]) | `Fail`, [`FailureKind::AttemptsExhausted`], without running the handler |
+/// | the handler returned `Ok(())` | `Ack` |
+/// | the consumer is stopping and the outermost marker is its cancellation | `Retry { delay: Some(0), shutdown: true }`: the delivery is handed back and does not spend the cap |
+/// | outermost [`Permanent`](crate::Permanent) | `Fail`, [`FailureKind::Permanent`] |
+/// | outermost [`Reject`](crate::Reject) | `Reject` |
+/// | any other error on the delivery that reaches the cap | `Fail`, [`FailureKind::AttemptsExhausted`] |
+/// | outermost [`RetryAfter`](crate::RetryAfter) of `d` | `Retry { delay: Some(d) }` (`None` when `d` is zero) |
+/// | any other error | `Retry` with the job's backoff for the next delivery (`None` without a backoff: the driver's own timing) |
+///
+/// Tier one runs first: an ordinary error is retried in-process before it
+/// reaches this table. A panic in the facade itself (not in a handler) is
+/// retried after [`PANICKED_BACKOFF_DELAY`](crate::PANICKED_BACKOFF_DELAY).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Settlement {
     /// The work is done: remove the message.
@@ -156,12 +185,13 @@ impl UnknownNameAttempts {
     }
 }
 
-/// Decides the settlement for a handler result.
+/// Decides the settlement for a handler result (the handler rows of
+/// [`Settlement`]'s table).
 ///
 /// `attempt` is the delivery attempt the driver reported (first = 1; 0 means
 /// the driver cannot count, and then no cap can be enforced). `cancelled` is
 /// whether the consumer is shutting down.
-pub fn settle(
+pub(crate) fn settle(
     policy: &RetryPolicy,
     attempt: u32,
     result: &Result<(), JobError>,
@@ -247,7 +277,7 @@ pub fn deliveries_needed(cap: u32, counts_shutdown_returns: bool) -> Option<u32>
 
 /// Whether the shutdown rule applies: the consumer is shutting down and the
 /// handler's error is (or wraps) the cancellation.
-pub fn is_shutdown(result: &Result<(), JobError>, cancelled: bool) -> bool {
+pub(crate) fn is_shutdown(result: &Result<(), JobError>, cancelled: bool) -> bool {
     cancelled
         && result
             .as_ref()
@@ -259,7 +289,7 @@ pub fn is_shutdown(result: &Result<(), JobError>, cancelled: bool) -> bool {
 ///
 /// The retry waits `delay` ([`UNKNOWN_NAME_RETRY_DELAY`] unless the consumer
 /// was configured otherwise).
-pub fn settle_unknown_name(
+pub(crate) fn settle_unknown_name(
     name: &str,
     attempt: u32,
     cap: UnknownNameAttempts,

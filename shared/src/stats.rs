@@ -1,10 +1,4 @@
-//! Resolution telemetry: which tier resolved each success.
-//!
-//! Why: a system that recovers mostly in tier one has a flaky dependency; one
-//! that recovers mostly in tier two has flaky infrastructure. Those are
-//! different problems with different owners, and the counters here tell them
-//! apart. They also count executions, so the real cost of the failure path
-//! can be compared with the budget.
+//! Resolution telemetry ([`Stats`], [`Resolution`]).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -91,6 +85,12 @@ impl JobStats {
 pub const UNREGISTERED_JOBS: &str = "(unregistered)";
 
 /// Counters for every job, keyed by job name, plus [`UNREGISTERED_JOBS`].
+///
+/// Why: a system that recovers mostly in tier one has a flaky dependency; one
+/// that recovers mostly in tier two has flaky infrastructure. Those are
+/// different problems with different owners, and the counters here tell them
+/// apart. They also count executions, so the real cost of the failure path
+/// can be compared with the budget.
 #[derive(Debug, Default)]
 pub struct Stats {
     jobs: Mutex<BTreeMap<String, JobStats>>,

@@ -1,7 +1,7 @@
 //! The test runner behind [`conformance_suite!`](crate::conformance_suite):
 //! it asks the backend what it supports, registers the scenarios that apply
-//! ([`scenarios::registered`](crate::scenarios::registered)) and runs them
-//! with libtest's command line and report.
+//! ([`crate::scenarios::registered`]) and runs them with libtest's command
+//! line and report.
 //!
 //! The scenarios are chosen at run time because what a backend supports is
 //! known only from its driver (a NATS server reports its size limit once

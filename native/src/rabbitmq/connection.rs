@@ -244,3 +244,33 @@ impl RabbitDriver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::RabbitConfig;
+    use super::*;
+
+    /// Port 1 on loopback: nothing listens, so connecting fails at once.
+    const UNREACHABLE: &str = "amqp://guest:hunter2@127.0.0.1:1/%2f";
+
+    #[tokio::test]
+    async fn a_failed_connect_keeps_lapin_error_and_hides_the_password() {
+        let err = RabbitDriver::connect(RabbitConfig::new(UNREACHABLE))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Connection);
+        assert!(err.find::<lapin::Error>().is_some(), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains("cannot connect to amqp://guest:***@127.0.0.1:1"),
+            "{text}"
+        );
+        for shown in [
+            text,
+            format!("{err:?}"),
+            format!("{:?}", err.find::<lapin::Error>()),
+        ] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+    }
+}

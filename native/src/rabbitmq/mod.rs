@@ -99,9 +99,9 @@
 //!
 //! Reject is `basic.reject` without requeue (the work queue has no
 //! dead-letter exchange: the message is dropped). Terminal failure publishes
-//! [`FailureRecord::encode`] to the failure queue with a confirm, then acks;
-//! with no failure queue configured it rejects without requeue and logs the
-//! record's reason at error level.
+//! [`FailureRecord::encode`](queue::FailureRecord::encode) to the failure
+//! queue with a confirm, then acks; with no failure queue configured it
+//! rejects without requeue and logs the record's reason at error level.
 //!
 //! # The broker's delivery limit
 //!

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use queue::{CancelToken, Delivery, Envelope, Job, JobContext, JobError, Registry, Runtime};
+use queue::{CancelToken, Envelope, Incoming, Job, JobContext, JobError, Registry, Runtime};
 use queue_native::{Consumer, MemoryDriver, Producer, TokioRuntime};
 use serde::{Deserialize, Serialize};
 
@@ -59,7 +59,7 @@ async fn rules(n: u64) -> (Duration, Duration) {
 
     let start = Instant::now();
     for b in &bodies {
-        let delivery = Delivery {
+        let delivery = Incoming {
             queue: "q",
             body: b,
             attempt: 1,

@@ -260,7 +260,7 @@ mod tests {
         use proptest::prelude::*;
 
         use crate::{
-            CancelToken, Delivery, Envelope, JobContext, JobError, Registry, Runtime, Settlement,
+            CancelToken, Envelope, Incoming, JobContext, JobError, Registry, Runtime, Settlement,
             VirtualRuntime,
         };
 
@@ -336,7 +336,7 @@ mod tests {
                 let rt: Arc<dyn Runtime> = Arc::new(runtime.clone());
                 let mut failed = false;
                 for attempt in 1..=cap {
-                    let delivery = Delivery {
+                    let delivery = Incoming {
                         queue: "q",
                         body: &body,
                         attempt,

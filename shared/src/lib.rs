@@ -45,7 +45,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use queue::{CancelToken, Delivery, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
+//! use queue::{CancelToken, Incoming, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct BuildReport { report_id: u64 }
@@ -64,7 +64,7 @@
 //!
 //! let body = Envelope::new("build-report", serde_json::json!({"report_id": 1})).encode();
 //! let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
-//! let delivery = Delivery { queue: "default", body: &body, attempt: 1, shutdown_returns: None, deadline: None };
+//! let delivery = Incoming { queue: "default", body: &body, attempt: 1, shutdown_returns: None, deadline: None };
 //! let processed = futures_executor::block_on(
 //!     registry.process(delivery, &runtime, &CancelToken::new()),
 //! );
@@ -116,7 +116,7 @@ pub use policy::{
 };
 pub use record::{FailureRecord, RawBody};
 pub use redact::json_error;
-pub use registry::{Delivery, Processed, Registry, RegistryError};
+pub use registry::{Incoming, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
     deliveries_needed, exceeds_crash_bound, Failure, FailureKind, Settlement, UnknownNameAttempts,

@@ -10,7 +10,7 @@ use futures_util::future::{select, Either};
 use crate::cancel::CancelToken;
 use crate::error::{BoxError, Panicked};
 use crate::maybe_send::{BoxFuture, MaybeSend};
-use crate::registry::{Delivery, Processed, Registry};
+use crate::registry::{Incoming, Processed, Registry};
 use crate::runtime::{Instant, Runtime};
 use crate::settle::{Settlement, SETTLEMENT_BUDGET};
 
@@ -202,8 +202,8 @@ impl Registry {
 }
 
 /// The facts of `handle`'s delivery, as the rules read them.
-fn delivery_of<'a, H: DeliveryHandle>(queue: &'a str, handle: &'a H) -> Delivery<'a> {
-    Delivery {
+fn delivery_of<'a, H: DeliveryHandle>(queue: &'a str, handle: &'a H) -> Incoming<'a> {
+    Incoming {
         queue,
         body: handle.body(),
         attempt: handle.attempt(),

@@ -332,7 +332,7 @@ mod tests {
             .register(&job, |_: crate::JobContext, _: Report| async { Ok(()) })
             .unwrap();
         let runtime: Arc<dyn crate::Runtime> = Arc::new(crate::VirtualRuntime::new());
-        let delivery = crate::Delivery {
+        let delivery = crate::Incoming {
             queue: "q",
             body,
             attempt: 1,

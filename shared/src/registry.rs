@@ -143,9 +143,12 @@ impl Default for Registry {
     }
 }
 
-/// One delivery, as the driver reports it.
+/// What the rules know of one delivery as it comes in: its queue, body and
+/// counts, as the host reports them. The host's means to settle it is a
+/// separate [`DeliveryHandle`](crate::DeliveryHandle) (natively a driver's
+/// `queue_native::Delivery`); [`Registry::deliver`] builds this from one.
 #[derive(Debug, Clone, Copy)]
-pub struct Delivery<'a> {
+pub struct Incoming<'a> {
     /// The queue it came from.
     pub queue: &'a str,
     /// The raw body.
@@ -301,7 +304,7 @@ impl Registry {
     /// Processes one delivery: everything but the backend call.
     pub async fn process(
         &self,
-        delivery: Delivery<'_>,
+        delivery: Incoming<'_>,
         runtime: &Arc<dyn Runtime>,
         cancel: &CancelToken,
     ) -> Processed {
@@ -415,7 +418,7 @@ impl Registry {
     /// A delivery the consumer will not run now (the edge's invocation budget
     /// ran low before it started): a zero-delay retry without execution,
     /// reported like the shutdown rule. The backend still counts the delivery.
-    pub fn defer(&self, delivery: Delivery<'_>, reason: &str) -> Processed {
+    pub fn defer(&self, delivery: Incoming<'_>, reason: &str) -> Processed {
         let envelope = Envelope::decode(delivery.body).ok();
         let kind = EventKind::Retried {
             delay: Some(Duration::ZERO),
@@ -438,7 +441,7 @@ impl Registry {
     /// host calls it once it is running again, before anything else runs the
     /// delivery. A body that is not a known job's envelope is settled as
     /// [`Registry::process`] would settle it, without running anything.
-    pub fn crashed(&self, delivery: Delivery<'_>, panic_message: &str) -> Processed {
+    pub fn crashed(&self, delivery: Incoming<'_>, panic_message: &str) -> Processed {
         let Ok(envelope) = Envelope::decode(delivery.body) else {
             return self.recover(
                 delivery,
@@ -473,7 +476,7 @@ impl Registry {
     /// The settlement of a delivery whose processing panicked outside the
     /// handler (a defect of the facade): a retry after
     /// [`PANICKED_BACKOFF_DELAY`], never at once.
-    pub(crate) fn recover(&self, delivery: Delivery<'_>, panicked: &Panicked) -> Processed {
+    pub(crate) fn recover(&self, delivery: Incoming<'_>, panicked: &Panicked) -> Processed {
         let known = Known::from_body(delivery.body);
         let delay = Some(PANICKED_BACKOFF_DELAY);
         let mut event = self.event(
@@ -499,7 +502,7 @@ impl Registry {
 
     fn fail_early(
         &self,
-        delivery: Delivery<'_>,
+        delivery: Incoming<'_>,
         known: Known,
         envelope: Option<&Envelope>,
         failure: Failure,
@@ -532,7 +535,7 @@ impl Registry {
 
     fn finish(
         &self,
-        delivery: Delivery<'_>,
+        delivery: Incoming<'_>,
         envelope: &Envelope,
         decision: Decision,
         run: RunSummary,
@@ -583,7 +586,7 @@ impl Registry {
 
     fn event(
         &self,
-        delivery: Delivery<'_>,
+        delivery: Incoming<'_>,
         envelope: Option<&Envelope>,
         executions: u32,
         kind: EventKind,

@@ -89,7 +89,7 @@ pub enum Settlement {
         /// Whether this is the shutdown rule: the delivery is handed back
         /// because the consumer is stopping. A driver that can carry a count
         /// across redeliveries counts these apart (see
-        /// [`Delivery::shutdown_returns`](crate::Delivery::shutdown_returns)).
+        /// [`Incoming::shutdown_returns`](crate::Incoming::shutdown_returns)).
         shutdown: bool,
     },
     /// No facade retry: the backend's own rejection policy decides.
@@ -233,11 +233,11 @@ pub(crate) fn settle(
 }
 
 /// Deliveries past the cap that still run on a backend that cannot count
-/// graceful-shutdown returns ([`Delivery::shutdown_returns`] is `None`):
+/// graceful-shutdown returns ([`Incoming::shutdown_returns`] is `None`):
 /// one, so a shutdown that interrupts the last allowed delivery still gets
 /// its redelivery run.
 ///
-/// [`Delivery::shutdown_returns`]: crate::Delivery::shutdown_returns
+/// [`Incoming::shutdown_returns`]: crate::Incoming::shutdown_returns
 pub const SHUTDOWN_GRACE: u32 = 1;
 
 /// The crash rule: whether delivery `attempt` of a job capped at `cap`

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_executor::block_on;
 use queue::{
-    BreakerConfig, BreakerState, CancelToken, CircuitBreaker, Delivery, Envelope, FailureKind, Job,
+    BreakerConfig, BreakerState, CancelToken, CircuitBreaker, Envelope, FailureKind, Incoming, Job,
     JobBuilder, JobContext, JobError, Outcome, Permanent, Processed, Registry, Reject, RetryAfter,
     Runtime, Settlement, VirtualRuntime,
 };
@@ -36,7 +36,7 @@ fn deliver(
     shutdown_returns: Option<u32>,
 ) -> Processed {
     let runtime: Arc<dyn Runtime> = Arc::new(runtime.clone());
-    let delivery = Delivery {
+    let delivery = Incoming {
         queue: "q",
         body,
         attempt,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures_executor::block_on;
 use queue::{
-    BoxFuture, BreakerConfig, CancelToken, CircuitBreaker, Clock, Delivery, Envelope, FailureKind,
+    BoxFuture, BreakerConfig, CancelToken, CircuitBreaker, Clock, Envelope, FailureKind, Incoming,
     Instant, Job, JobBuilder, JobContext, JobError, Processed, Registry, Resolution, Runtime,
     Settlement, VirtualRuntime,
 };
@@ -72,7 +72,7 @@ impl Setup {
         cancel: &CancelToken,
         deadline: Option<Instant>,
     ) -> Processed {
-        let delivery = Delivery {
+        let delivery = Incoming {
             queue: "q",
             body,
             attempt,
@@ -213,7 +213,7 @@ fn open_breaker_makes_it_three_executions() {
     let body = body(1);
     let mut last = None;
     for attempt in 1..=3 {
-        let delivery = Delivery {
+        let delivery = Incoming {
             queue: "q",
             body: &body,
             attempt,
@@ -390,7 +390,7 @@ fn deferred_deliveries_retry_at_once_without_running() {
     let s = setup(three_by_three(), |_, _| Ok(()));
     let body = body(4);
     let p = s.registry.defer(
-        Delivery {
+        Incoming {
             queue: "q",
             body: &body,
             attempt: 1,

@@ -303,6 +303,24 @@ impl Broker for Nats {
     }
 }
 
+/// The emulator at `SQS_ENDPOINT` (start it with `tests/sqs-emulator`),
+/// with its `test` keys and short settings so scenarios take seconds: a
+/// 2 s visibility timeout, 1 s long polls.
+#[cfg(feature = "sqs")]
+pub fn sqs_emulator_config() -> queue_native::SqsConfig {
+    let endpoint = std::env::var("SQS_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "SQS_ENDPOINT is not set: start the emulator with `tests/sqs-emulator` and export \
+             SQS_ENDPOINT=<the URL it prints> (e.g. http://127.0.0.1:4517)"
+        )
+    });
+    queue_native::SqsConfig::new("us-east-1")
+        .endpoint(endpoint)
+        .credentials(queue_native::SqsCredentials::fixed("test", "test"))
+        .visibility_timeout(std::time::Duration::from_secs(2))
+        .wait_time(std::time::Duration::from_secs(1))
+}
+
 /// Amazon SQS (`queue_native::SqsDriver`), usually against the emulator.
 #[cfg(feature = "sqs")]
 pub struct Sqs;

@@ -175,3 +175,113 @@ impl Drop for NatsServer {
         self.kill();
     }
 }
+
+/// A TCP relay from a loopback port of its own to `upstream`
+/// (`host:port`): a broker as a client sees it, whose connections can be
+/// cut and which can go away and come back on the same port, without
+/// touching the broker other tests share. Dropped, it closes everything.
+pub struct Relay {
+    upstream: String,
+    port: u16,
+    cut: tokio::sync::watch::Sender<u64>,
+    listening: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Relay {
+    /// Starts relaying to `upstream`.
+    pub async fn start(upstream: impl Into<String>) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port");
+        let port = listener.local_addr().expect("a bound address").port();
+        let mut relay = Relay {
+            upstream: upstream.into(),
+            port,
+            cut: tokio::sync::watch::channel(0).0,
+            listening: None,
+        };
+        relay.listen(listener);
+        relay
+    }
+
+    /// The `host:port` of `url` (`scheme://[credentials@]host:port[/path]`).
+    pub fn address_of(url: &str) -> String {
+        let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+        let rest = rest.rsplit('@').next().unwrap_or(rest);
+        rest.split('/').next().unwrap_or(rest).to_string()
+    }
+
+    /// `url` with its host and port replaced by the relay's (scheme,
+    /// credentials and path kept).
+    pub fn url_for(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+        let (credentials, rest) = match rest.rsplit_once('@') {
+            Some((credentials, rest)) => (format!("{credentials}@"), rest),
+            None => (String::new(), rest),
+        };
+        let path = rest.find('/').map_or("", |i| &rest[i..]);
+        let scheme = if scheme.is_empty() {
+            String::new()
+        } else {
+            format!("{scheme}://")
+        };
+        format!("{scheme}{credentials}127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The loopback port clients connect to.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn listen(&mut self, listener: tokio::net::TcpListener) {
+        let cuts = self.cut.clone();
+        let upstream = self.upstream.clone();
+        self.listening = Some(tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let mut cut = cuts.subscribe();
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        }));
+    }
+
+    /// Drops every connection made so far; new ones are accepted.
+    pub fn cut(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
+
+    /// Stops listening and drops every connection: nothing answers on the
+    /// port until [`come_back`](Self::come_back).
+    pub async fn go_down(&mut self) {
+        if let Some(listening) = self.listening.take() {
+            listening.abort();
+            let _ = listening.await;
+        }
+        self.cut();
+    }
+
+    /// Listens on the same port again.
+    pub async fn come_back(&mut self) {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
+            .await
+            .expect("bind the relay's port again");
+        self.listen(listener);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if let Some(listening) = self.listening.take() {
+            listening.abort();
+        }
+        self.cut();
+    }
+}

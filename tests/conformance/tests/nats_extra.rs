@@ -14,7 +14,7 @@ use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, Nats};
 use queue_conformance::harness::outgoing;
 use queue_conformance::scenarios::Work;
-use queue_conformance::servers::NatsServer;
+use queue_conformance::servers::{NatsServer, Relay};
 use queue_conformance::Harness;
 use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig};
 
@@ -169,59 +169,16 @@ async fn delayed_dispatch_is_refused_as_unsupported() {
     assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 1);
 }
 
-/// A TCP proxy to the server whose connections can all be cut at once,
-/// to lose the client's connection without touching the server.
-struct Proxy {
-    url: String,
-    cut: tokio::sync::watch::Sender<u64>,
-}
-
-impl Proxy {
-    async fn start() -> Proxy {
-        let server = url();
-        let server = server.split("://").nth(1).unwrap_or(&server);
-        let server = server.rsplit('@').next().unwrap().to_string();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (cut, _) = tokio::sync::watch::channel(0u64);
-        let cuts = cut.clone();
-        tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let mut cut = cuts.subscribe();
-                let server = server.clone();
-                tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&server).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = cut.changed() => {}
-                    }
-                });
-            }
-        });
-        Proxy {
-            url: format!("nats://127.0.0.1:{port}"),
-            cut,
-        }
-    }
-
-    /// Drops every connection made so far (new ones are accepted).
-    fn cut(&self) {
-        self.cut.send_modify(|n| *n += 1);
-    }
-}
-
 /// The connection is lost mid-job: async-nats reconnects, the subscription
 /// sends fresh pull requests and consumption resumes. A JetStream ack is not
 /// tied to a connection, so the in-flight delivery (its lease renewed
 /// across the reconnection) is still acknowledged and never redelivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumption_resumes_after_the_connection_is_lost() {
-    let proxy = Proxy::start().await;
-    let backend = nats_via(proxy.url.clone(), Duration::from_secs(2));
+    let relay = Relay::start(Relay::address_of(&url())).await;
+    let backend = nats_via(relay.url_for(&url()), Duration::from_secs(2));
     let run = crash::InterruptedJob::start(&backend, "nats-reconnect").await;
-    proxy.cut();
+    relay.cut();
 
     run.consumption_resumes().await;
     // Past AckWait: the slow delivery was acknowledged, not redelivered.

@@ -17,6 +17,7 @@ use queue_conformance::crash;
 use queue_conformance::fixture::{Fixture, RabbitMq};
 use queue_conformance::harness::{outgoing, Calls};
 use queue_conformance::scenarios::Work;
+use queue_conformance::servers::Relay;
 use queue_conformance::{Backend, Harness};
 use queue_native::{Driver, ErrorKind, RabbitConfig, RabbitDriver};
 
@@ -274,88 +275,6 @@ async fn dispatch_delay_above_the_largest_bucket_is_refused() {
     assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
 }
 
-/// A TCP proxy in front of the broker that can go away (every connection
-/// cut, the port closed) and come back on the same port: an outage of the
-/// broker as a client sees it, without touching the shared broker.
-struct Outage {
-    port: u16,
-    cut: tokio::sync::watch::Sender<u64>,
-    listening: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Outage {
-    async fn start() -> Outage {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (cut, _) = tokio::sync::watch::channel(0u64);
-        let mut outage = Outage {
-            port,
-            cut,
-            listening: None,
-        };
-        outage.listen(listener);
-        outage
-    }
-
-    /// The broker's URL through the proxy.
-    fn url(&self) -> String {
-        let broker = url();
-        let (scheme, rest) = broker.split_once("://").unwrap();
-        let (credentials, rest) = rest.rsplit_once('@').unwrap_or(("", rest));
-        let path = rest.find('/').map_or("", |i| &rest[i..]);
-        let credentials = if credentials.is_empty() {
-            String::new()
-        } else {
-            format!("{credentials}@")
-        };
-        format!("{scheme}://{credentials}127.0.0.1:{}{path}", self.port)
-    }
-
-    fn broker_address() -> String {
-        let broker = url();
-        let rest = broker.split_once("://").map_or(broker.as_str(), |(_, r)| r);
-        let rest = rest.rsplit('@').next().unwrap();
-        rest.split('/').next().unwrap().to_string()
-    }
-
-    fn listen(&mut self, listener: tokio::net::TcpListener) {
-        let cuts = self.cut.clone();
-        let broker = Self::broker_address();
-        self.listening = Some(tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let mut cut = cuts.subscribe();
-                let broker = broker.clone();
-                tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&broker).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = cut.changed() => {}
-                    }
-                });
-            }
-        }));
-    }
-
-    /// Cuts every connection and stops listening.
-    async fn go_down(&mut self) {
-        if let Some(listening) = self.listening.take() {
-            listening.abort();
-            let _ = listening.await;
-        }
-        self.cut.send_modify(|n| *n += 1);
-    }
-
-    /// Listens again on the same port.
-    async fn come_back(&mut self) {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
-            .await
-            .unwrap();
-        self.listen(listener);
-    }
-}
-
 /// While the broker cannot be reached, every dispatch fails at once as not
 /// accepted (none waits for the operation timeout); once it is reachable
 /// again the driver reconnects on the next dispatch and the message is
@@ -363,8 +282,8 @@ impl Outage {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
     let _broker = BROKER.read().await;
-    let mut outage = Outage::start().await;
-    let mut config = RabbitConfig::new(outage.url()).delay_buckets([MS(100)]);
+    let mut outage = Relay::start(Relay::address_of(&url())).await;
+    let mut config = RabbitConfig::new(outage.url_for(&url())).delay_buckets([MS(100)]);
     config.connection_name = "conformance-outage".into();
     config.operation_timeout = Duration::from_secs(10);
     config.confirm_timeout = Duration::from_secs(10);

@@ -13,7 +13,8 @@
 use std::time::Duration;
 
 use queue::Settlement;
-use queue_conformance::fixture::{closed_address, Fixture, Sqs};
+use queue_conformance::fixture::{closed_address, sqs_emulator_config, Fixture, Sqs};
+use queue_conformance::servers::Relay;
 use queue_conformance::Harness;
 use queue_native::{Driver, ErrorKind, Outgoing, SqsConfig, SqsCredentials, SqsDriver};
 use tokio::time::Instant;
@@ -21,17 +22,7 @@ use tokio::time::Instant;
 const MS: fn(u64) -> Duration = Duration::from_millis;
 
 fn config() -> SqsConfig {
-    let endpoint = std::env::var("SQS_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "SQS_ENDPOINT is not set: start the emulator with `tests/sqs-emulator` and export \
-             SQS_ENDPOINT=<the URL it prints> (e.g. http://127.0.0.1:4517)"
-        )
-    });
-    SqsConfig::new("us-east-1")
-        .endpoint(endpoint)
-        .credentials(SqsCredentials::fixed("test", "test"))
-        .visibility_timeout(Duration::from_secs(2))
-        .wait_time(Duration::from_secs(1))
+    sqs_emulator_config()
 }
 
 /// Queues created by its drivers (and those named with `delete_later`) are
@@ -228,33 +219,6 @@ fn closed_endpoint() -> String {
     format!("http://{}", closed_address())
 }
 
-/// A TCP relay to the emulator on a port of its own, closed (listener and
-/// every connection) when its task set is dropped: an endpoint that goes
-/// down after the driver has used it.
-async fn relay_to_emulator() -> (String, tokio::task::JoinSet<()>) {
-    let upstream = config()
-        .endpoint
-        .unwrap()
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .to_string();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(async move {
-        let mut connections = tokio::task::JoinSet::new();
-        while let Ok((mut client, _)) = listener.accept().await {
-            let upstream = upstream.clone();
-            connections.spawn(async move {
-                if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                }
-            });
-        }
-    });
-    (endpoint, tasks)
-}
-
 /// Five dispatches to `queue`, each `NotAccepted` well within the operation
 /// timeout (not after the whole of it); returns their latencies.
 async fn dispatch_while_down(driver: &SqsDriver, queue: &str) -> Vec<Duration> {
@@ -293,9 +257,10 @@ async fn dispatch_while_the_endpoint_is_down_fails_fast_as_not_accepted() {
     // Reachable at first (the queue's URL is known), then down.
     let backend = sqs();
     let h = Harness::new(&backend, "sqs-down").await;
-    let (endpoint, relay) = relay_to_emulator().await;
+    let emulator = config().endpoint.unwrap();
+    let relay = Relay::start(Relay::address_of(&emulator)).await;
     let mut through_relay = config();
-    through_relay.endpoint = Some(endpoint);
+    through_relay.endpoint = Some(relay.url_for(&emulator));
     let driver = SqsDriver::new(through_relay).unwrap();
     driver.send(&h.queue, outgoing("up", None)).await.unwrap();
     drop(relay);

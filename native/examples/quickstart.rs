@@ -217,7 +217,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     registry
         .unknown_name_attempts(UnknownNameAttempts::limited(2))
         .unknown_name_retry_delay(Duration::from_millis(500));
-    queue_native::config::apply_env_overrides(&mut registry)?;
+    queue_native::apply_env_overrides(&mut registry)?;
 
     println!(
         "queue quick start on the {} driver, queue `{}`\n",

@@ -15,7 +15,8 @@
 //! - `sqs`: Amazon SQS through aws-sdk-sqs (feature `sqs`).
 //! - `nats`: NATS JetStream through async-nats (feature `nats`).
 //! - [`runtime`]: tokio's clock and sleep for the rules.
-//! - [`config`]: operator overrides from `QUEUE_CONFIG` and the environment.
+//! - `overrides`: operator overrides from `QUEUE_CONFIG` and the
+//!   environment ([`apply_env_overrides`]).
 //!
 //! # Example
 //!
@@ -49,13 +50,13 @@
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
 
-pub mod config;
 pub mod consumer;
 pub mod driver;
 #[cfg(feature = "memory")]
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
+mod overrides;
 pub mod producer;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
@@ -70,6 +71,7 @@ pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoin
 pub use memory::{MemoryConfig, MemoryDriver};
 #[cfg(feature = "nats")]
 pub use nats::{NatsConfig, NatsDriver};
+pub use overrides::{apply_env_overrides, overrides_from_env};
 pub use producer::{DispatchOptions, Producer};
 #[cfg(feature = "rabbitmq")]
 pub use rabbitmq::{RabbitConfig, RabbitDriver};

@@ -1,16 +1,16 @@
-//! Loading operator overrides (tier depths, backoffs) at start.
-//!
-//! `QUEUE_CONFIG` names an optional TOML file; `QUEUE_JOB__<JOB>__<FIELD>`
-//! variables override it. See [`queue::config`] for the format.
+//! Operator overrides (tier depths, backoffs) read at start from
+//! `QUEUE_CONFIG` and the environment ([`apply_env_overrides`]).
 
 use queue::{Overrides, PolicyError, Registry};
 
-/// The variable naming the configuration file.
-pub const CONFIG_FILE_VAR: &str = "QUEUE_CONFIG";
+/// The variable naming the overrides file.
+const OVERRIDES_FILE_VAR: &str = "QUEUE_CONFIG";
 
-/// Reads the file named by `QUEUE_CONFIG` (if set) and the environment.
+/// Reads the operator's overrides: the TOML file named by `QUEUE_CONFIG`
+/// (if set), then the `QUEUE_JOB__<JOB>__<FIELD>` variables, which win over
+/// the file. [`Overrides`] gives both formats.
 pub fn overrides_from_env() -> Result<Overrides, PolicyError> {
-    let file = match std::env::var_os(CONFIG_FILE_VAR) {
+    let file = match std::env::var_os(OVERRIDES_FILE_VAR) {
         Some(path) => {
             let text = std::fs::read_to_string(&path).map_err(|e| PolicyError::Invalid {
                 job: "*".into(),
@@ -24,7 +24,9 @@ pub fn overrides_from_env() -> Result<Overrides, PolicyError> {
     Ok(file.merge(Overrides::from_env(std::env::vars())?))
 }
 
-/// Applies [`overrides_from_env`] to `registry`.
+/// Applies [`overrides_from_env`] to `registry`, all or nothing
+/// ([`Registry::apply_overrides`]). Call it before building the consumer, so
+/// a typo in a job name or a bad value stops the worker at start.
 pub fn apply_env_overrides(registry: &mut Registry) -> Result<(), PolicyError> {
     registry.apply_overrides(&overrides_from_env()?)
 }

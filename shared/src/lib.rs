@@ -35,7 +35,8 @@
 //!   ([`FailureRecord`], [`Event`], [`Stats`], [`FailureBudget`]).
 //! - `redact`: decode errors without the payload values serde quotes
 //!   ([`json_error`]).
-//! - `config`: operator overrides of tier depths and backoffs ([`Overrides`]).
+//! - `overrides`: operator overrides of tier depths and backoffs
+//!   ([`Overrides`]).
 //! - `runtime`, `cancel`, `context`: injected time, cancellation, and what a
 //!   handler knows about its execution ([`Runtime`], [`CancelToken`],
 //!   [`JobContext`]).
@@ -78,7 +79,6 @@
 mod breaker;
 mod budget;
 mod cancel;
-mod config;
 mod context;
 mod envelope;
 mod error;
@@ -87,6 +87,7 @@ mod executor;
 mod job;
 mod limit;
 mod maybe_send;
+mod overrides;
 mod panic;
 mod pipeline;
 mod policy;
@@ -100,7 +101,6 @@ mod stats;
 pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
 pub use budget::{failure_budget, human, longest_hold, FailureBudget};
 pub use cancel::{CancelToken, Cancellation};
-pub use config::Overrides;
 pub use context::{DeadlineExceeded, Interrupted, JobContext};
 pub use envelope::{new_message_id, Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
@@ -110,6 +110,7 @@ pub use limit::{
     check_delivery_limit, unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
 };
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+pub use overrides::Overrides;
 pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
 pub use policy::{
     whole_seconds_up, Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY,

@@ -25,6 +25,31 @@ use crate::scenarios::Work;
 /// How long a worker may take to start its handler.
 const START: Duration = Duration::from_secs(20);
 
+/// The registry of a kill worker process (`src/bin/*_kill_worker.rs`): the
+/// job `name` on `queue`, capped at `cap`, whose handler prints
+/// `attempt N` on stdout when it starts, then waits until the consumer
+/// cancels it (a graceful shutdown) or the process is killed.
+pub fn announcing_registry(queue: &str, name: &str, cap: u32) -> Registry {
+    let job = Job::<Work>::builder(name)
+        .queue(queue)
+        .retry(cap)
+        .build()
+        .expect("job");
+    let mut registry = Registry::new();
+    registry
+        .register(&job, |ctx: queue::JobContext, _work: Work| async move {
+            {
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                writeln!(out, "attempt {}", ctx.attempt()).expect("stdout");
+                out.flush().expect("stdout");
+            }
+            Err(ctx.cancelled().await.into())
+        })
+        .expect("register");
+    registry
+}
+
 /// Spawns `worker` with its standard output read line by line on a thread.
 fn spawn(mut worker: Command) -> (Child, Receiver<String>) {
     let mut child = worker

@@ -3,8 +3,8 @@
 //! `nats_kill_worker <queue> <job> <attempt cap> <stream prefix> <subject prefix> <ack wait ms>`
 //! consumes `<queue>` from `NATS_URL` with the given topology settings (they
 //! must match the test's, or the driver reports a conflicting consumer); its
-//! handler prints `attempt N` on stdout and then hangs, so the test can
-//! SIGKILL the process while the job runs.
+//! handler prints `attempt N` on stdout and then hangs (nothing cancels it),
+//! so the test can SIGKILL the process while the job runs.
 
 #[cfg(not(feature = "nats"))]
 fn main() {
@@ -15,12 +15,9 @@ fn main() {
 #[cfg(feature = "nats")]
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    use std::io::Write;
     use std::sync::Arc;
     use std::time::Duration;
 
-    use queue::{Job, JobContext, Registry};
-    use queue_conformance::scenarios::Work;
     use queue_native::{Consumer, NatsConfig, NatsDriver};
 
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,24 +35,7 @@ async fn main() {
     config.subject_prefix = subject_prefix.clone();
     config.connection_name = "kill-worker".into();
     let driver = NatsDriver::connect(config).await.expect("connect");
-    let job = Job::<Work>::builder(name.clone())
-        .queue(queue.clone())
-        .retry(cap)
-        .build()
-        .expect("job");
-    let mut registry = Registry::new();
-    registry
-        .register(&job, |ctx: JobContext, _work: Work| async move {
-            {
-                let mut out = std::io::stdout().lock();
-                writeln!(out, "attempt {}", ctx.attempt()).expect("stdout");
-                out.flush().expect("stdout");
-            }
-            // Hang until the test kills the process.
-            std::future::pending::<()>().await;
-            Ok(())
-        })
-        .expect("register");
+    let registry = queue_conformance::crash::announcing_registry(queue, name, cap);
     // Runs until killed; a consumer that cannot subscribe says why and exits.
     let ended = Consumer::builder(Arc::new(driver), registry)
         .concurrency(1)

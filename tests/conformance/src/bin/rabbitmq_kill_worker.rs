@@ -15,11 +15,8 @@ fn main() {
 #[cfg(feature = "rabbitmq")]
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    use std::io::Write;
     use std::sync::Arc;
 
-    use queue::{Job, JobContext, Registry};
-    use queue_conformance::scenarios::Work;
     use queue_native::{Consumer, Driver, RabbitConfig, RabbitDriver};
 
     let mut args = std::env::args().skip(1);
@@ -33,23 +30,7 @@ async fn main() {
     let mut config = RabbitConfig::new(url);
     config.connection_name = "kill-worker".into();
     let driver = RabbitDriver::connect(config).await.expect("connect");
-    let job = Job::<Work>::builder(name)
-        .queue(queue)
-        .retry(cap)
-        .build()
-        .expect("job");
-    let mut registry = Registry::new();
-    registry
-        .register(&job, |ctx: JobContext, _work: Work| async move {
-            {
-                let mut out = std::io::stdout().lock();
-                writeln!(out, "attempt {}", ctx.attempt()).expect("stdout");
-                out.flush().expect("stdout");
-            }
-            // Until the test kills the process, or shutdown cancels the job.
-            Err(ctx.cancelled().await.into())
-        })
-        .expect("register");
+    let mut registry = queue_conformance::crash::announcing_registry(&queue, &name, cap);
     registry.event_sink(Arc::new(PrintEvents));
     Consumer::builder(Arc::new(driver.clone()), registry)
         .concurrency(1)

@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use queue::{
@@ -16,7 +17,13 @@ use queue::{
     Registry, Runtime, Settlement, SettlementError,
 };
 
-use crate::plan::{delay_seconds, EdgeConfig, EdgeError};
+use crate::error::EdgeError;
+use crate::limits::delay_seconds;
+use crate::settings::EdgeConfig;
+
+/// How long a misconfigured worker hands each message back for: long
+/// enough for an operator to deploy a fix, within the platform's delay limit.
+pub(crate) const MISCONFIGURED_RETRY_DELAY: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// One message of a batch, as the platform hands it over.
 pub trait QueueMessage: MaybeSend + MaybeSync {
@@ -193,7 +200,7 @@ impl EdgeConsumer {
 /// What a worker that cannot build its consumer does with a batch (a
 /// wrangler.toml that does not fit the jobs, a bad operator variable): it
 /// runs nothing and loses nothing. Every message is handed back with
-/// [`MISCONFIGURED_RETRY_DELAY`](crate::plan::MISCONFIGURED_RETRY_DELAY), so
+/// [`MISCONFIGURED_RETRY_DELAY`], so
 /// an operator has hours to deploy a fix before the consumer's
 /// `max_retries` moves it to the dead-letter queue (which the check requires
 /// on every consumer). Returns how many were handed back.
@@ -204,7 +211,7 @@ pub(crate) fn hand_back_misconfigured<M: QueueMessage>(
     messages: &[M],
     error: &str,
 ) -> usize {
-    let delay = crate::plan::MISCONFIGURED_RETRY_DELAY.as_secs() as u32;
+    let delay = MISCONFIGURED_RETRY_DELAY.as_secs() as u32;
     log_error(&format!(
         "queue-edge: the consumer of `{queue}` is misconfigured; {} message(s) handed back for {delay} s: {error}",
         messages.len()

@@ -13,9 +13,10 @@ use wasm_bindgen::JsCast;
 use worker::Env;
 
 use crate::batch::{Bindings, EdgeConsumer, Progress, QueueMessage};
+use crate::error::{EdgeError, EdgeErrorKind};
 use crate::js::{body_bytes, describe, retry_options, JsMessage};
-use crate::plan::{EdgeConfig, EdgeError, EdgeErrorKind};
 use crate::runtime::WorkersRuntime;
+use crate::settings::EdgeConfig;
 
 #[wasm_bindgen(module = "/js/invocation.js")]
 extern "C" {

@@ -23,11 +23,14 @@
 //!   embedded wrangler.toml and the operator's variables ([`Options`],
 //!   [`check`]).
 //! - [`wrangler`]: reading wrangler.toml and checking it against the jobs.
-//! - `plan`: how a settlement maps onto the platform (delay rounding, the
-//!   24-hour limit [`MAX_DELAY`], the invocation budget of [`EdgeConfig`]),
-//!   and the binding's errors ([`EdgeError`]). Pure.
-//! - `limits`: the platform's 128 KB message limit ([`MAX_MESSAGE_BYTES`]),
-//!   checked before a send by the producer and the harness alike. Pure.
+//! - `settings`: the consumer's settings ([`EdgeConfig`]: the invocation
+//!   budget, concurrency, the failure queue) and their check against the
+//!   jobs. Pure.
+//! - `error`: the binding's errors ([`EdgeError`], [`EdgeErrorKind`]).
+//! - `limits`: the platform's limits on one message, checked before a send
+//!   by the producer and the harness alike: 128 KB ([`MAX_MESSAGE_BYTES`])
+//!   and a delay of 24 hours ([`MAX_DELAY`]), counted in whole seconds.
+//!   Pure.
 //! - `log`: one structured line per settlement ([`LogSink`]).
 //! - [`testing`] (native): Cloudflare Queues semantics without wrangler.
 //! - `consumer` (wasm32): the platform's objects, the panic hook and the
@@ -118,10 +121,11 @@
 //! `max_batch_size` and the budget so that it is rare.
 
 mod batch;
+mod error;
 mod limits;
 mod log;
 mod options;
-mod plan;
+mod settings;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;
 pub mod wrangler;
@@ -136,14 +140,15 @@ mod producer;
 mod runtime;
 
 pub use batch::{BatchSummary, Bindings, EdgeConsumer, QueueMessage};
-pub use limits::MAX_MESSAGE_BYTES;
+pub use error::{EdgeError, EdgeErrorKind};
+pub use limits::{MAX_DELAY, MAX_MESSAGE_BYTES};
 pub use log::LogSink;
 pub use options::{check, Options};
-pub use plan::{EdgeConfig, EdgeError, EdgeErrorKind, MAX_DELAY};
 #[cfg(target_arch = "wasm32")]
 pub use producer::EdgeProducer;
 #[cfg(target_arch = "wasm32")]
 pub use runtime::WorkersRuntime;
+pub use settings::EdgeConfig;
 
 /// What the [`consumer!`] macro expands to; not a stable API.
 #[doc(hidden)]

@@ -1,9 +1,16 @@
-//! The platform's size limit on one message ([`MAX_MESSAGE_BYTES`]),
-//! checked before any send.
+//! The platform's limits on one message: its size ([`MAX_MESSAGE_BYTES`]),
+//! checked before any send, and its delay ([`MAX_DELAY`]), with the
+//! rounding of a delay to the whole seconds the platform takes. Pure, so
+//! they are tested natively.
 
-use queue::Envelope;
+use std::time::Duration;
 
-use crate::plan::{EdgeError, EdgeErrorKind};
+use queue::{whole_seconds_up, Envelope};
+
+use crate::error::{EdgeError, EdgeErrorKind};
+
+/// The longest delay Cloudflare accepts for a retry or a delayed send.
+pub const MAX_DELAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The largest message body Cloudflare Queues takes, in bytes (128 KB with
 /// 1 KB = 1000 bytes, as the platform's limits page counts it).
@@ -50,6 +57,22 @@ pub(crate) fn envelope_text(envelope: &Envelope) -> Result<String, EdgeError> {
     Ok(text)
 }
 
+/// A retry or send delay as the platform takes it: whole seconds, rounded
+/// up so it is never shortened ([`whole_seconds_up`]). `None` leaves the
+/// timing to the consumer's `retry_delay` setting. Above [`MAX_DELAY`] the
+/// platform cannot hold the message back: an `Unsupported` error.
+pub(crate) fn delay_seconds(delay: Option<Duration>) -> Result<Option<u32>, EdgeError> {
+    let Some(delay) = delay else { return Ok(None) };
+    if delay > MAX_DELAY {
+        return Err(EdgeError::new(
+            EdgeErrorKind::Unsupported,
+            format!("a delay of {delay:?} exceeds Cloudflare's maximum of 24 hours"),
+        ));
+    }
+    // At most 86,400 once MAX_DELAY is checked.
+    Ok(Some(whole_seconds_up(delay) as u32))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,5 +117,18 @@ mod tests {
             check_message_size(&"é".repeat(MAX_MESSAGE_BYTES / 2)),
             Ok(())
         );
+    }
+
+    #[test]
+    fn delays_up_to_24_hours_in_whole_seconds() {
+        assert_eq!(delay_seconds(None), Ok(None));
+        assert_eq!(
+            delay_seconds(Some(Duration::from_millis(2500))),
+            Ok(Some(3))
+        );
+        assert_eq!(delay_seconds(Some(MAX_DELAY)), Ok(Some(86_400)));
+        let err = delay_seconds(Some(MAX_DELAY + Duration::from_millis(1))).unwrap_err();
+        assert_eq!(err.kind, EdgeErrorKind::Unsupported);
+        assert!(err.to_string().contains("24 hours"));
     }
 }

@@ -9,7 +9,7 @@ use queue::{Registry, Runtime, UnknownNameAttempts};
 
 use crate::batch::EdgeConsumer;
 use crate::log::LogSink;
-use crate::plan::EdgeConfig;
+use crate::settings::EdgeConfig;
 use crate::wrangler::{Checked, Wrangler};
 
 /// Options of a worker built with [`crate::consumer!`].

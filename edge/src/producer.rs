@@ -7,8 +7,9 @@ use queue::{Envelope, Job};
 use serde::Serialize;
 use worker::{Env, MessageBuilder, Queue, QueueContentType};
 
+use crate::error::{EdgeError, EdgeErrorKind};
+use crate::limits::delay_seconds;
 use crate::limits::{check_message_size, envelope_text};
-use crate::plan::{delay_seconds, EdgeError, EdgeErrorKind};
 
 /// Sends typed jobs to a queue. Envelopes travel as JSON text, so the body a
 /// consumer sees is byte for byte what the native drivers carry.

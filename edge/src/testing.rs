@@ -159,8 +159,9 @@ use queue::{
 use serde::{Deserialize, Serialize};
 
 use crate::batch::{BatchSummary, Bindings, EdgeConsumer, Progress, QueueMessage};
+use crate::error::{EdgeError, EdgeErrorKind};
+use crate::limits::delay_seconds;
 use crate::options::{build_consumer, Options, VARIABLES};
-use crate::plan::{delay_seconds, EdgeError, EdgeErrorKind};
 use crate::wrangler::{ConsumerSettings, Wrangler};
 
 /// How many invocations [`CloudflareQueues::run_until_idle`] runs before it

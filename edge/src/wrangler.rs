@@ -27,7 +27,7 @@ use queue::{
 };
 use serde::Deserialize;
 
-use crate::plan::EdgeConfig;
+use crate::settings::EdgeConfig;
 
 // What the platform does when a consumer leaves a key out, and what it does
 // once `max_retries` is used up (Cloudflare's Queues documentation: "Configure

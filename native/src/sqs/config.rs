@@ -1,9 +1,15 @@
-//! Settings for the SQS driver.
+//! Settings for the SQS driver: the configuration, where its credentials
+//! come from, and their validation.
+//!
+//! Credentials are described with the driver's own types ([`SqsKeys`],
+//! [`SqsCredentialSource`]) rather than the AWS SDK's, so the public API
+//! does not change when the SDK does; the driver hands them to the SDK.
 
 use std::fmt;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
-use aws_sdk_sqs::config::SharedCredentialsProvider;
+use async_trait::async_trait;
 
 use super::errors::config_error;
 use super::MAX_VISIBILITY;
@@ -25,10 +31,12 @@ pub enum SqsCredentials {
     /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and, if set,
     /// `AWS_SESSION_TOKEN`, read when the driver is created (the default).
     Environment,
-    /// Any credentials provider, for example the default chain of the
-    /// `aws-config` crate (profiles, SSO, instance and container roles):
-    /// `SqsCredentials::Provider(sdk_config.credentials_provider().unwrap())`.
-    Provider(SharedCredentialsProvider),
+    /// Keys fetched, and fetched again before they expire, from an
+    /// [`SqsCredentialSource`]: temporary credentials from a role, a
+    /// secrets store, or any provider of the AWS SDK wrapped in a few lines
+    /// (see [`SqsCredentialSource`]). Build it with
+    /// [`SqsCredentials::source`].
+    Source(Arc<dyn SqsCredentialSource>),
 }
 
 impl SqsCredentials {
@@ -39,6 +47,12 @@ impl SqsCredentials {
             secret_access_key: secret_access_key.into(),
             session_token: None,
         }
+    }
+
+    /// Keys from `source`, asked when the driver needs them (see
+    /// [`SqsCredentialSource`]).
+    pub fn source(source: impl SqsCredentialSource + 'static) -> Self {
+        SqsCredentials::Source(Arc::new(source))
     }
 }
 
@@ -52,9 +66,118 @@ impl fmt::Debug for SqsCredentials {
                 .field("session_token", &session_token.as_ref().map(|_| "***"))
                 .finish(),
             SqsCredentials::Environment => f.write_str("Environment"),
-            SqsCredentials::Provider(_) => f.write_str("Provider(..)"),
+            // The source's own `Debug` may hold keys: it is not shown.
+            SqsCredentials::Source(_) => f.write_str("Source(..)"),
         }
     }
+}
+
+/// One set of AWS keys, as an [`SqsCredentialSource`] returns them.
+///
+/// `Debug` shows the access key id (an identifier, as AWS's own tools show
+/// it) and the expiry, never the secret key or the session token.
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SqsKeys {
+    /// The access key id.
+    pub access_key_id: String,
+    /// The secret access key.
+    pub secret_access_key: String,
+    /// A session token, for temporary credentials.
+    pub session_token: Option<String>,
+    /// When the keys stop working, for temporary credentials. The driver
+    /// asks its source again shortly before then. `None`: the keys do not
+    /// expire, and the source is asked again every 15 minutes.
+    pub expires_at: Option<SystemTime>,
+}
+
+impl SqsKeys {
+    /// Keys without a session token or an expiry.
+    pub fn new(access_key_id: impl Into<String>, secret_access_key: impl Into<String>) -> Self {
+        SqsKeys {
+            access_key_id: access_key_id.into(),
+            secret_access_key: secret_access_key.into(),
+            session_token: None,
+            expires_at: None,
+        }
+    }
+
+    /// Adds a session token.
+    pub fn session_token(mut self, token: impl Into<String>) -> Self {
+        self.session_token = Some(token.into());
+        self
+    }
+
+    /// Adds an expiry.
+    pub fn expires_at(mut self, when: SystemTime) -> Self {
+        self.expires_at = Some(when);
+        self
+    }
+}
+
+impl fmt::Debug for SqsKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqsKeys")
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &"***")
+            .field("session_token", &self.session_token.as_ref().map(|_| "***"))
+            .field("expires_at", &self.expires_at)
+            .finish()
+    }
+}
+
+/// Where [`SqsCredentials::Source`] gets its keys: implement it to fetch
+/// keys from a role, a secrets store, or a provider of the AWS SDK.
+///
+/// The driver calls [`keys`](Self::keys) before its first request and
+/// reuses the keys until shortly (10 seconds or so) before their
+/// [`expires_at`](SqsKeys::expires_at), or for 15 minutes when they have no
+/// expiry; then the next request asks again. Nothing is kept from a call
+/// that failed: the next request asks again.
+///
+/// A call that fails fails the request that needed the keys, which is not
+/// sent, with the source's error kept in its cause chain (reach it with
+/// [`DriverError::find`]): [`SqsDriver::connect`](super::SqsDriver::connect)
+/// fails with [`ErrorKind::Config`](crate::ErrorKind::Config), as for
+/// credentials SQS refuses, and a dispatch with
+/// [`ErrorKind::NotAccepted`](crate::ErrorKind::NotAccepted). A call has 5
+/// seconds (the SDK's limit): a slower one fails the request as an endpoint
+/// that does not answer would ([`ErrorKind::Connection`](crate::ErrorKind::Connection)
+/// from `connect`, possibly [`ErrorKind::Uncertain`](crate::ErrorKind::Uncertain)
+/// from a dispatch).
+///
+/// # Example
+///
+/// Keys loaded from somewhere the application knows (a secrets store...):
+///
+/// ```
+/// use async_trait::async_trait;
+/// use queue_native::sqs::{SqsCredentialSource, SqsKeys};
+/// use queue_native::{SqsConfig, SqsCredentials};
+///
+/// #[derive(Debug)]
+/// struct Vault;
+///
+/// #[async_trait]
+/// impl SqsCredentialSource for Vault {
+///     async fn keys(&self) -> Result<SqsKeys, queue::BoxError> {
+///         // Fetch them here; they may carry a session token and an expiry.
+///         Ok(SqsKeys::new("AKIDEXAMPLE", "secret").session_token("token"))
+///     }
+/// }
+///
+/// let config = SqsConfig::new("eu-west-1").credentials(SqsCredentials::source(Vault));
+/// ```
+///
+/// The default chain of the `aws-config` crate (profiles, SSO, instance
+/// and container roles) fits the same way: keep its
+/// `SharedCredentialsProvider` in the source, and in `keys` call its
+/// `provide_credentials().await?` and copy the access key id, secret,
+/// session token and expiry into an [`SqsKeys`].
+#[async_trait]
+pub trait SqsCredentialSource: Send + Sync + fmt::Debug {
+    /// Fresh keys, or why there are none.
+    async fn keys(&self) -> Result<SqsKeys, queue::BoxError>;
 }
 
 /// Settings for [`SqsDriver`](super::SqsDriver).

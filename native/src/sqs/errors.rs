@@ -6,7 +6,9 @@
 //! with an error was not acted on; one that failed after it may have been
 //! sent (connection lost, no answer, unreadable answer) has an unknown
 //! outcome. Each caller says which [`ErrorKind`] the first two and the last
-//! one are for its request ([`sdk_error`]).
+//! one are for its request ([`sdk_error`]). A request whose credentials
+//! could not be had (an [`SqsCredentialSource`](super::SqsCredentialSource)
+//! that failed) was certainly not sent.
 //!
 //! The SDK's error stays the [`source`](std::error::Error::source) (reach it
 //! with [`DriverError::find`], e.g. `SdkError<SendMessageError, _>`). Its
@@ -16,6 +18,7 @@
 
 use std::fmt;
 
+use aws_credential_types::provider::error::CredentialsError;
 use aws_sdk_sqs::error::{ConnectorError, ProvideErrorMetadata, SdkError};
 
 use super::NAME;
@@ -44,9 +47,14 @@ enum Failure {
     Unknown,
 }
 
-fn failure_of<E, R>(err: &SdkError<E, R>) -> Failure {
+fn failure_of<E, R>(err: &SdkError<E, R>) -> Failure
+where
+    E: std::error::Error + 'static,
+    R: fmt::Debug + 'static,
+{
     match err {
         SdkError::ConstructionFailure(_) => Failure::NotSent,
+        SdkError::DispatchFailure(_) if no_credentials(err) => Failure::NotSent,
         SdkError::ServiceError(_) => Failure::Refused,
         SdkError::DispatchFailure(dispatch) if dispatch.is_user() => Failure::NotSent,
         SdkError::DispatchFailure(dispatch) if connect_failed(dispatch.as_connector_error()) => {
@@ -74,6 +82,23 @@ fn connect_failed(connector: Option<&ConnectorError>) -> bool {
         // hyper-util's legacy client says `client error (Connect)` when the
         // connection could not be established.
         if e.to_string().contains("(Connect)") {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// Whether the request failed for want of credentials (the SDK resolves
+/// them before it sends, and reports a failure as a dispatch failure).
+fn no_credentials<E, R>(err: &SdkError<E, R>) -> bool
+where
+    E: std::error::Error + 'static,
+    R: fmt::Debug + 'static,
+{
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = source {
+        if e.is::<CredentialsError>() {
             return true;
         }
         source = e.source();
@@ -123,10 +148,11 @@ where
 }
 
 /// The probe of [`SqsDriver::connect`](super::SqsDriver::connect) failed:
-/// refused by the service (credentials, region) or impossible to build, the
-/// settings are wrong ([`ErrorKind::Config`]); not sent for want of a
-/// connection, or no answer, the endpoint is down or unreachable
-/// ([`ErrorKind::Connection`], which the caller may retry).
+/// refused by the service (credentials, region), impossible to build, or
+/// without credentials (the configured source failed), the settings are
+/// wrong ([`ErrorKind::Config`]); not sent for want of a connection, or no
+/// answer, the endpoint is down or unreachable ([`ErrorKind::Connection`],
+/// which the caller may retry).
 pub(super) fn probe_error<E, R>(what: &str, err: SdkError<E, R>) -> DriverError
 where
     E: std::error::Error + Send + Sync + 'static,
@@ -134,6 +160,7 @@ where
 {
     let kind = match &err {
         SdkError::ConstructionFailure(_) | SdkError::ServiceError(_) => ErrorKind::Config,
+        _ if no_credentials(&err) => ErrorKind::Config,
         _ => ErrorKind::Connection,
     };
     failed(NAME, kind, what, Sdk(err))

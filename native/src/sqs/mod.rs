@@ -117,8 +117,14 @@
 //!
 //! # Credentials
 //!
-//! Static keys, the standard environment variables, or any
-//! credentials provider (see [`SqsCredentials`]). The driver's own `Debug`
+//! Static keys, the standard environment variables, or an
+//! [`SqsCredentialSource`] the application implements (see
+//! [`SqsCredentials`]): the driver's own types, so the public API names no
+//! type of the AWS SDK and does not change with its releases. A source is
+//! asked for [`SqsKeys`] before the first request and again before they
+//! expire; a source that fails makes [`SqsDriver::connect`] fail with
+//! [`ErrorKind::Config`] and a dispatch with [`ErrorKind::NotAccepted`],
+//! the source's error kept as the cause. The driver's own `Debug`
 //! output, log lines and errors (connection errors included) never show the
 //! keys, the session token or a message body. The secret key appears
 //! nowhere, not even in the SDK's own logs. The SDK's debug and trace lines
@@ -135,8 +141,10 @@
 //!
 //! # Layout
 //!
-//! - `config`: [`SqsConfig`] and [`SqsCredentials`], and their validation.
-//! - `connection`: the SDK client and its credentials, the probe of
+//! - `config`: [`SqsConfig`], [`SqsCredentials`], [`SqsKeys`] and
+//!   [`SqsCredentialSource`], and their validation.
+//! - `connection`: the SDK client and its credentials (a source adapted to
+//!   the SDK's credentials provider), the probe of
 //!   [`SqsDriver::connect`], the stopped state, the bound on every request.
 //! - `topology`: queue names, resolving and creating queues, the redrive
 //!   policy, peeking at failure queues.
@@ -163,7 +171,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
 
-pub use config::{SqsConfig, SqsCredentials};
+pub use config::{SqsConfig, SqsCredentialSource, SqsCredentials, SqsKeys};
 use delivery::SqsSubscription;
 
 #[cfg(doc)]

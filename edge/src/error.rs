@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use queue::BoxError;
+
 /// What went wrong talking to the platform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -16,13 +18,22 @@ pub enum EdgeErrorKind {
     Config,
 }
 
-/// An error from the edge binding.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// An error from the edge binding: its [`kind`](EdgeError::kind), a message
+/// naming what failed, and, where the cause is an ordinary Rust error (a
+/// payload that does not encode), that error as the
+/// [`source`](std::error::Error::source). Errors the platform raises as
+/// JavaScript values (`worker::Error`, a `JsValue`) are not `Send`, so only
+/// their text is kept, in the message.
+#[derive(Debug, thiserror::Error)]
+#[error("cloudflare: {}: {message}", kind.describe())]
+#[non_exhaustive]
 pub struct EdgeError {
     /// The kind.
     pub kind: EdgeErrorKind,
-    /// What happened.
+    /// What happened (with the cause's text, if there is one).
     pub message: String,
+    #[source]
+    source: Option<BoxError>,
 }
 
 impl EdgeError {
@@ -30,30 +41,45 @@ impl EdgeError {
         EdgeError {
             kind,
             message: message.into(),
+            source: None,
         }
     }
-}
 
-impl EdgeError {
-    /// A failed platform call whose effect is unknown.
+    /// An error of `kind` caused by `source`, kept as the source. The
+    /// message is the source's text, after `context` (what failed) if given.
+    pub(crate) fn caused_by(
+        kind: EdgeErrorKind,
+        context: Option<&str>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        let message = match context {
+            Some(context) => format!("{context}: {source}"),
+            None => source.to_string(),
+        };
+        EdgeError {
+            kind,
+            message,
+            source: Some(Box::new(source)),
+        }
+    }
+
+    /// A failed platform call whose effect is unknown. `detail` is the
+    /// platform's error, kept as text.
     pub fn uncertain(what: &str, detail: impl fmt::Display) -> Self {
         EdgeError::new(EdgeErrorKind::Uncertain, format!("{what}: {detail}"))
     }
 }
 
-impl fmt::Display for EdgeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.kind {
+impl EdgeErrorKind {
+    fn describe(self) -> &'static str {
+        match self {
             EdgeErrorKind::Unsupported => "unsupported",
             EdgeErrorKind::Uncertain => "outcome uncertain",
             EdgeErrorKind::Encode => "encoding error",
             EdgeErrorKind::Config => "configuration error",
-        };
-        write!(f, "cloudflare: {kind}: {}", self.message)
+        }
     }
 }
-
-impl std::error::Error for EdgeError {}
 
 impl From<EdgeError> for queue::SettlementError {
     fn from(err: EdgeError) -> Self {
@@ -64,5 +90,40 @@ impl From<EdgeError> for queue::SettlementError {
             EdgeErrorKind::Config => queue::ErrorKind::Config,
         };
         queue::SettlementError::new(kind, err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn a_rust_cause_is_kept_as_the_source() {
+        let cause = serde_json::from_str::<u32>("x").unwrap_err();
+        let text = cause.to_string();
+        let err = EdgeError::caused_by(EdgeErrorKind::Encode, Some("the payload"), cause);
+        assert_eq!(
+            err.to_string(),
+            format!("cloudflare: encoding error: the payload: {text}")
+        );
+        assert!(err
+            .source()
+            .and_then(|s| s.downcast_ref::<serde_json::Error>())
+            .is_some());
+        let settlement = queue::SettlementError::from(err);
+        assert_eq!(settlement.kind(), queue::ErrorKind::Encode);
+        assert!(settlement.get_ref().downcast_ref::<EdgeError>().is_some());
+    }
+
+    #[test]
+    fn a_platform_error_keeps_its_text() {
+        let err = EdgeError::uncertain("ack", "refused");
+        assert_eq!(
+            err.to_string(),
+            "cloudflare: outcome uncertain: ack: refused"
+        );
+        assert!(err.source().is_none());
     }
 }

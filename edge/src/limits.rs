@@ -52,7 +52,7 @@ pub(crate) fn check_message_size(body: &str) -> Result<(), EdgeError> {
 /// [`MAX_MESSAGE_BYTES`].
 pub(crate) fn envelope_text(envelope: &Envelope) -> Result<String, EdgeError> {
     let text = String::from_utf8(envelope.encode())
-        .map_err(|e| EdgeError::new(EdgeErrorKind::Encode, e.to_string()))?;
+        .map_err(|e| EdgeError::caused_by(EdgeErrorKind::Encode, None, e))?;
     check_message_size(&text)?;
     Ok(text)
 }
@@ -88,7 +88,7 @@ mod tests {
 
     #[test]
     fn a_body_at_the_limit_is_accepted() {
-        assert_eq!(check_message_size(&"a".repeat(MAX_MESSAGE_BYTES)), Ok(()));
+        check_message_size(&"a".repeat(MAX_MESSAGE_BYTES)).unwrap();
         let text = envelope_text(&envelope_of(MAX_MESSAGE_BYTES)).unwrap();
         assert_eq!(text.len(), MAX_MESSAGE_BYTES);
     }
@@ -113,20 +113,17 @@ mod tests {
         assert_eq!(body.chars().count(), MAX_MESSAGE_BYTES / 2 + 1);
         let err = check_message_size(&body).unwrap_err();
         assert!(err.to_string().contains("128002 bytes"), "{err}");
-        assert_eq!(
-            check_message_size(&"é".repeat(MAX_MESSAGE_BYTES / 2)),
-            Ok(())
-        );
+        check_message_size(&"é".repeat(MAX_MESSAGE_BYTES / 2)).unwrap();
     }
 
     #[test]
     fn delays_up_to_24_hours_in_whole_seconds() {
-        assert_eq!(delay_seconds(None), Ok(None));
+        assert_eq!(delay_seconds(None).unwrap(), None);
         assert_eq!(
-            delay_seconds(Some(Duration::from_millis(2500))),
-            Ok(Some(3))
+            delay_seconds(Some(Duration::from_millis(2500))).unwrap(),
+            Some(3)
         );
-        assert_eq!(delay_seconds(Some(MAX_DELAY)), Ok(Some(86_400)));
+        assert_eq!(delay_seconds(Some(MAX_DELAY)).unwrap(), Some(86_400));
         let err = delay_seconds(Some(MAX_DELAY + Duration::from_millis(1))).unwrap_err();
         assert_eq!(err.kind, EdgeErrorKind::Unsupported);
         assert!(err.to_string().contains("24 hours"));

@@ -44,7 +44,7 @@ impl EdgeProducer {
         metadata: BTreeMap<String, String>,
     ) -> Result<Envelope, EdgeError> {
         let payload = serde_json::to_value(payload)
-            .map_err(|e| EdgeError::new(EdgeErrorKind::Encode, e.to_string()))?;
+            .map_err(|e| EdgeError::caused_by(EdgeErrorKind::Encode, None, e))?;
         let mut envelope = Envelope::new(job.name(), payload);
         envelope.metadata = metadata;
         Ok(envelope)

@@ -560,13 +560,8 @@ impl CloudflareQueues {
         delay: Duration,
     ) -> Result<String, EdgeError> {
         let payload = serde_json::to_value(payload).map_err(|e| {
-            EdgeError::new(
-                EdgeErrorKind::Encode,
-                format!(
-                    "the payload for job `{}` does not serialize: {e}",
-                    job.name()
-                ),
-            )
+            let context = format!("the payload for job `{}` does not serialize", job.name());
+            EdgeError::caused_by(EdgeErrorKind::Encode, Some(&context), e)
         })?;
         let envelope = Envelope::new(job.name(), payload);
         let text = crate::limits::envelope_text(&envelope)?;

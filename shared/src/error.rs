@@ -58,7 +58,11 @@ pub struct JobError {
 }
 
 /// What a handler error asks for, read from its source chain.
+///
+/// Non-exhaustive: a new marker may add an outcome, so a `match` outside this
+/// crate needs a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// Retry after the job's backoff; terminal failure at the attempt cap.
     Ordinary,

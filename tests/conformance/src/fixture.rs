@@ -238,8 +238,10 @@ impl Broker for RabbitMq {
 
     fn unreachable(config: &Self::Config) -> Option<(Vec<Self::Config>, Vec<String>)> {
         const SECRET: &str = "conformance-rabbit-secret";
+        // The same scheme: a TLS configuration keeps its certificates.
+        let scheme = config.url.split_once("://").map_or("amqp", |(s, _)| s);
         let mut unreachable = config.clone();
-        unreachable.url = format!("amqp://guest:{SECRET}@{}/%2f", closed_address());
+        unreachable.url = format!("{scheme}://guest:{SECRET}@{}/%2f", closed_address());
         Some((vec![unreachable], vec![SECRET.into()]))
     }
 }

@@ -59,7 +59,7 @@ impl EdgeConfig {
         }
         if let Some(max_retries) = self.platform_max_retries {
             for spec in registry.specs() {
-                crate::wrangler::job_max_retries(spec, max_retries)?;
+                crate::wrangler::job_max_retries(spec, &spec.queue, max_retries)?;
             }
         }
         Ok(())

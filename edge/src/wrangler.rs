@@ -23,7 +23,8 @@ use std::fmt;
 use std::time::Duration;
 
 use queue::{
-    deliveries_needed, JobSpec, PolicyError, Registry, UnknownNameAttempts, SHUTDOWN_GRACE,
+    check_job_delivery_limit, check_unknown_name_delivery_limit, JobSpec, LimitedBy, PolicyError,
+    Registry, UnknownNameAttempts, SHUTDOWN_GRACE,
 };
 use serde::Deserialize;
 
@@ -331,14 +332,8 @@ impl Wrangler {
                 )),
                 Some(consumer) => {
                     for spec in registry.specs() {
-                        if let Err(PolicyError::Invalid { job, field, reason }) =
-                            job_max_retries(spec, consumer.max_retries)
-                        {
-                            problems.push(PolicyError::Invalid {
-                                job,
-                                field,
-                                reason: format!("on queue `{queue}`: {reason}"),
-                            });
+                        if let Err(e) = job_max_retries(spec, queue, consumer.max_retries) {
+                            problems.push(e);
                         }
                     }
                 }
@@ -356,7 +351,7 @@ impl Wrangler {
                     ),
                 )),
                 Some(consumer) => {
-                    if let Err(e) = job_max_retries(spec, consumer.max_retries) {
+                    if let Err(e) = job_max_retries(spec, &spec.queue, consumer.max_retries) {
                         problems.push(e);
                     }
                 }
@@ -496,53 +491,44 @@ impl Checked {
     }
 }
 
-/// Whether a consumer whose `max_retries` is `max_retries` lets the facade,
-/// not the platform, end every message of the job `spec`: the platform's
-/// deliveries (`max_retries + 1`) must reach [`queue::deliveries_needed`]
-/// for the job's cap on a backend that cannot count graceful-shutdown
-/// returns (the cap, plus the delivery on which a message that crashes the
-/// instance every time is recorded, plus [`SHUTDOWN_GRACE`]). A job without
-/// a cap can never be honoured: the platform always ends its messages first.
-/// The error names the job and the field `retry`.
-pub(crate) fn job_max_retries(spec: &JobSpec, max_retries: u32) -> Result<(), PolicyError> {
+/// Whether the consumer of `queue`, whose `max_retries` is `max_retries`,
+/// lets the facade, not the platform, end every message of the job `spec`:
+/// the broker-cap rule ([`queue::check_job_delivery_limit`]) with the
+/// platform's deliveries (`max_retries + 1`), on a backend that cannot
+/// count graceful-shutdown returns, phrased for wrangler.toml. The error
+/// names the job and the field `retry`.
+pub(crate) fn job_max_retries(
+    spec: &JobSpec,
+    queue: &str,
+    max_retries: u32,
+) -> Result<(), PolicyError> {
     let deliveries = max_retries.saturating_add(1);
-    let cap = spec.retry.attempts;
-    let reason = match deliveries_needed(cap, false) {
-        Some(needed) if needed <= deliveries => return Ok(()),
-        Some(needed) => format!(
-            "this job's cap of {cap} needs {needed} deliveries on Cloudflare (the cap, the delivery that records a message crashing the instance every time, and {SHUTDOWN_GRACE} of grace for a delivery handed back), but the consumer of `{}` has max_retries = {max_retries} ({deliveries} deliveries): {}",
-            spec.queue,
+    let Err(refused) = check_job_delivery_limit(spec, queue, deliveries, false) else {
+        return Ok(());
+    };
+    let reason = match (refused.by, refused.needed) {
+        (LimitedBy::Job { cap, .. }, Some(needed)) => format!(
+            "this job's cap of {cap} needs {needed} deliveries on Cloudflare (the cap, the delivery that records a message crashing the instance every time, and {SHUTDOWN_GRACE} of grace for a delivery handed back), but the consumer of `{queue}` has max_retries = {max_retries} ({deliveries} deliveries): {}",
             raise_to(needed)
         ),
-        None => format!(
-            "this job has no cap, but the consumer of `{}` has max_retries = {max_retries}: the platform would end its messages with no failure record; give the job a cap",
-            spec.queue
+        _ => format!(
+            "this job has no cap, but the consumer of `{queue}` has max_retries = {max_retries}: the platform would end its messages with no failure record; give the job a cap"
         ),
     };
     Err(invalid(&spec.name, "retry", reason))
 }
 
-/// The deliveries the platform must allow so that the facade, not the
-/// platform, ends a message whose job name this worker does not know, for
-/// the registry's unknown-name cap `cap`; `None` when the cap is unlimited
-/// (no finite `max_retries` is enough).
+/// The unknown-name half of the rule for one job queue's consumer
+/// ([`queue::check_unknown_name_delivery_limit`]), phrased for
+/// wrangler.toml.
 ///
-/// The facade fails such a message on delivery `limit` without running
-/// anything, so no delivery is needed for a crash bound (the name alone
-/// cannot crash the instance). But a delivery can still end without a
-/// settlement: the invocation budget can run out before the message is
-/// reached (the message is handed back and the platform counts the
-/// delivery), or a batch-mate's panic can abort the instance. The platform
-/// cannot tell those from a settled delivery, so, as for a job's cap
-/// ([`queue::deliveries_needed`]), one delivery of grace
-/// ([`SHUTDOWN_GRACE`]) is added: the message that loses its last delivery
-/// that way still ends in the facade's failure record.
-pub(crate) fn unknown_name_deliveries_needed(cap: UnknownNameAttempts) -> Option<u32> {
-    cap.limit()
-        .map(|limit| limit.saturating_add(SHUTDOWN_GRACE))
-}
-
-/// The unknown-name rule for one job queue's consumer.
+/// The facade fails a message with an unknown job name on delivery `limit`
+/// without running anything, so the name alone cannot crash the instance.
+/// But a delivery can still end without a settlement on Cloudflare: the
+/// invocation budget can run out before the message is reached (it is
+/// handed back and the platform counts the delivery), or a batch-mate's
+/// panic can abort the instance. Hence the one delivery of grace
+/// ([`queue::unknown_name_deliveries_needed`]).
 fn unknown_names_problem(
     queue: &str,
     consumer: &ConsumerSettings,
@@ -550,16 +536,16 @@ fn unknown_names_problem(
 ) -> Option<String> {
     let max_retries = consumer.max_retries;
     let deliveries = consumer.deliveries();
-    match (cap.limit(), unknown_name_deliveries_needed(cap)) {
-        (Some(_), Some(needed)) if needed <= deliveries => None,
-        (Some(limit), Some(needed)) => Some(format!(
+    let refused = check_unknown_name_delivery_limit(cap, queue, deliveries).err()?;
+    Some(match (refused.by, refused.needed) {
+        (LimitedBy::UnknownName { limit: Some(limit) }, Some(needed)) => format!(
             "queue `{queue}`: a message with an unknown job name fails on delivery {limit} (the registry's unknown-name cap), and with {SHUTDOWN_GRACE} of grace for a delivery handed back needs {needed} deliveries, but the consumer has max_retries = {max_retries} ({deliveries} deliveries): {}",
             raise_to(needed)
-        )),
-        _ => Some(format!(
+        ),
+        _ => format!(
             "queue `{queue}`: the registry's unknown-name cap is unlimited, but the consumer has max_retries = {max_retries}: the platform would end such a message with no failure record; set a limited unknown-name cap"
-        )),
-    }
+        ),
+    })
 }
 
 /// What to tell the operator when `needed` deliveries are required.
@@ -585,7 +571,7 @@ fn invalid(job: &str, field: &'static str, reason: String) -> PolicyError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use queue::{Job, JobContext};
+    use queue::{deliveries_needed, unknown_name_deliveries_needed, Job, JobContext};
 
     /// A registry with one job per `(name, queue, cap)` and the given
     /// unknown-name cap.
@@ -889,7 +875,7 @@ name = "w-staging"
         // deliveries = max_retries 10.
         let r = registry(&[("j", "jobs", 2)], UnknownNameAttempts::default());
         assert_eq!(
-            unknown_name_deliveries_needed(UnknownNameAttempts::default()),
+            unknown_name_deliveries_needed(UnknownNameAttempts::default().limit()),
             Some(11)
         );
         let problems = Wrangler::parse(&toml_with("jobs", 9))

@@ -107,7 +107,8 @@ pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Rej
 pub use event::{Event, EventKind, EventSink};
 pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
 pub use limit::{
-    check_delivery_limit, unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
+    check_delivery_limit, check_job_delivery_limit, check_unknown_name_delivery_limit,
+    unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
 };
 pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 pub use overrides::Overrides;

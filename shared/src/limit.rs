@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::{deliveries_needed, Registry, SHUTDOWN_GRACE};
+use crate::{deliveries_needed, JobSpec, Registry, UnknownNameAttempts, SHUTDOWN_GRACE};
 
 /// Whose deliveries a [`DeliveryLimitError`] is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,20 +89,22 @@ pub fn unknown_name_deliveries_needed(limit: Option<u32>) -> Option<u32> {
 /// `registry` on that queue and against the unknown-name rule. `None`: the
 /// backend sets no limit, which always passes.
 /// `counts_shutdown_returns`: whether the backend carries graceful-shutdown
-/// returns across deliveries (see
-/// [`deliveries_needed`](crate::deliveries_needed)).
-///
-/// The first job (by name) that needs more is reported, then the
-/// unknown-name rule.
+/// returns across deliveries (see [`deliveries_needed`]).
 ///
 /// Most brokers can end a message themselves after some number of
 /// deliveries (JetStream `MaxDeliver`, SQS `maxReceiveCount`, a quorum
 /// queue's `x-delivery-limit`, Cloudflare's `max_retries`). A message ended
 /// that way gets no failure record, so a backend whose limit is below what a
-/// job needs ([`deliveries_needed`](crate::deliveries_needed)) is refused
-/// before anything is consumed. Every host checks the same rule, from the
-/// registry's own jobs: the native consumer with the limit its driver
-/// reports, the edge with the consumer's `max_retries` from `wrangler.toml`.
+/// job needs ([`deliveries_needed`]) is refused before anything is consumed.
+/// Every host checks the same rule, from the registry's own jobs: the native
+/// consumer with the limit its driver reports, the edge with the consumer's
+/// `max_retries` from `wrangler.toml`.
+///
+/// The first job (by name) that needs more is reported, then the
+/// unknown-name rule. A host that reports every problem at once (the edge's
+/// wrangler.toml check) applies the two halves of the rule itself:
+/// [`check_job_delivery_limit`] for each job and
+/// [`check_unknown_name_delivery_limit`] for each queue.
 pub fn check_delivery_limit(
     registry: &Registry,
     queue: &str,
@@ -112,34 +114,66 @@ pub fn check_delivery_limit(
     let Some(allowed) = allowed else {
         return Ok(());
     };
-    let refuse = |by: LimitedBy, needed: Option<u32>| DeliveryLimitError {
-        queue: queue.to_string(),
-        by,
-        needed,
-        allowed,
-    };
     let mut jobs: Vec<_> = registry.specs().filter(|s| s.queue == queue).collect();
     jobs.sort_by(|a, b| a.name.cmp(&b.name));
     for spec in jobs {
-        let cap = spec.retry.attempts;
-        let needed = deliveries_needed(cap, counts_shutdown_returns);
-        if needed.is_none_or(|needed| needed > allowed) {
-            let name = spec.name.clone();
-            return Err(refuse(LimitedBy::Job { name, cap }, needed));
-        }
+        check_job_delivery_limit(spec, queue, allowed, counts_shutdown_returns)?;
     }
-    let limit = registry.unknown_name_attempts_setting().limit();
+    check_unknown_name_delivery_limit(registry.unknown_name_attempts_setting(), queue, allowed)
+}
+
+/// The rule for one job consumed from `queue`: `allowed` deliveries must
+/// reach [`deliveries_needed`] for the job's cap (a job without a cap never
+/// fits a finite limit).
+pub fn check_job_delivery_limit(
+    spec: &JobSpec,
+    queue: &str,
+    allowed: u32,
+    counts_shutdown_returns: bool,
+) -> Result<(), DeliveryLimitError> {
+    let cap = spec.retry.attempts;
+    let needed = deliveries_needed(cap, counts_shutdown_returns);
+    if needed.is_some_and(|needed| needed <= allowed) {
+        return Ok(());
+    }
+    Err(DeliveryLimitError {
+        queue: queue.to_string(),
+        by: LimitedBy::Job {
+            name: spec.name.clone(),
+            cap,
+        },
+        needed,
+        allowed,
+    })
+}
+
+/// The rule for messages on `queue` whose job name has no handler, under
+/// the registry's unknown-name cap `cap`: `allowed` deliveries must reach
+/// [`unknown_name_deliveries_needed`] (an unlimited cap never fits a finite
+/// limit). It applies to every consumed queue, with jobs or not: a stray
+/// name can arrive anywhere.
+pub fn check_unknown_name_delivery_limit(
+    cap: UnknownNameAttempts,
+    queue: &str,
+    allowed: u32,
+) -> Result<(), DeliveryLimitError> {
+    let limit = cap.limit();
     let needed = unknown_name_deliveries_needed(limit);
-    if needed.is_none_or(|needed| needed > allowed) {
-        return Err(refuse(LimitedBy::UnknownName { limit }, needed));
+    if needed.is_some_and(|needed| needed <= allowed) {
+        return Ok(());
     }
-    Ok(())
+    Err(DeliveryLimitError {
+        queue: queue.to_string(),
+        by: LimitedBy::UnknownName { limit },
+        needed,
+        allowed,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Job, JobContext, UnknownNameAttempts};
+    use crate::{Job, JobContext};
 
     fn build(jobs: &[(&str, &str, u32)], unknown: UnknownNameAttempts) -> Registry {
         let mut registry = Registry::new();
@@ -209,6 +243,23 @@ mod tests {
         let unlimited = build(&[("a", "q", 1)], UnknownNameAttempts::unlimited());
         let err = check_delivery_limit(&unlimited, "q", Some(1000), true).unwrap_err();
         assert_eq!(err.by, LimitedBy::UnknownName { limit: None });
+    }
+
+    #[test]
+    fn the_halves_judge_one_job_and_one_queue() {
+        let registry = build(&[("big", "q", 6)], UnknownNameAttempts::limited(2));
+        let spec = registry.spec("big").unwrap();
+        // Held to another queue's limit (a second queue with the same jobs).
+        let err = check_job_delivery_limit(spec, "also", 7, false).unwrap_err();
+        assert_eq!(
+            (err.queue.as_str(), err.needed, err.allowed),
+            ("also", Some(8), 7)
+        );
+        assert_eq!(check_job_delivery_limit(spec, "also", 8, false), Ok(()));
+        let cap = UnknownNameAttempts::limited(2);
+        assert_eq!(check_unknown_name_delivery_limit(cap, "also", 3), Ok(()));
+        let err = check_unknown_name_delivery_limit(cap, "also", 2).unwrap_err();
+        assert_eq!(err.by, LimitedBy::UnknownName { limit: Some(2) });
     }
 
     fn registry_with_uncapped() -> Registry {

@@ -27,6 +27,7 @@ use tokio::task::AbortHandle;
 use crate::driver::{
     Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
+use crate::support::{lock, Lifecycle};
 
 const NAME: &str = "memory";
 
@@ -37,14 +38,6 @@ pub struct MemoryConfig {
     /// Longer requests fail as [`ErrorKind::Unsupported`] and the message
     /// stays queued.
     pub max_retry_delay: Option<Duration>,
-}
-
-fn stopped() -> DriverError {
-    DriverError::new(
-        NAME,
-        ErrorKind::Stopped,
-        "the memory driver has been stopped",
-    )
 }
 
 #[derive(Debug)]
@@ -69,11 +62,14 @@ struct State {
     queues: HashMap<String, QueueState>,
     failures: HashMap<String, Vec<FailureRecord>>,
     timers: Vec<AbortHandle>,
-    stopped: bool,
 }
 
 struct Inner {
     config: MemoryConfig,
+    /// Set before `stop` clears the queues under the state lock, and read
+    /// under that lock wherever work is added, so nothing is queued after a
+    /// stop.
+    lifecycle: Lifecycle,
     state: Mutex<State>,
 }
 
@@ -95,23 +91,28 @@ impl MemoryDriver {
         MemoryDriver {
             inner: Arc::new(Inner {
                 config,
+                lifecycle: Lifecycle::new(NAME),
                 state: Mutex::default(),
             }),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.inner.state)
     }
 
     /// Terminal failures recorded for `queue`, oldest first.
     pub fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
-        self.lock().failures.get(queue).cloned().unwrap_or_default()
+        self.state()
+            .failures
+            .get(queue)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Messages on `queue` that are ready, delayed or being handled.
     pub fn depth(&self, queue: &str) -> usize {
-        self.lock()
+        self.state()
             .queues
             .get(queue)
             .map_or(0, |q| q.ready.len() + q.delayed + q.in_flight)
@@ -119,14 +120,12 @@ impl MemoryDriver {
 
     /// Messages on `queue` ready for delivery now.
     pub fn ready(&self, queue: &str) -> usize {
-        self.lock().queues.get(queue).map_or(0, |q| q.ready.len())
+        self.state().queues.get(queue).map_or(0, |q| q.ready.len())
     }
 
     fn enqueue(&self, queue: &str, stored: Stored, front: bool) -> Result<(), DriverError> {
-        let mut state = self.lock();
-        if state.stopped {
-            return Err(stopped());
-        }
+        let mut state = self.state();
+        self.inner.lifecycle.check_running()?;
         let q = state.queues.entry(queue.to_string()).or_default();
         if front {
             q.ready.push_front(stored);
@@ -143,17 +142,15 @@ impl MemoryDriver {
         stored: Stored,
         delay: Duration,
     ) -> Result<(), DriverError> {
-        let mut state = self.lock();
-        if state.stopped {
-            return Err(stopped());
-        }
+        let mut state = self.state();
+        self.inner.lifecycle.check_running()?;
         state.queues.entry(queue.to_string()).or_default().delayed += 1;
         let driver = self.clone();
         let queue = queue.to_string();
         let timer = tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            let mut state = driver.lock();
-            if state.stopped {
+            let mut state = driver.state();
+            if driver.inner.lifecycle.is_stopped() {
                 return;
             }
             let q = state.queues.entry(queue).or_default();
@@ -197,10 +194,8 @@ impl Driver for MemoryDriver {
         queue: &str,
         _prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
-        let mut state = self.lock();
-        if state.stopped {
-            return Err(stopped());
-        }
+        let mut state = self.state();
+        self.inner.lifecycle.check_running()?;
         let notify = state
             .queues
             .entry(queue.to_string())
@@ -215,8 +210,8 @@ impl Driver for MemoryDriver {
     }
 
     async fn stop(&self) -> Result<(), DriverError> {
-        let mut state = self.lock();
-        state.stopped = true;
+        self.inner.lifecycle.stop();
+        let mut state = self.state();
         for timer in state.timers.drain(..) {
             timer.abort();
         }
@@ -241,8 +236,8 @@ impl Subscription for MemorySubscription {
         loop {
             let notified = self.notify.notified();
             {
-                let mut state = self.driver.lock();
-                if state.stopped {
+                let mut state = self.driver.state();
+                if self.driver.inner.lifecycle.is_stopped() {
                     return None;
                 }
                 let q = state.queues.entry(self.queue.clone()).or_default();
@@ -275,7 +270,7 @@ struct MemoryDelivery {
 
 impl MemoryDelivery {
     fn release(&mut self) {
-        let mut state = self.driver.lock();
+        let mut state = self.driver.state();
         if let Some(q) = state.queues.get_mut(&self.queue) {
             q.in_flight = q.in_flight.saturating_sub(1);
         }
@@ -307,11 +302,11 @@ impl Delivery for MemoryDelivery {
     }
 
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
-        if self.driver.lock().stopped {
+        if let Err(stopped) = self.driver.inner.lifecycle.check_running() {
             // Dropping would try to requeue; a stopped driver keeps nothing.
             self.stored = None;
             self.release();
-            return Err(stopped());
+            return Err(stopped);
         }
         match settlement {
             Settlement::Ack | Settlement::Reject => {}
@@ -343,7 +338,7 @@ impl Delivery for MemoryDelivery {
             }
             Settlement::Fail(record) => {
                 self.driver
-                    .lock()
+                    .state()
                     .failures
                     .entry(self.queue.clone())
                     .or_default()

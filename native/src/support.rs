@@ -1,6 +1,16 @@
 //! What every driver needs the same way, written once: errors that keep the
 //! client's cause, poison-tolerant locks, the stopped state, and the wait
 //! between reconnection attempts.
+// Without any driver feature nothing here has a user.
+#![cfg_attr(
+    not(any(
+        feature = "memory",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "sqs"
+    )),
+    allow(dead_code)
+)]
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -14,6 +24,10 @@ use crate::driver::{DriverError, ErrorKind};
 /// client's own error kept as the [`source`](std::error::Error::source) (so
 /// [`DriverError::find`] reaches it). Its text is `"{doing}: {cause}"`, so a
 /// log line that prints only the top error still says everything.
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "sqs")),
+    allow(dead_code)
+)]
 #[derive(Debug, thiserror::Error)]
 #[error("{doing}: {source}")]
 pub(crate) struct Step<E: std::error::Error + Send + Sync + 'static> {
@@ -24,6 +38,10 @@ pub(crate) struct Step<E: std::error::Error + Send + Sync + 'static> {
 
 /// A [`DriverError`] of `kind` from `driver`: `doing` failed with the
 /// client's error `source`, which is kept.
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "sqs")),
+    allow(dead_code)
+)]
 pub(crate) fn failed<E: std::error::Error + Send + Sync + 'static>(
     driver: &'static str,
     kind: ErrorKind,
@@ -83,6 +101,10 @@ impl Lifecycle {
         !self.stopped.send_replace(true)
     }
 
+    #[cfg_attr(
+        not(any(feature = "rabbitmq", feature = "nats", feature = "sqs")),
+        allow(dead_code)
+    )]
     /// Resolves once the driver is stopped (at once if it already is).
     pub(crate) async fn stopped(&self) {
         let mut watch = self.stopped.subscribe();
@@ -149,7 +171,12 @@ mod tests {
 
     #[test]
     fn a_failed_step_keeps_the_client_error() {
-        let err = failed("test", ErrorKind::Connection, "declare queue `q`", ClientError);
+        let err = failed(
+            "test",
+            ErrorKind::Connection,
+            "declare queue `q`",
+            ClientError,
+        );
         assert_eq!(
             err.to_string(),
             "test driver: connection error: declare queue `q`: refused by the server"
@@ -157,8 +184,13 @@ mod tests {
         assert!(err.find::<ClientError>().is_some());
         let err = err.not_sent();
         assert_eq!(err.kind(), ErrorKind::NotAccepted);
-        assert!(err.find::<ClientError>().is_some(), "not_sent keeps the cause");
-        assert!(err.to_string().contains("not sent: test driver: connection error: declare queue"));
+        assert!(
+            err.find::<ClientError>().is_some(),
+            "not_sent keeps the cause"
+        );
+        assert!(err
+            .to_string()
+            .contains("not sent: test driver: connection error: declare queue"));
     }
 
     #[test]

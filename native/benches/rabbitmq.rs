@@ -22,7 +22,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use queue::{Job, JobContext, Registry};
-use queue_native::{Consumer, Driver, Producer, RabbitConfig, RabbitDriver};
+use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use queue_native::{Consumer, Driver, Producer};
 use serde::{Deserialize, Serialize};
 
 const N: u64 = 2_000;

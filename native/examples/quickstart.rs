@@ -103,11 +103,11 @@ impl EventSink for Printer {
 enum Backend {
     Memory(queue_native::MemoryDriver),
     #[cfg(feature = "rabbitmq")]
-    Rabbit(queue_native::RabbitDriver),
+    Rabbit(queue_native::rabbitmq::RabbitDriver),
     #[cfg(feature = "nats")]
-    Nats(queue_native::NatsDriver),
+    Nats(queue_native::nats::NatsDriver),
     #[cfg(feature = "sqs")]
-    Sqs(queue_native::SqsDriver),
+    Sqs(queue_native::sqs::SqsDriver),
 }
 
 /// The backends this build of the example can use.
@@ -133,28 +133,28 @@ impl Backend {
             "rabbitmq" => {
                 let url = std::env::var("RABBITMQ_URL")
                     .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-                let config = queue_native::RabbitConfig::new(url);
+                let config = queue_native::rabbitmq::RabbitConfig::new(url);
                 Ok(Backend::Rabbit(
-                    queue_native::RabbitDriver::connect(config).await?,
+                    queue_native::rabbitmq::RabbitDriver::connect(config).await?,
                 ))
             }
             #[cfg(feature = "nats")]
             "nats" => {
                 let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-                let config = queue_native::NatsConfig::new(url);
-                Ok(Backend::Nats(queue_native::NatsDriver::connect(config).await?))
+                let config = queue_native::nats::NatsConfig::new(url);
+                Ok(Backend::Nats(queue_native::nats::NatsDriver::connect(config).await?))
             }
             #[cfg(feature = "sqs")]
             "sqs" => {
                 let region = std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into());
-                let mut config = queue_native::SqsConfig::new(region);
+                let mut config = queue_native::sqs::SqsConfig::new(region);
                 // A local emulator (tests/sqs-emulator) takes any static keys.
                 if let Ok(endpoint) = std::env::var("SQS_ENDPOINT") {
                     config = config
                         .endpoint(endpoint)
-                        .credentials(queue_native::SqsCredentials::fixed("test", "test"));
+                        .credentials(queue_native::sqs::SqsCredentials::fixed("test", "test"));
                 }
-                Ok(Backend::Sqs(queue_native::SqsDriver::connect(config).await?))
+                Ok(Backend::Sqs(queue_native::sqs::SqsDriver::connect(config).await?))
             }
             other => Err(format!(
                 "unknown backend `{other}`: this build knows {} (build with --features rabbitmq, nats or sqs for more)",

@@ -1,16 +1,3 @@
-//! The native worker: pulls deliveries, runs handlers, settles.
-//!
-//! One intake loop takes deliveries from every queue under one concurrency
-//! limit (a slot is taken only once a queue has a delivery for it, so an
-//! idle queue never starves the others) and spawns one task per delivery,
-//! which runs [`queue::Registry::deliver`]. Shutdown follows the rules' order:
-//! stop taking new deliveries and close the subscriptions (what was not taken
-//! stays with the backend, and a broker that pushes stops pushing before any
-//! settlement frees a prefetch slot), cancel the handlers' contexts, then join
-//! every active delivery, each of which settles with a fresh 30-second budget
-//! that shutdown does not cut short. Only then may the application stop the
-//! driver.
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,6 +52,17 @@ impl ConsumerBuilder {
 }
 
 /// Runs registered handlers against a driver's queues.
+///
+/// One intake loop takes deliveries from every queue under one concurrency
+/// limit (a slot is taken only once a queue has a delivery for it, so an
+/// idle queue never starves the others) and spawns one task per delivery,
+/// which runs [`queue::Registry::deliver`]. Shutdown follows the rules' order:
+/// stop taking new deliveries and close the subscriptions (what was not taken
+/// stays with the backend, and a broker that pushes stops pushing before any
+/// settlement frees a prefetch slot), cancel the handlers' contexts, then join
+/// every active delivery, each of which settles with a fresh 30-second budget
+/// that shutdown does not cut short. Only then may the application stop the
+/// driver.
 pub struct Consumer {
     driver: Arc<dyn Driver>,
     registry: Arc<Registry>,

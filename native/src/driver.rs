@@ -1,13 +1,3 @@
-//! The driver interface: what a backend must do for the worker.
-//!
-//! A driver stores messages ([`Driver::send`]), hands out deliveries
-//! ([`Driver::subscribe`]) and carries out settlements
-//! ([`Delivery::settle`]). It decides nothing: the consumer runs each
-//! delivery through [`queue::Registry::deliver`], which decides what to
-//! request and reports what the backend answered. To support a new
-//! backend, implement these three traits and run the conformance suite
-//! (`queue-conformance`) against it.
-
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -107,6 +97,14 @@ pub struct Outgoing {
 }
 
 /// A backend.
+///
+/// A driver stores messages ([`Driver::send`]), hands out deliveries
+/// ([`Driver::subscribe`]) and carries out settlements
+/// ([`Delivery::settle`]). It decides nothing: the consumer runs each
+/// delivery through [`queue::Registry::deliver`], which decides what to
+/// request and reports what the backend answered. To support a new
+/// backend, implement these three traits and run the conformance suite
+/// (`queue-conformance`) against it.
 #[async_trait]
 pub trait Driver: Send + Sync + 'static {
     /// A short name for logs and errors (`memory`, `rabbitmq`...).

@@ -5,18 +5,22 @@
 //! a [`queue::Registry`], dispatch with a [`Producer`], and consume with a
 //! [`Consumer`].
 //!
-//! # Layout
+//! # What is where
 //!
-//! - [`driver`]: the interface every backend implements.
-//! - [`producer`]: typed dispatch.
-//! - [`consumer`]: the worker loop, concurrency and graceful shutdown.
-//! - [`memory`]: the in-memory backend (feature `memory`, on by default).
-//! - `rabbitmq`: RabbitMQ through lapin (feature `rabbitmq`).
-//! - `sqs`: Amazon SQS through aws-sdk-sqs (feature `sqs`).
-//! - `nats`: NATS JetStream through async-nats (feature `nats`).
-//! - [`runtime`]: tokio's clock and sleep for the rules.
-//! - `overrides`: operator overrides from `QUEUE_CONFIG` and the
-//!   environment ([`apply_env_overrides`]).
+//! Every item has one path. The worker, the producer, the driver interface
+//! ([`Driver`], [`Subscription`], [`Delivery`], [`Capabilities`],
+//! [`DriverError`]), the in-memory backend ([`MemoryDriver`], feature
+//! `memory`, on by default), tokio's clock ([`TokioRuntime`]) and operator
+//! overrides ([`apply_env_overrides`]) are at the crate root. Each broker
+//! driver is a module of its own, with its contract (topology, guarantees,
+//! limits) in the module docs and its settings beside it:
+//!
+//! - `rabbitmq`: RabbitMQ through lapin (feature `rabbitmq`; `rabbitmq-tls`
+//!   for `amqps://`): `rabbitmq::{RabbitDriver, RabbitConfig}`.
+//! - `nats`: NATS JetStream through async-nats (feature `nats`):
+//!   `nats::{NatsDriver, NatsConfig}`.
+//! - `sqs`: Amazon SQS through aws-sdk-sqs (feature `sqs`):
+//!   `sqs::{SqsDriver, SqsConfig, SqsCredentials}`.
 //!
 //! # Example
 //!
@@ -50,17 +54,17 @@
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
 
-pub mod consumer;
-pub mod driver;
+mod consumer;
+mod driver;
 #[cfg(feature = "memory")]
-pub mod memory;
+mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod overrides;
-pub mod producer;
+mod producer;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
-pub mod runtime;
+mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 mod support;
@@ -69,12 +73,6 @@ pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};
-#[cfg(feature = "nats")]
-pub use nats::{NatsConfig, NatsDriver};
 pub use overrides::{apply_env_overrides, overrides_from_env};
 pub use producer::{DispatchOptions, Producer};
-#[cfg(feature = "rabbitmq")]
-pub use rabbitmq::{RabbitConfig, RabbitDriver};
 pub use runtime::TokioRuntime;
-#[cfg(feature = "sqs")]
-pub use sqs::{SqsConfig, SqsCredentials, SqsDriver};

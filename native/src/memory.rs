@@ -1,20 +1,3 @@
-//! The in-memory driver: a complete backend inside the process.
-//!
-//! For tests, demos and single-process applications. It keeps its own
-//! delivery counter per message (and, apart, how many deliveries a graceful
-//! shutdown handed back, so those never consume the job's cap), delays
-//! retries with timers, drops rejected
-//! messages and keeps terminal failures in an inspectable list. Nothing
-//! survives the process: [`MemoryDriver::stop`](crate::Driver::stop)
-//! discards pending and delayed work and refuses further retries.
-//!
-//! A delivery dropped without settlement (a crashed handler task, a consumer
-//! that went away) goes back to the front of its queue with its count kept,
-//! so it is redelivered with a higher attempt number, as a broker would.
-//!
-//! It has no size limit ([`Capabilities::max_message_bytes`] is `None`):
-//! a message is only as large as memory allows.
-
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -74,6 +57,21 @@ struct Inner {
 }
 
 /// The in-memory driver. Clones share the same queues.
+///
+/// For tests, demos and single-process applications. It keeps its own
+/// delivery counter per message (and, apart, how many deliveries a graceful
+/// shutdown handed back, so those never consume the job's cap), delays
+/// retries with timers, drops rejected
+/// messages and keeps terminal failures in an inspectable list. Nothing
+/// survives the process: [`MemoryDriver::stop`](crate::Driver::stop)
+/// discards pending and delayed work and refuses further retries.
+///
+/// A delivery dropped without settlement (a crashed handler task, a consumer
+/// that went away) goes back to the front of its queue with its count kept,
+/// so it is redelivered with a higher attempt number, as a broker would.
+///
+/// It has no size limit ([`Capabilities::max_message_bytes`] is `None`):
+/// a message is only as large as memory allows.
 #[derive(Clone)]
 pub struct MemoryDriver {
     inner: Arc<Inner>,

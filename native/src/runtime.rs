@@ -1,14 +1,12 @@
-//! The tokio implementation of the rules' injected clock and sleep.
-//!
-//! The clock is tokio's: under paused time (`tokio::time::pause`, a test's
-//! `start_paused`) it moves with the virtual clock, so deadlines, breaker
-//! cool-downs and sleeps all read the same time.
-
 use std::time::Duration;
 
 use queue::{BoxFuture, Clock, Instant, Runtime};
 
 /// Clock and sleep on tokio.
+///
+/// The clock is tokio's: under paused time (`tokio::time::pause`, a test's
+/// `start_paused`) it moves with the virtual clock, so deadlines, breaker
+/// cool-downs and sleeps all read the same time.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TokioRuntime;
 

@@ -153,7 +153,7 @@ impl fmt::Debug for SqsKeys {
 /// ```
 /// use async_trait::async_trait;
 /// use queue_native::sqs::{SqsCredentialSource, SqsKeys};
-/// use queue_native::{SqsConfig, SqsCredentials};
+/// use queue_native::sqs::{SqsConfig, SqsCredentials};
 ///
 /// #[derive(Debug)]
 /// struct Vault;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, Nats};
-use queue_native::NatsConfig;
+use queue_native::nats::NatsConfig;
 
 /// Short, so that redeliveries after a lost lease come quickly.
 const ACK_WAIT: Duration = Duration::from_secs(2);

@@ -16,7 +16,8 @@ use queue_conformance::harness::outgoing;
 use queue_conformance::scenarios::Work;
 use queue_conformance::servers::{NatsServer, Relay};
 use queue_conformance::Harness;
-use queue_native::{DispatchOptions, Driver, ErrorKind, NatsConfig};
+use queue_native::nats::NatsConfig;
+use queue_native::{DispatchOptions, Driver, ErrorKind};
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 const STREAM_PREFIX: &str = "EXTRA";

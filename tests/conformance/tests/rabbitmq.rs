@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, RabbitMq};
-use queue_native::RabbitConfig;
+use queue_native::rabbitmq::RabbitConfig;
 
 /// Small buckets so the scenarios' delays (tens to hundreds of ms) round up
 /// to something short.

@@ -19,7 +19,8 @@ use queue_conformance::harness::{outgoing, Calls};
 use queue_conformance::scenarios::Work;
 use queue_conformance::servers::Relay;
 use queue_conformance::{Backend, Harness};
-use queue_native::{Driver, ErrorKind, RabbitConfig, RabbitDriver};
+use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use queue_native::{Driver, ErrorKind};
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 

@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use queue::{Job, JobContext, Registry};
 use queue_conformance::scenarios::Work;
-use queue_native::{Consumer, Driver, Producer, RabbitConfig, RabbitDriver};
+use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use queue_native::{Consumer, Driver, Producer};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;

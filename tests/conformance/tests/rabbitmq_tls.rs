@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use queue_conformance::fixture::{Fixture, RabbitMq};
 use queue_conformance::harness::outgoing;
-use queue_native::{Driver, ErrorKind, RabbitConfig, RabbitDriver};
+use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use queue_native::{Driver, ErrorKind};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 /// Small buckets, as in the plain suite.

@@ -16,7 +16,8 @@ use queue::Settlement;
 use queue_conformance::fixture::{closed_address, sqs_emulator_config, Fixture, Sqs};
 use queue_conformance::servers::Relay;
 use queue_conformance::Harness;
-use queue_native::{Driver, ErrorKind, Outgoing, SqsConfig, SqsCredentials, SqsDriver};
+use queue_native::sqs::{SqsConfig, SqsCredentials, SqsDriver};
+use queue_native::{Driver, ErrorKind, Outgoing};
 use tokio::time::Instant;
 
 const MS: fn(u64) -> Duration = Duration::from_millis;

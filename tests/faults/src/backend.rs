@@ -103,14 +103,14 @@ impl Target {
 
 /// The SQS settings of `target`.
 #[cfg(feature = "sqs")]
-fn sqs_config(target: &Target) -> queue_native::SqsConfig {
+fn sqs_config(target: &Target) -> queue_native::sqs::SqsConfig {
     let (key, secret) = target
         .sqs_keys
         .clone()
         .unwrap_or_else(|| ("test".into(), "test".into()));
-    let mut config = queue_native::SqsConfig::new("us-east-1")
+    let mut config = queue_native::sqs::SqsConfig::new("us-east-1")
         .endpoint(target.url.clone())
-        .credentials(queue_native::SqsCredentials::fixed(key, secret))
+        .credentials(queue_native::sqs::SqsCredentials::fixed(key, secret))
         .visibility_timeout(Duration::from_secs(target.lease.as_secs().max(1)))
         .wait_time(Duration::from_secs(1));
     config.operation_timeout = target.operation_timeout;
@@ -122,11 +122,11 @@ fn sqs_config(target: &Target) -> queue_native::SqsConfig {
 pub(crate) enum Conn {
     Memory(queue_native::MemoryDriver),
     #[cfg(feature = "rabbitmq")]
-    Rabbit(queue_native::RabbitDriver),
+    Rabbit(queue_native::rabbitmq::RabbitDriver),
     #[cfg(feature = "nats")]
-    Nats(queue_native::NatsDriver),
+    Nats(queue_native::nats::NatsDriver),
     #[cfg(feature = "sqs")]
-    Sqs(queue_native::SqsDriver),
+    Sqs(queue_native::sqs::SqsDriver),
 }
 
 fn not_built(kind: Kind) -> DriverError {
@@ -150,29 +150,32 @@ impl Conn {
             Kind::Memory => Ok(Conn::Memory(queue_native::MemoryDriver::default())),
             #[cfg(feature = "rabbitmq")]
             Kind::Rabbitmq => {
-                let mut config = queue_native::RabbitConfig::new(target.url.clone());
+                let mut config = queue_native::rabbitmq::RabbitConfig::new(target.url.clone());
                 config.connection_name = "queue-faults".into();
                 config.operation_timeout = target.operation_timeout;
                 config.confirm_timeout = target.operation_timeout;
                 config.max_reconnect_backoff = Duration::from_secs(1);
                 Ok(Conn::Rabbit(
-                    queue_native::RabbitDriver::connect(config).await?,
+                    queue_native::rabbitmq::RabbitDriver::connect(config).await?,
                 ))
             }
             #[cfg(feature = "nats")]
             Kind::Nats => {
-                let mut config = queue_native::NatsConfig::new(target.url.clone()).ack_wait(lease);
+                let mut config =
+                    queue_native::nats::NatsConfig::new(target.url.clone()).ack_wait(lease);
                 config.stream_prefix = "FAULTS".into();
                 config.subject_prefix = "faults".into();
                 config.fetch_expiry = Duration::from_secs(2);
                 config.operation_timeout = target.operation_timeout;
                 config.max_reconnect_backoff = Duration::from_secs(1);
                 config.connection_name = "queue-faults".into();
-                Ok(Conn::Nats(queue_native::NatsDriver::connect(config).await?))
+                Ok(Conn::Nats(
+                    queue_native::nats::NatsDriver::connect(config).await?,
+                ))
             }
             #[cfg(feature = "sqs")]
             Kind::Sqs => Ok(Conn::Sqs(
-                queue_native::SqsDriver::connect(sqs_config(target)).await?,
+                queue_native::sqs::SqsDriver::connect(sqs_config(target)).await?,
             )),
             #[allow(unreachable_patterns)]
             other => Err(not_built(other)),
@@ -183,7 +186,9 @@ impl Conn {
     /// others connect): to time dispatches against an endpoint that is down.
     #[cfg(feature = "sqs")]
     pub(crate) fn sqs_unconnected(target: &Target) -> Result<Conn, DriverError> {
-        Ok(Conn::Sqs(queue_native::SqsDriver::new(sqs_config(target))?))
+        Ok(Conn::Sqs(queue_native::sqs::SqsDriver::new(sqs_config(
+            target,
+        ))?))
     }
 
     /// The driver.
@@ -234,7 +239,9 @@ impl Conn {
                 names.push(queue.to_string());
                 names.extend(d.failure_queue_name(queue));
                 for bucket in &d.config().delay_buckets {
-                    names.push(queue_native::RabbitDriver::hold_queue_name(queue, *bucket));
+                    names.push(queue_native::rabbitmq::RabbitDriver::hold_queue_name(
+                        queue, *bucket,
+                    ));
                 }
                 names.sort();
                 names.dedup();

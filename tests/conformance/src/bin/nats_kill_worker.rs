@@ -18,7 +18,8 @@ async fn main() {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use queue_native::{Consumer, NatsConfig, NatsDriver};
+    use queue_native::nats::{NatsConfig, NatsDriver};
+    use queue_native::Consumer;
 
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [queue, name, cap, stream_prefix, subject_prefix, ack_wait_ms] = args.as_slice() else {

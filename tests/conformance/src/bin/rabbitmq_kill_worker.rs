@@ -17,7 +17,8 @@ fn main() {
 async fn main() {
     use std::sync::Arc;
 
-    use queue_native::{Consumer, Driver, RabbitConfig, RabbitDriver};
+    use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
+    use queue_native::{Consumer, Driver};
 
     let mut args = std::env::args().skip(1);
     let (Some(queue), Some(name), Some(cap)) = (args.next(), args.next(), args.next()) else {

@@ -47,7 +47,8 @@ where
         (driver.name(), choice)
     });
     // Not in a list or in JSON, which tools read.
-    if !args.list && !matches!(args.format, Some(FormatSetting::Json)) {
+    let json = matches!(args.format, Some(FormatSetting::Json));
+    if !args.list && !json && !choice.not_registered.is_empty() {
         println!();
         for (name, reason) in &choice.not_registered {
             println!("not registered for the {driver} driver: {name} ({reason})");

@@ -175,7 +175,7 @@ pub trait Delivery: Send {
     /// graceful-shutdown retry (a [`Settlement::Retry`] with `shutdown`
     /// set), where the backend can carry that count across redeliveries.
     /// `None` (the default): it cannot, and the rules allow a fixed grace
-    /// instead (see `queue::settle`).
+    /// instead ([`queue::SHUTDOWN_GRACE`], [`queue::exceeds_crash_bound`]).
     fn shutdown_returns(&self) -> Option<u32> {
         None
     }

@@ -98,7 +98,7 @@ function recoverAll() {
       }
     }
   } catch (error) {
-    console.error(`queue-edge: the instance could not be reset (${error})`);
+    console.error(`jobrail-edge: the instance could not be reset (${error})`);
   }
   for (const invocation of [...live]) {
     if (invocation.recover) invocation.recover();
@@ -147,14 +147,14 @@ export function drive(invocation, first, resumeFn, resetFn) {
           if (!invocation.isSettled(message.id)) message.retry();
         }
         console.error(
-          `queue-edge: a panic outside any message's code (${invocation.crashMessage}); unsettled messages handed back`,
+          `jobrail-edge: a panic outside any message's code (${invocation.crashMessage}); unsettled messages handed back`,
         );
         finish(resolve, undefined);
         return;
       }
       if (blamed) {
         console.error(
-          `queue-edge: message ${invocation.crashedId} panicked (${invocation.crashMessage}); the rest of the batch continues`,
+          `jobrail-edge: message ${invocation.crashedId} panicked (${invocation.crashMessage}); the rest of the batch continues`,
         );
       }
       watch(resume(invocation));

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use queue::{
+use jobrail::{
     BoxFuture, CancelToken, Delivered, DeliveryHandle, Instant, MaybeSend, MaybeSync, PolicyError,
     Registry, Runtime, Settlement, SettlementError,
 };
@@ -213,7 +213,7 @@ pub(crate) fn hand_back_misconfigured<M: QueueMessage>(
 ) -> usize {
     let delay = MISCONFIGURED_RETRY_DELAY.as_secs() as u32;
     log_error(&format!(
-        "queue-edge: the consumer of `{queue}` is misconfigured; {} message(s) handed back for {delay} s: {error}",
+        "jobrail-edge: the consumer of `{queue}` is misconfigured; {} message(s) handed back for {delay} s: {error}",
         messages.len()
     ));
     let mut handed_back = 0;
@@ -221,7 +221,7 @@ pub(crate) fn hand_back_misconfigured<M: QueueMessage>(
         match message.retry(Some(delay)) {
             Ok(()) => handed_back += 1,
             Err(e) => log_error(&format!(
-                "queue-edge: handing back {} failed ({e}); the platform redelivers it",
+                "jobrail-edge: handing back {} failed ({e}); the platform redelivers it",
                 message.id()
             )),
         }
@@ -324,7 +324,7 @@ async fn settle<M: QueueMessage, B: Bindings>(
                 },
                 None => {
                     log_error(&format!(
-                        "queue-edge: terminal failure ({}): {text}",
+                        "jobrail-edge: terminal failure ({}): {text}",
                         record.reason
                     ));
                     message.ack()

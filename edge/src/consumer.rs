@@ -7,7 +7,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use queue::{BoxFuture, Instant, PolicyError, Registry};
+use jobrail::{BoxFuture, Instant, PolicyError, Registry};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen::JsCast;
 use worker::Env;

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use queue::BoxError;
+use jobrail::BoxError;
 
 /// What went wrong talking to the platform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,15 +81,15 @@ impl EdgeErrorKind {
     }
 }
 
-impl From<EdgeError> for queue::SettlementError {
+impl From<EdgeError> for jobrail::SettlementError {
     fn from(err: EdgeError) -> Self {
         let kind = match err.kind {
-            EdgeErrorKind::Unsupported => queue::ErrorKind::Unsupported,
-            EdgeErrorKind::Uncertain => queue::ErrorKind::Uncertain,
-            EdgeErrorKind::Encode => queue::ErrorKind::Encode,
-            EdgeErrorKind::Config => queue::ErrorKind::Config,
+            EdgeErrorKind::Unsupported => jobrail::ErrorKind::Unsupported,
+            EdgeErrorKind::Uncertain => jobrail::ErrorKind::Uncertain,
+            EdgeErrorKind::Encode => jobrail::ErrorKind::Encode,
+            EdgeErrorKind::Config => jobrail::ErrorKind::Config,
         };
-        queue::SettlementError::new(kind, err)
+        jobrail::SettlementError::new(kind, err)
     }
 }
 
@@ -112,8 +112,8 @@ mod tests {
             .source()
             .and_then(|s| s.downcast_ref::<serde_json::Error>())
             .is_some());
-        let settlement = queue::SettlementError::from(err);
-        assert_eq!(settlement.kind(), queue::ErrorKind::Encode);
+        let settlement = jobrail::SettlementError::from(err);
+        assert_eq!(settlement.kind(), jobrail::ErrorKind::Encode);
         assert!(settlement.get_ref().downcast_ref::<EdgeError>().is_some());
     }
 

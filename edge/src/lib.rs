@@ -1,8 +1,8 @@
 //! Cloudflare Queues for the queue facade.
 //!
-//! The same [`queue::Job`] declarations and handlers that run natively run
+//! The same [`jobrail::Job`] declarations and handlers that run natively run
 //! here, in a Workers queue consumer compiled to wasm32. Each message of a
-//! batch goes through [`queue::Registry::deliver`] (the same pipeline, rules
+//! batch goes through [`jobrail::Registry::deliver`] (the same pipeline, rules
 //! and two retry tiers as natively) and is settled explicitly: ack, `retry` with
 //! `delaySeconds`, no request for a rejection, or a terminal failure that is
 //! logged (and sent to a failure-queue binding when one is configured) before
@@ -54,7 +54,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //!
-//! use queue::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
+//! use jobrail::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
 //! use serde::{Deserialize, Serialize};
 //!
 //! /// The message: what one welcome email needs.
@@ -100,12 +100,12 @@
 //! }
 //!
 //! /// Terminal failures are recorded on the queue of the `FAILED` binding.
-//! pub const OPTIONS: queue_edge::Options = queue_edge::Options {
+//! pub const OPTIONS: jobrail_edge::Options = jobrail_edge::Options {
 //!     failure_queue: Some("FAILED"),
-//!     ..queue_edge::Options::DEFAULT
+//!     ..jobrail_edge::Options::DEFAULT
 //! };
 //!
-//! queue_edge::consumer!(jobs, options = OPTIONS);
+//! jobrail_edge::consumer!(jobs, options = OPTIONS);
 //! ```
 //!
 //! # Attempts and the invocation budget
@@ -162,7 +162,7 @@ pub mod __private {
 /// Declares a Worker's queue consumer: one line wires the jobs to the
 /// platform.
 ///
-/// `consumer!(jobs)` takes a function `fn() -> Result<queue::Registry, E>`
+/// `consumer!(jobs)` takes a function `fn() -> Result<jobrail::Registry, E>`
 /// (`E: Display`) and exports the Worker's `queue` handler for wasm32. The
 /// worker's `wrangler.toml`, next to its `Cargo.toml`, is embedded and
 /// checked against the jobs when the consumer starts (see
@@ -223,7 +223,7 @@ macro_rules! consumer {
             $crate::__private::entry(batch, env, &__QUEUE_EDGE_WORKER)
         }
 
-        /// Continues an invocation after a panic (called by queue-edge).
+        /// Continues an invocation after a panic (called by jobrail-edge).
         #[cfg(target_arch = "wasm32")]
         #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(wasm_bindgen = $crate::__private::wasm_bindgen)]
         pub fn __queue_edge_resume(

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use queue::{whole_seconds_up, Envelope};
+use jobrail::{whole_seconds_up, Envelope};
 
 use crate::error::{EdgeError, EdgeErrorKind};
 
@@ -28,7 +28,7 @@ pub const MAX_DELAY: Duration = Duration::from_secs(24 * 60 * 60);
 /// send's own error.
 ///
 /// The check is pure and shared: the Worker's `EdgeProducer` (wasm32) and
-/// the native harness (`queue_edge::testing`) both run it.
+/// the native harness (`jobrail_edge::testing`) both run it.
 pub const MAX_MESSAGE_BYTES: usize = 128_000;
 
 /// Refuses a message body above [`MAX_MESSAGE_BYTES`]. The error (kind

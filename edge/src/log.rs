@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use queue::{Event, EventSink, SettlementError};
+use jobrail::{Event, EventSink, SettlementError};
 
-/// Logs each settlement as one JSON line prefixed `queue-edge settlement`
-/// (failed settlements prefixed `queue-edge settlement-failed`), then
+/// Logs each settlement as one JSON line prefixed `jobrail-edge settlement`
+/// (failed settlements prefixed `jobrail-edge settlement-failed`), then
 /// forwards the event to the application's own sink, if it set one.
 pub struct LogSink {
     inner: Option<Arc<dyn EventSink>>,
@@ -21,7 +21,7 @@ impl LogSink {
     /// The line logged for an accepted settlement.
     pub fn line(event: &Event) -> String {
         format!(
-            "queue-edge settlement {}",
+            "jobrail-edge settlement {}",
             serde_json::to_string(event).unwrap_or_default()
         )
     }
@@ -33,7 +33,7 @@ impl LogSink {
             "kind": error.kind().to_string(),
             "error": error.to_string(),
         });
-        format!("queue-edge settlement-failed {entry}")
+        format!("jobrail-edge settlement-failed {entry}")
     }
 }
 
@@ -72,7 +72,7 @@ fn emit_line(line: &str, error: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use queue::{EventKind, Resolution};
+    use jobrail::{EventKind, Resolution};
 
     #[test]
     fn a_settlement_is_one_json_line() {
@@ -90,7 +90,7 @@ mod tests {
         let line = LogSink::line(&event);
         assert!(!line.contains('\n'));
         let json: serde_json::Value =
-            serde_json::from_str(line.strip_prefix("queue-edge settlement ").unwrap()).unwrap();
+            serde_json::from_str(line.strip_prefix("jobrail-edge settlement ").unwrap()).unwrap();
         assert_eq!(json["job"], "report");
         assert_eq!(json["attempt"], 2);
         assert_eq!(json["queue"], "reports");

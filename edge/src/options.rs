@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Registry, Runtime, UnknownNameAttempts};
+use jobrail::{Registry, Runtime, UnknownNameAttempts};
 
 use crate::batch::EdgeConsumer;
 use crate::log::LogSink;

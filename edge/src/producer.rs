@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use queue::{Envelope, Job};
+use jobrail::{Envelope, Job};
 use serde::Serialize;
 use worker::{Env, MessageBuilder, Queue, QueueContentType};
 

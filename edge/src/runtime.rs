@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use queue::{BoxFuture, Clock, Instant, Runtime};
+use jobrail::{BoxFuture, Clock, Instant, Runtime};
 
 /// `performance.now()` for the clock, `setTimeout` for sleeping.
 #[derive(Debug, Clone, Copy, Default)]

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use queue::{PolicyError, Registry};
+use jobrail::{PolicyError, Registry};
 
 /// Consumer settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,7 +69,7 @@ impl EdgeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use queue::{Job, JobContext};
+    use jobrail::{Job, JobContext};
 
     fn registry(cap: u32) -> Registry {
         let job = Job::<u32>::builder("j").retry(cap).build().unwrap();

@@ -11,8 +11,8 @@
 //! 12-hour unknown-name delay finishes at once.
 //!
 //! ```
-//! use queue::{Job, JobContext, JobError, Registry};
-//! use queue_edge::testing::{CloudflareQueues, MessageState};
+//! use jobrail::{Job, JobContext, JobError, Registry};
+//! use jobrail_edge::testing::{CloudflareQueues, MessageState};
 //!
 //! const WRANGLER: &str = r#"
 //! [[queues.producers]]
@@ -29,7 +29,7 @@
 //!     Job::<u32>::builder("double").queue("jobs").retry(3).build().unwrap()
 //! }
 //!
-//! fn jobs() -> Result<Registry, queue::RegistryError> {
+//! fn jobs() -> Result<Registry, jobrail::RegistryError> {
 //!     let mut registry = Registry::new();
 //!     registry.register(&job(), |_ctx: JobContext, n: u32| async move {
 //!         if n == 0 { Err(JobError::permanent("zero")) } else { Ok(()) }
@@ -37,9 +37,9 @@
 //!     Ok(registry)
 //! }
 //!
-//! let options = queue_edge::Options {
+//! let options = jobrail_edge::Options {
 //!     failure_queue: Some("FAILED"),
-//!     ..queue_edge::Options::DEFAULT
+//!     ..jobrail_edge::Options::DEFAULT
 //! };
 //! let mut cf = CloudflareQueues::new(WRANGLER, jobs, options).unwrap();
 //! let good = cf.send(&job(), &21);
@@ -49,7 +49,7 @@
 //! assert_eq!(cf.state(&good), &MessageState::Acked);
 //! assert_eq!(cf.message(&bad).attempts(), [1]);
 //! let record = cf.message(&bad).failure_record().unwrap();
-//! assert_eq!(record.kind, queue::FailureKind::Permanent);
+//! assert_eq!(record.kind, jobrail::FailureKind::Permanent);
 //! assert_eq!(cf.failure_records().len(), 1);
 //! ```
 //!
@@ -95,9 +95,9 @@
 //!
 //! # Time
 //!
-//! The clock is a [`queue::VirtualRuntime`]; the consumer and the handlers
+//! The clock is a [`jobrail::VirtualRuntime`]; the consumer and the handlers
 //! get a runtime on it. Sleeps on that runtime (backoff, tier one's waits,
-//! [`queue::JobContext::sleep`]) complete when the clock reaches their end,
+//! [`jobrail::JobContext::sleep`]) complete when the clock reaches their end,
 //! and the clock jumps to the next one whenever nothing else can run, just as
 //! [`CloudflareQueues::run_batch`] jumps it to the next batch. Work that does
 //! not sleep takes no virtual time, so the invocation budget
@@ -121,7 +121,7 @@
 //!   the edge (wasm32) a panic aborts the instance: that message's execution
 //!   ends there, tier one does not retry it, and the Worker settles it by the
 //!   job's retry policy as one failed execution
-//!   ([`queue::Registry::crashed`]) while its batch-mates carry on. So for a
+//!   ([`jobrail::Registry::crashed`]) while its batch-mates carry on. So for a
 //!   job without tier one (`tier_one(1)`, the default) the settlements here
 //!   and at the edge are identical; with tier one a panicking message may use
 //!   more executions here (and may succeed in-process where the edge retries
@@ -152,7 +152,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use queue::{
+use jobrail::{
     BoxFuture, Clock, Envelope, Event, EventKind, EventSink, Failure, FailureRecord, Instant, Job,
     Registry, Runtime, SettlementError, VirtualRuntime,
 };
@@ -575,7 +575,7 @@ impl CloudflareQueues {
     /// this worker does not know, or any queue of the model), visible at
     /// once. Returns the new message's id.
     pub fn send_raw(&mut self, queue: &str, body: impl Into<Vec<u8>>) -> String {
-        let id = queue::new_message_id();
+        let id = jobrail::new_message_id();
         let now = self.now();
         self.enqueue(queue, id.clone(), body.into(), now);
         id
@@ -674,7 +674,7 @@ impl CloudflareQueues {
             {
                 records.insert(message.clone(), record);
             }
-            let id = queue::new_message_id();
+            let id = jobrail::new_message_id();
             self.enqueue(&sent.queue, id, sent.body, sent.at);
         }
 
@@ -907,7 +907,7 @@ impl CloudflareQueues {
             Some(Call::Retry { .. }) if queued.attempts >= settings.deliveries() => {
                 match &settings.dead_letter_queue {
                     Some(dlq) => {
-                        let id = queue::new_message_id();
+                        let id = jobrail::new_message_id();
                         self.enqueue(dlq, id.clone(), queued.body, now);
                         MessageState::DeadLettered {
                             queue: dlq.clone(),

@@ -11,7 +11,7 @@
 //! ```ignore
 //! const WRANGLER_TOML: &str = include_str!("../../../wrangler.toml");
 //!
-//! let checked = queue_edge::wrangler::Wrangler::parse(WRANGLER_TOML)?
+//! let checked = jobrail_edge::wrangler::Wrangler::parse(WRANGLER_TOML)?
 //!     .check(&registry, Some("FAILED"))
 //!     .map_err(|problems| /* each names a job or queue and a field */ problems)?;
 //! let config = checked.edge_config(EdgeConfig::default()); // max_retries and the failure binding
@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use queue::{
+use jobrail::{
     check_job_delivery_limit, check_unknown_name_delivery_limit, JobSpec, LimitedBy, PolicyError,
     Registry, UnknownNameAttempts, SHUTDOWN_GRACE,
 };
@@ -286,10 +286,10 @@ impl Wrangler {
     /// 1. `queue`: a job's queue has no consumer entry.
     /// 2. `retry`: a job's consumer gives up before the facade does: its
     ///    deliveries (`max_retries + 1`) must reach
-    ///    [`queue::deliveries_needed`] for the job's cap.
+    ///    [`jobrail::deliveries_needed`] for the job's cap.
     /// 3. `unknown_name_attempts`: a job queue's consumer gives up on a
     ///    message with an unknown job name before the facade does
-    ///    ([`queue::unknown_name_deliveries_needed`]).
+    ///    ([`jobrail::unknown_name_deliveries_needed`]).
     /// 4. `wrangler.queues.consumers.dead_letter_queue`: a job queue's
     ///    consumer has no dead-letter queue (the platform would delete what
     ///    it gives up on), or its dead-letter queue is itself a job queue.
@@ -493,7 +493,7 @@ impl Checked {
 
 /// Whether the consumer of `queue`, whose `max_retries` is `max_retries`,
 /// lets the facade, not the platform, end every message of the job `spec`:
-/// the broker-cap rule ([`queue::check_job_delivery_limit`]) with the
+/// the broker-cap rule ([`jobrail::check_job_delivery_limit`]) with the
 /// platform's deliveries (`max_retries + 1`), on a backend that cannot
 /// count graceful-shutdown returns, phrased for wrangler.toml. The error
 /// names the job and the field `retry`.
@@ -519,7 +519,7 @@ pub(crate) fn job_max_retries(
 }
 
 /// The unknown-name half of the rule for one job queue's consumer
-/// ([`queue::check_unknown_name_delivery_limit`]), phrased for
+/// ([`jobrail::check_unknown_name_delivery_limit`]), phrased for
 /// wrangler.toml.
 ///
 /// The facade fails a message with an unknown job name on delivery `limit`
@@ -528,7 +528,7 @@ pub(crate) fn job_max_retries(
 /// invocation budget can run out before the message is reached (it is
 /// handed back and the platform counts the delivery), or a batch-mate's
 /// panic can abort the instance. Hence the one delivery of grace
-/// ([`queue::unknown_name_deliveries_needed`]).
+/// ([`jobrail::unknown_name_deliveries_needed`]).
 fn unknown_names_problem(
     queue: &str,
     consumer: &ConsumerSettings,
@@ -571,7 +571,7 @@ fn invalid(job: &str, field: &'static str, reason: String) -> PolicyError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use queue::{deliveries_needed, unknown_name_deliveries_needed, Job, JobContext};
+    use jobrail::{deliveries_needed, unknown_name_deliveries_needed, Job, JobContext};
 
     /// A registry with one job per `(name, queue, cap)` and the given
     /// unknown-name cap.

@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use queue::{EventKind, FailureKind, Job, JobContext, JobError, Registry, RegistryError};
-use queue_edge::testing::{Call, CloudflareQueues, MessageReport, MessageState};
-use queue_edge::Options;
+use jobrail::{EventKind, FailureKind, Job, JobContext, JobError, Registry, RegistryError};
+use jobrail_edge::testing::{Call, CloudflareQueues, MessageReport, MessageState};
+use jobrail_edge::Options;
 use serde::{Deserialize, Serialize};
 
 const S: fn(u64) -> Duration = Duration::from_secs;
@@ -81,7 +81,9 @@ async fn handle(ctx: JobContext, task: Task) -> Result<(), JobError> {
 }
 
 /// A job on `jobs`; `build` sets its policy.
-fn task_job(build: impl FnOnce(queue::JobBuilder<Task>) -> queue::JobBuilder<Task>) -> Job<Task> {
+fn task_job(
+    build: impl FnOnce(jobrail::JobBuilder<Task>) -> jobrail::JobBuilder<Task>,
+) -> Job<Task> {
     build(Job::<Task>::builder("task").queue("jobs"))
         .build()
         .expect("a valid job")

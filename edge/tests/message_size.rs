@@ -5,9 +5,9 @@
 
 #![cfg(not(target_arch = "wasm32"))]
 
-use queue::{Envelope, Job, JobContext, JobError, Registry, RegistryError};
-use queue_edge::testing::{CloudflareQueues, MessageState};
-use queue_edge::{EdgeErrorKind, Options, MAX_MESSAGE_BYTES};
+use jobrail::{Envelope, Job, JobContext, JobError, Registry, RegistryError};
+use jobrail_edge::testing::{CloudflareQueues, MessageState};
+use jobrail_edge::{EdgeErrorKind, Options, MAX_MESSAGE_BYTES};
 
 const WRANGLER: &str = r#"
 [[queues.producers]]

@@ -10,14 +10,14 @@
 //!   driver and the consumer (concurrency 8) against a tokio channel feeding
 //!   spawned handler tasks under an 8-permit semaphore.
 //!
-//! Run: `cargo bench -p queue-native --bench overhead` (prints medians of 5 rounds).
+//! Run: `cargo bench -p jobrail-native --bench overhead` (prints medians of 5 rounds).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use queue::{CancelToken, Envelope, Incoming, Job, JobContext, JobError, Registry, Runtime};
-use queue_native::{Consumer, MemoryDriver, Producer, TokioRuntime};
+use jobrail::{CancelToken, Envelope, Incoming, Job, JobContext, JobError, Registry, Runtime};
+use jobrail_native::{Consumer, MemoryDriver, Producer, TokioRuntime};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize)]

@@ -9,21 +9,21 @@
 //! handler (envelope and payload decoding, the rules, events, settlement
 //! included); the lapin side decodes the payload and acks in order.
 //!
-//! Run: `cargo bench -p queue-native --features rabbitmq --bench rabbitmq`.
+//! Run: `cargo bench -p jobrail-native --features rabbitmq --bench rabbitmq`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use jobrail::{Job, JobContext, Registry};
+use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use jobrail_native::{Consumer, Driver, Producer};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use queue::{Job, JobContext, Registry};
-use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
-use queue_native::{Consumer, Driver, Producer};
 use serde::{Deserialize, Serialize};
 
 const N: u64 = 2_000;
@@ -146,7 +146,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 async fn main() {
     let (mut raw_pub, mut raw_con, mut our_pub, mut our_con) = (vec![], vec![], vec![], vec![]);
     for round in 0..5 {
-        let suffix = queue::new_message_id();
+        let suffix = jobrail::new_message_id();
         let (p, c) = raw_lapin(&format!("bench-raw-{round}-{suffix}")).await;
         raw_pub.push(p);
         raw_con.push(c);

@@ -3,7 +3,7 @@
 //! driver's feature; `RABBITMQ_URL`, `NATS_URL`, `SQS_ENDPOINT` point at it).
 //!
 //! ```text
-//! cargo run -p queue-native --example quickstart
+//! cargo run -p jobrail-native --example quickstart
 //! ```
 //!
 //! It dispatches one report per behaviour of the example report service,
@@ -16,12 +16,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use queue::human;
-use queue::{
+use jobrail::human;
+use jobrail::{
     failure_budget, Envelope, Event, EventKind, EventSink, FailureRecord, Registry, Resolution,
     UnknownNameAttempts,
 };
-use queue_native::{Consumer, Driver, Producer};
+use jobrail_native::{Consumer, Driver, Producer};
 use report_job::{Behaviour, BuildReport};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -91,7 +91,7 @@ impl EventSink for Printer {
         }
     }
 
-    fn settlement_failed(&self, event: &Event, error: &queue::SettlementError) {
+    fn settlement_failed(&self, event: &Event, error: &jobrail::SettlementError) {
         println!(
             "  settlement of {} refused by the backend: {error}",
             self.label(event)
@@ -101,13 +101,13 @@ impl EventSink for Printer {
 
 /// The backend the demo runs on, with a way to read its failure records.
 enum Backend {
-    Memory(queue_native::MemoryDriver),
+    Memory(jobrail_native::MemoryDriver),
     #[cfg(feature = "rabbitmq")]
-    Rabbit(queue_native::rabbitmq::RabbitDriver),
+    Rabbit(jobrail_native::rabbitmq::RabbitDriver),
     #[cfg(feature = "nats")]
-    Nats(queue_native::nats::NatsDriver),
+    Nats(jobrail_native::nats::NatsDriver),
     #[cfg(feature = "sqs")]
-    Sqs(queue_native::sqs::SqsDriver),
+    Sqs(jobrail_native::sqs::SqsDriver),
 }
 
 /// The backends this build of the example can use.
@@ -128,33 +128,33 @@ fn available() -> Vec<&'static str> {
 impl Backend {
     async fn connect(name: &str) -> Result<Self, Box<dyn std::error::Error>> {
         match name {
-            "memory" => Ok(Backend::Memory(queue_native::MemoryDriver::default())),
+            "memory" => Ok(Backend::Memory(jobrail_native::MemoryDriver::default())),
             #[cfg(feature = "rabbitmq")]
             "rabbitmq" => {
                 let url = std::env::var("RABBITMQ_URL")
                     .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-                let config = queue_native::rabbitmq::RabbitConfig::new(url);
+                let config = jobrail_native::rabbitmq::RabbitConfig::new(url);
                 Ok(Backend::Rabbit(
-                    queue_native::rabbitmq::RabbitDriver::connect(config).await?,
+                    jobrail_native::rabbitmq::RabbitDriver::connect(config).await?,
                 ))
             }
             #[cfg(feature = "nats")]
             "nats" => {
                 let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-                let config = queue_native::nats::NatsConfig::new(url);
-                Ok(Backend::Nats(queue_native::nats::NatsDriver::connect(config).await?))
+                let config = jobrail_native::nats::NatsConfig::new(url);
+                Ok(Backend::Nats(jobrail_native::nats::NatsDriver::connect(config).await?))
             }
             #[cfg(feature = "sqs")]
             "sqs" => {
                 let region = std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into());
-                let mut config = queue_native::sqs::SqsConfig::new(region);
+                let mut config = jobrail_native::sqs::SqsConfig::new(region);
                 // A local emulator (tests/sqs-emulator) takes any static keys.
                 if let Ok(endpoint) = std::env::var("SQS_ENDPOINT") {
                     config = config
                         .endpoint(endpoint)
-                        .credentials(queue_native::sqs::SqsCredentials::fixed("test", "test"));
+                        .credentials(jobrail_native::sqs::SqsCredentials::fixed("test", "test"));
                 }
-                Ok(Backend::Sqs(queue_native::sqs::SqsDriver::connect(config).await?))
+                Ok(Backend::Sqs(jobrail_native::sqs::SqsDriver::connect(config).await?))
             }
             other => Err(format!(
                 "unknown backend `{other}`: this build knows {} (build with --features rabbitmq, nats or sqs for more)",
@@ -217,7 +217,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     registry
         .unknown_name_attempts(UnknownNameAttempts::limited(2))
         .unknown_name_retry_delay(Duration::from_millis(500));
-    queue_native::apply_env_overrides(&mut registry)?;
+    jobrail_native::apply_env_overrides(&mut registry)?;
 
     println!(
         "queue quick start on the {} driver, queue `{}`\n",

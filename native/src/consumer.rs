@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::select_all;
-use queue::{failure_budget, CancelToken, Registry, Runtime};
+use jobrail::{failure_budget, CancelToken, Registry, Runtime};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
@@ -56,7 +56,7 @@ impl ConsumerBuilder {
 /// One intake loop takes deliveries from every queue under one concurrency
 /// limit (a slot is taken only once a queue has a delivery for it, so an
 /// idle queue never starves the others) and spawns one task per delivery,
-/// which runs [`queue::Registry::deliver`]. Shutdown follows the rules' order:
+/// which runs [`jobrail::Registry::deliver`]. Shutdown follows the rules' order:
 /// stop taking new deliveries and close the subscriptions (what was not taken
 /// stays with the backend, and a broker that pushes stops pushing before any
 /// settlement frees a prefetch slot), cancel the handlers' contexts, then join
@@ -147,7 +147,7 @@ impl Consumer {
     /// delivery (each settles with its own fresh budget).
     /// Fails at once if the driver refuses a job ([`Driver::check_job`]),
     /// a backend's delivery limit is below what a job needs
-    /// ([`Driver::delivery_limit`], [`queue::check_delivery_limit`]), or a
+    /// ([`Driver::delivery_limit`], [`jobrail::check_delivery_limit`]), or a
     /// queue cannot be subscribed.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
         for spec in self.registry.specs() {
@@ -156,7 +156,7 @@ impl Consumer {
         let counts_shutdown_returns = self.driver.capabilities().counts_shutdown_returns;
         for queue in self.registry.queues() {
             let limit = self.driver.delivery_limit(&queue).await?;
-            queue::check_delivery_limit(&self.registry, &queue, limit, counts_shutdown_returns)
+            jobrail::check_delivery_limit(&self.registry, &queue, limit, counts_shutdown_returns)
                 .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Config, e))?;
         }
         let mut sources = Vec::new();
@@ -372,8 +372,8 @@ async fn handle(
     .await
 }
 
-fn log_outcome(processed: &queue::Processed) {
-    use queue::EventKind;
+fn log_outcome(processed: &jobrail::Processed) {
+    use jobrail::EventKind;
     let executions = processed.executions();
     match &processed.event.kind {
         EventKind::Succeeded { resolution } => info!(?resolution, executions, "succeeded"),

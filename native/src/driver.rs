@@ -1,8 +1,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-pub use queue::ErrorKind;
-use queue::{BoxError, BoxFuture, DeliveryHandle, Instant, Settlement, SettlementError};
+pub use jobrail::ErrorKind;
+use jobrail::{BoxError, BoxFuture, DeliveryHandle, Instant, Settlement, SettlementError};
 
 /// What a backend can and cannot do. The conformance suite reads this to
 /// choose expectations, and checks that unsupported operations fail with
@@ -28,7 +28,7 @@ pub struct Capabilities {
     /// shutdown handed back ([`Delivery::shutdown_returns`]). Where they do,
     /// any number of graceful shutdowns leave the job's cap untouched; where
     /// they do not, the rules allow one delivery of grace past the cap
-    /// ([`queue::SHUTDOWN_GRACE`]).
+    /// ([`jobrail::SHUTDOWN_GRACE`]).
     pub counts_shutdown_returns: bool,
     /// The largest message body, in bytes, the backend stores: the encoded
     /// envelope, which holds the payload. [`Producer`](crate::Producer)
@@ -42,7 +42,7 @@ pub struct Capabilities {
     /// `x-delivery-limit`...). `None`: it never does. A backend whose limit
     /// depends on the queue reports it through [`Driver::delivery_limit`]
     /// instead. A consumer refuses to start when a limit is below what a
-    /// registered job needs ([`queue::check_delivery_limit`]).
+    /// registered job needs ([`jobrail::check_delivery_limit`]).
     pub max_deliveries: Option<u32>,
 }
 
@@ -101,10 +101,10 @@ pub struct Outgoing {
 /// A driver stores messages ([`Driver::send`]), hands out deliveries
 /// ([`Driver::subscribe`]) and carries out settlements
 /// ([`Delivery::settle`]). It decides nothing: the consumer runs each
-/// delivery through [`queue::Registry::deliver`], which decides what to
+/// delivery through [`jobrail::Registry::deliver`], which decides what to
 /// request and reports what the backend answered. To support a new
 /// backend, implement these three traits and run the conformance suite
-/// (`queue-conformance`) against it.
+/// (`jobrail-conformance`) against it.
 #[async_trait]
 pub trait Driver: Send + Sync + 'static {
     /// A short name for logs and errors (`memory`, `rabbitmq`...).
@@ -128,7 +128,7 @@ pub trait Driver: Send + Sync + 'static {
     /// as declared (a delivery it would hold longer than the backend allows,
     /// say). A consumer checks every registered job before it subscribes to
     /// anything. The default accepts every job.
-    fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
+    fn check_job(&self, spec: &jobrail::JobSpec) -> Result<(), DriverError> {
         let _ = spec;
         Ok(())
     }
@@ -175,7 +175,7 @@ pub trait Delivery: Send {
     /// graceful-shutdown retry (a [`Settlement::Retry`] with `shutdown`
     /// set), where the backend can carry that count across redeliveries.
     /// `None` (the default): it cannot, and the rules allow a fixed grace
-    /// instead ([`queue::SHUTDOWN_GRACE`], [`queue::exceeds_crash_bound`]).
+    /// instead ([`jobrail::SHUTDOWN_GRACE`], [`jobrail::exceeds_crash_bound`]).
     fn shutdown_returns(&self) -> Option<u32> {
         None
     }
@@ -190,7 +190,7 @@ pub trait Delivery: Send {
 }
 
 /// The rules' view of a driver's delivery: what
-/// [`queue::Registry::deliver`] runs end to end.
+/// [`jobrail::Registry::deliver`] runs end to end.
 impl DeliveryHandle for Box<dyn Delivery> {
     fn body(&self) -> &[u8] {
         Delivery::body(self.as_ref())

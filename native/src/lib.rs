@@ -1,8 +1,8 @@
 //! Native worker runtime and drivers for the queue facade.
 //!
-//! The rules live in the `queue` crate; this crate runs them on tokio
-//! against a backend. Declare jobs with [`queue::Job`], register handlers in
-//! a [`queue::Registry`], dispatch with a [`Producer`], and consume with a
+//! The rules live in the `jobrail` crate; this crate runs them on tokio
+//! against a backend. Declare jobs with [`jobrail::Job`], register handlers in
+//! a [`jobrail::Registry`], dispatch with a [`Producer`], and consume with a
 //! [`Consumer`].
 //!
 //! # What is where
@@ -26,8 +26,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use queue::{Job, JobContext, Registry};
-//! use queue_native::{Consumer, MemoryDriver, Producer};
+//! use jobrail::{Job, JobContext, Registry};
+//! use jobrail_native::{Consumer, MemoryDriver, Producer};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct Greet { name: String }

@@ -3,7 +3,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use queue::{FailureRecord, Settlement};
+use jobrail::{FailureRecord, Settlement};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 

@@ -1,7 +1,7 @@
 //! Operator overrides (tier depths, backoffs) read at start from
 //! `QUEUE_CONFIG` and the environment ([`apply_env_overrides`]).
 
-use queue::{Overrides, PolicyError, Registry};
+use jobrail::{Overrides, PolicyError, Registry};
 
 /// The variable naming the overrides file.
 const OVERRIDES_FILE_VAR: &str = "QUEUE_CONFIG";

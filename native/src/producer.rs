@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Envelope, Job};
+use jobrail::{Envelope, Job};
 use serde::Serialize;
 
 use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};

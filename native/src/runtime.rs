@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use queue::{BoxFuture, Clock, Instant, Runtime};
+use jobrail::{BoxFuture, Clock, Instant, Runtime};
 
 /// Clock and sleep on tokio.
 ///

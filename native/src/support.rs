@@ -15,7 +15,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use queue::Backoff;
+use jobrail::Backoff;
 use tokio::sync::watch;
 
 use crate::driver::{DriverError, ErrorKind};

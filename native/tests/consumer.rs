@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use queue::{Job, JobContext, Registry};
-use queue_native::{
+use jobrail::{Job, JobContext, Registry};
+use jobrail_native::{
     Capabilities, Consumer, Delivery, Driver, DriverError, MemoryDriver, Outgoing, Producer,
     Subscription,
 };

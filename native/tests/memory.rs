@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{Envelope, Failure, FailureKind, FailureRecord, Settlement};
-use queue_native::{Driver, ErrorKind, MemoryConfig, MemoryDriver, Outgoing, Producer};
+use jobrail::{Envelope, Failure, FailureKind, FailureRecord, Settlement};
+use jobrail_native::{Driver, ErrorKind, MemoryConfig, MemoryDriver, Outgoing, Producer};
 
 fn message() -> Outgoing {
     let envelope = Envelope::new("j", serde_json::json!(1));
@@ -128,6 +128,9 @@ async fn delayed_dispatch_is_refused_where_unsupported() {
     // before sending, which the conformance suite exercises per driver.
     let driver: Arc<dyn Driver> = Arc::new(MemoryDriver::default());
     assert!(driver.capabilities().delayed_dispatch);
-    let job = queue::Job::<u32>::builder("j").queue("q").build().unwrap();
+    let job = jobrail::Job::<u32>::builder("j")
+        .queue("q")
+        .build()
+        .unwrap();
     Producer::new(driver).dispatch(&job, &1).await.unwrap();
 }

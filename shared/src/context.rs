@@ -229,7 +229,7 @@ impl JobContext {
     ///   the deadline completes).
     ///
     /// ```
-    /// # use queue::{JobContext, JobError};
+    /// # use jobrail::{JobContext, JobError};
     /// # use std::time::Duration;
     /// async fn poll_until_ready(ctx: JobContext) -> Result<(), JobError> {
     ///     // A shutdown or a missed deadline ends the wait and the handler.

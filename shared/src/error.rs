@@ -44,7 +44,7 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// # Example
 ///
 /// ```
-/// use queue::{JobError, Outcome};
+/// use jobrail::{JobError, Outcome};
 ///
 /// let err = JobError::permanent("report source was deleted");
 /// assert_eq!(err.outcome(), Outcome::Permanent);

@@ -118,7 +118,7 @@ type Validator<P> = Arc<dyn Fn(&P) -> Result<(), BoxError> + Send + Sync>;
 ///
 /// ```
 /// use std::time::Duration;
-/// use queue::Job;
+/// use jobrail::Job;
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct BuildReport { report_id: u64 }

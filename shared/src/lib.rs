@@ -11,8 +11,8 @@
 //!
 //! # Layout
 //!
-//! Every public item has one path, at the crate root (`queue::Job`,
-//! `queue::Settlement`, ...). The modules are private, one concern each;
+//! Every public item has one path, at the crate root (`jobrail::Job`,
+//! `jobrail::Settlement`, ...). The modules are private, one concern each;
 //! the main item of each carries the why.
 //!
 //! - `job`: declarations and their validated policy ([`Job`], [`JobSpec`]).
@@ -46,7 +46,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use queue::{CancelToken, Incoming, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
+//! use jobrail::{CancelToken, Incoming, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct BuildReport { report_id: u64 }

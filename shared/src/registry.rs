@@ -146,7 +146,7 @@ impl Default for Registry {
 /// What the rules know of one delivery as it comes in: its queue, body and
 /// counts, as the host reports them. The host's means to settle it is a
 /// separate [`DeliveryHandle`](crate::DeliveryHandle) (natively a driver's
-/// `queue_native::Delivery`); [`Registry::deliver`] builds this from one.
+/// `jobrail_native::Delivery`); [`Registry::deliver`] builds this from one.
 #[derive(Debug, Clone, Copy)]
 pub struct Incoming<'a> {
     /// The queue it came from.
@@ -198,7 +198,7 @@ impl Registry {
     /// Registers `handler` for `job`.
     ///
     /// ```
-    /// use queue::{Job, JobContext, JobError, Registry};
+    /// use jobrail::{Job, JobContext, JobError, Registry};
     ///
     /// #[derive(serde::Serialize, serde::Deserialize)]
     /// struct Ping { n: u32 }

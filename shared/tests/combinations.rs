@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_executor::block_on;
-use queue::{
+use jobrail::{
     BreakerConfig, BreakerState, CancelToken, CircuitBreaker, Envelope, FailureKind, Incoming, Job,
     JobBuilder, JobContext, JobError, Outcome, Permanent, Processed, Registry, Reject, RetryAfter,
     Runtime, Settlement, VirtualRuntime,
@@ -138,7 +138,7 @@ mod wrapped_markers {
     use std::fmt;
 
     #[derive(Debug)]
-    struct Wrapper(queue::BoxError);
+    struct Wrapper(jobrail::BoxError);
     impl fmt::Display for Wrapper {
         fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("while building the report")
@@ -157,7 +157,7 @@ mod wrapped_markers {
         Breaker,
     }
 
-    fn wrap(err: queue::BoxError, layer: &Layer, b: &CircuitBreaker) -> queue::BoxError {
+    fn wrap(err: jobrail::BoxError, layer: &Layer, b: &CircuitBreaker) -> jobrail::BoxError {
         match layer {
             Layer::User => Box::new(Wrapper(err)),
             Layer::Io => Box::new(std::io::Error::other(err)),
@@ -181,7 +181,7 @@ mod wrapped_markers {
             let runtime = VirtualRuntime::new();
             // A high threshold: the breaker stays closed and runs every call.
             let b = breaker(&runtime, 1_000);
-            let (mut err, want): (queue::BoxError, Outcome) = match marker {
+            let (mut err, want): (jobrail::BoxError, Outcome) = match marker {
                 0 => (Box::new(Permanent::new("gone")), Outcome::Permanent),
                 1 => (Box::new(RetryAfter::new("slow down", Duration::from_millis(delay))), Outcome::RetryAfter(Duration::from_millis(delay))),
                 _ => (Box::new(Reject::without_cause()), Outcome::Reject),
@@ -275,7 +275,7 @@ fn a_panic_before_the_future_is_an_ordinary_error() {
         }
     );
     match &p.event.kind {
-        queue::EventKind::Retried { error, .. } => {
+        jobrail::EventKind::Retried { error, .. } => {
             assert!(error.contains("bad report 7"), "{error}")
         }
         other => panic!("expected a retry, got {other:?}"),
@@ -392,7 +392,7 @@ fn a_breaker_the_handler_feeds_itself_is_only_read() {
 fn poison_and_unknown_name_events_name_the_job_and_message() {
     let runtime = VirtualRuntime::new();
     let (mut registry, _) = counting(Job::<Work>::builder("work").retry(3));
-    registry.unknown_name_attempts(queue::UnknownNameAttempts::limited(1));
+    registry.unknown_name_attempts(jobrail::UnknownNameAttempts::limited(1));
     let cases: Vec<(Vec<u8>, &str, FailureKind)> = vec![
         (
             Envelope::new("work", serde_json::json!({ "id": "seven" })).encode(),

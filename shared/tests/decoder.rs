@@ -13,10 +13,10 @@ mod oracle;
 
 use std::collections::BTreeMap;
 
+use jobrail::FailureKind;
 use oracle::{Ending, Pipeline, JOB};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use queue::FailureKind;
 use serde_json::{json, Value};
 
 const CASES: u32 = 2_500;

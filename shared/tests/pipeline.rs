@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use futures_executor::block_on;
-use queue::{
+use jobrail::{
     CancelToken, Envelope, ErrorKind, Event, EventKind, EventSink, Job, JobContext, Registry,
     Runtime, Settlement, SettlementError, VirtualRuntime, SETTLEMENT_BUDGET,
 };
@@ -200,7 +200,7 @@ fn a_crash_on_an_unknown_body_is_handed_back_after_a_pause() {
         block_on(registry.settle_crashed("q", handle, "boom", &runtime));
         let seen = seen.lock().unwrap();
         assert!(
-            matches!(seen[0], Settlement::Retry { delay: Some(d), shutdown: false } if d == queue::PANICKED_BACKOFF_DELAY),
+            matches!(seen[0], Settlement::Retry { delay: Some(d), shutdown: false } if d == jobrail::PANICKED_BACKOFF_DELAY),
             "{seen:?}"
         );
     }
@@ -210,7 +210,7 @@ fn a_crash_on_an_unknown_body_is_handed_back_after_a_pause() {
 /// panic does.
 #[test]
 fn a_crashed_execution_counts_on_the_attached_breaker() {
-    use queue::{BreakerConfig, CircuitBreaker};
+    use jobrail::{BreakerConfig, CircuitBreaker};
     let runtime = VirtualRuntime::new();
     let breaker = CircuitBreaker::with_clock(
         "upstream",
@@ -246,7 +246,7 @@ fn a_crashed_execution_counts_on_the_attached_breaker() {
 /// Job names that come from message bodies cannot grow the counters without
 /// bound: deliveries for names no handler is registered for (unknown names,
 /// malformed envelopes) are counted under one entry,
-/// [`queue::UNREGISTERED_JOBS`], whatever name they carry.
+/// [`jobrail::UNREGISTERED_JOBS`], whatever name they carry.
 #[test]
 fn counters_for_unregistered_names_stay_one_entry() {
     let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
@@ -266,10 +266,10 @@ fn counters_for_unregistered_names_stay_one_entry() {
     let stats = registry.stats().snapshot();
     assert_eq!(
         stats.keys().map(String::as_str).collect::<Vec<_>>(),
-        [queue::UNREGISTERED_JOBS, "work"],
+        [jobrail::UNREGISTERED_JOBS, "work"],
         "one entry for every unregistered name, one per job"
     );
-    let unregistered = &stats[queue::UNREGISTERED_JOBS];
+    let unregistered = &stats[jobrail::UNREGISTERED_JOBS];
     assert_eq!(
         unregistered.retried + unregistered.failed,
         500,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_executor::block_on;
-use queue::{
+use jobrail::{
     BoxFuture, BreakerConfig, CancelToken, CircuitBreaker, Clock, Envelope, FailureKind, Incoming,
     Instant, Job, JobBuilder, JobContext, JobError, Processed, Registry, Resolution, Runtime,
     Settlement, VirtualRuntime,
@@ -143,7 +143,7 @@ fn success_on_in_process_attempt_two_is_tier_one() {
     assert_eq!(s.executions(), 2);
     assert_eq!(
         p.event.kind,
-        queue::EventKind::Succeeded {
+        jobrail::EventKind::Succeeded {
             resolution: Resolution::TierOne { attempt: 2, of: 3 }
         }
     );
@@ -167,7 +167,7 @@ fn success_on_a_redelivery_is_tier_two() {
     let p = s.deliver(&body(1), 2);
     assert_eq!(
         p.event.kind,
-        queue::EventKind::Succeeded {
+        jobrail::EventKind::Succeeded {
             resolution: Resolution::TierTwo {
                 delivery: 2,
                 of: 3,
@@ -410,7 +410,7 @@ fn deferred_deliveries_retry_at_once_without_running() {
     assert_eq!(p.event.job, "work");
     assert!(matches!(
         p.event.kind,
-        queue::EventKind::Retried { shutdown: true, .. }
+        jobrail::EventKind::Retried { shutdown: true, .. }
     ));
     assert_eq!(s.executions(), 0);
 }
@@ -450,7 +450,7 @@ fn a_zero_backoff_retry_is_not_reported_as_shutdown() {
     assert!(
         matches!(
             p.event.kind,
-            queue::EventKind::Retried {
+            jobrail::EventKind::Retried {
                 shutdown: false,
                 ..
             }

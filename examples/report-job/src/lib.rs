@@ -1,14 +1,14 @@
 //! The report job of the quick start, written once.
 //!
 //! The same declaration and handler are compiled into the native quick start
-//! (`cargo run -p queue-native --example quickstart`) and into the edge worker,
+//! (`cargo run -p jobrail-native --example quickstart`) and into the edge worker,
 //! so both settle the same message the same way. The handler simulates a
 //! report service whose behaviour each payload chooses, so a demo (and a
 //! test) can show every path deterministically.
 
 use std::time::Duration;
 
-use queue::{Job, JobContext, JobError, PolicyError};
+use jobrail::{Job, JobContext, JobError, PolicyError};
 use serde::{Deserialize, Serialize};
 
 /// The job's name on the wire.

@@ -7,7 +7,7 @@
 //! outcome and every failure record in KV and serves it at `GET /log`;
 //! `POST /dispatch` enqueues reports through the producer binding.
 //!
-//! The consumer is wired with [`queue_edge::consumer!`]: the consumer
+//! The consumer is wired with [`jobrail_edge::consumer!`]: the consumer
 //! settings come from the repository's `wrangler.toml` (embedded, and checked
 //! against the job by the `wrangler_toml_fits_the_jobs` test the macro
 //! adds); `reports-parallel` is consumed four messages at a time, `reports`
@@ -21,7 +21,7 @@
 //! token, they answer 404 and 401, so a deployed worker opens nothing to
 //! strangers.
 
-use queue::Registry;
+use jobrail::Registry;
 
 /// The jobs this worker runs: the report job and its handler.
 pub fn jobs() -> Result<Registry, String> {
@@ -35,12 +35,12 @@ pub fn jobs() -> Result<Registry, String> {
     Ok(registry)
 }
 
-queue_edge::consumer!(
+jobrail_edge::consumer!(
     jobs,
-    options = queue_edge::Options {
+    options = jobrail_edge::Options {
         failure_queue: Some("FAILED"),
         queue_concurrency: &[("reports-parallel", 4)],
-        ..queue_edge::Options::DEFAULT
+        ..jobrail_edge::Options::DEFAULT
     },
     wrangler = "../../wrangler.toml",
     other_queues = edge::failure_log,
@@ -52,8 +52,8 @@ queue_edge::consumer!(
 mod edge {
     use std::time::Duration;
 
-    use queue::{Envelope, Event, EventSink, SettlementError};
-    use queue_edge::EdgeProducer;
+    use jobrail::{Envelope, Event, EventSink, SettlementError};
+    use jobrail_edge::EdgeProducer;
     use report_job::BuildReport;
     use serde::Deserialize;
     use wasm_bindgen::prelude::*;
@@ -184,7 +184,7 @@ mod edge {
         let producer = EdgeProducer::from_env(&ctx.env, binding)
             .map_err(|e| worker::Error::RustError(e.to_string()))?;
         let job = report_job::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
-        let fail = |e: queue_edge::EdgeError| worker::Error::RustError(e.to_string());
+        let fail = |e: jobrail_edge::EdgeError| worker::Error::RustError(e.to_string());
         let mut reports = Vec::new();
         let delay = (body.delay_seconds > 0).then(|| Duration::from_secs(body.delay_seconds));
         for report in &body.reports {

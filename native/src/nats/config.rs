@@ -33,8 +33,8 @@ pub struct NatsConfig {
     /// (`-1`), so the server never stops redelivering a message on its own.
     /// If set, it must be positive, and a consumer refuses to start when it
     /// is below what a job of the queue needs: the job's attempt cap plus
-    /// one ([`queue::deliveries_needed`]), checked against the registry's
-    /// own jobs ([`queue::check_delivery_limit`]).
+    /// one ([`jobrail::deliveries_needed`]), checked against the registry's
+    /// own jobs ([`jobrail::check_delivery_limit`]).
     pub max_deliver: Option<u32>,
     /// The failure subject of a queue, `{queue}` replaced by the queue's
     /// name and `{prefix}` by [`subject_prefix`](Self::subject_prefix)
@@ -69,7 +69,7 @@ impl NatsConfig {
             operation_timeout: Duration::from_secs(10),
             fetch_expiry: Duration::from_secs(5),
             max_reconnect_backoff: Duration::from_secs(5),
-            connection_name: "queue-native".into(),
+            connection_name: "jobrail-native".into(),
         }
     }
 

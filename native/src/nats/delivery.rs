@@ -14,7 +14,7 @@ use async_nats::jetstream::{AckKind, Message};
 use async_nats::HeaderMap;
 use async_trait::async_trait;
 use futures_util::{FutureExt, StreamExt};
-use queue::{FailureRecord, Settlement};
+use jobrail::{FailureRecord, Settlement};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 

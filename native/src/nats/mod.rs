@@ -130,9 +130,9 @@
 //! [`Capabilities::max_deliveries`], and a [`Consumer`](crate::Consumer)
 //! refuses to start ([`ErrorKind::Config`], naming the job) when it is below
 //! what a job registered for the queue needs: the job's attempt cap plus one
-//! ([`queue::deliveries_needed`]: the extra delivery is the one on which the
+//! ([`jobrail::deliveries_needed`]: the extra delivery is the one on which the
 //! facade records a message that crashed its worker every time). The rule
-//! is [`queue::check_delivery_limit`], applied to the registry's own jobs,
+//! is [`jobrail::check_delivery_limit`], applied to the registry's own jobs,
 //! so no cap is copied into the driver's settings.
 //!
 //! # Consumption and reconnection
@@ -185,7 +185,7 @@
 //! [`ErrorKind::NotAccepted`]: crate::ErrorKind::NotAccepted
 //! [`ErrorKind::Uncertain`]: crate::ErrorKind::Uncertain
 //! [`ErrorKind::Unsupported`]: crate::ErrorKind::Unsupported
-//! [`FailureRecord::encode`]: queue::FailureRecord::encode
+//! [`FailureRecord::encode`]: jobrail::FailureRecord::encode
 
 mod config;
 mod connection;
@@ -220,7 +220,7 @@ const NAME: &str = "nats";
 pub const ATTEMPTS_HEADER: &str = "Queue-Attempts";
 
 /// The header counting deliveries a graceful shutdown handed back
-/// (see [`queue::exceeds_crash_bound`]).
+/// (see [`jobrail::exceeds_crash_bound`]).
 pub const SHUTDOWNS_HEADER: &str = "Queue-Shutdowns";
 
 /// What the driver keeps free of the server's `max_payload` for the headers

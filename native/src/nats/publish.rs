@@ -5,7 +5,7 @@
 
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
-use queue::FailureRecord;
+use jobrail::FailureRecord;
 
 use super::errors::{self, error};
 use super::{NatsDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};

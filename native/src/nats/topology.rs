@@ -6,7 +6,7 @@
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
-use queue::FailureRecord;
+use jobrail::FailureRecord;
 use tracing::{info, warn};
 
 use super::config::valid_subject;
@@ -319,7 +319,7 @@ impl NatsDriver {
                 Ok(message) => match FailureRecord::decode(&message.payload) {
                     Ok(record) => records.push(record),
                     Err(e) => {
-                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {}", queue::json_error(&e))
+                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {}", jobrail::json_error(&e))
                     }
                 },
                 Err(e) => {

@@ -44,7 +44,7 @@ pub struct RabbitConfig {
     /// [`Capabilities::max_deliveries`](crate::Capabilities::max_deliveries),
     /// and a consumer refuses to start when it is below what one of its
     /// registry's jobs (or the unknown-name rule) needs, naming the job
-    /// ([`queue::check_delivery_limit`]): the broker would otherwise drop a
+    /// ([`jobrail::check_delivery_limit`]): the broker would otherwise drop a
     /// message before the facade's cap, with no failure record.
     pub delivery_limit: Option<u32>,
     /// The broker's `consumer_timeout` (default 30 min, RabbitMQ's default):
@@ -92,7 +92,7 @@ impl RabbitConfig {
             delivery_limit: None,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             consumer_timeout: Duration::from_secs(30 * 60),
-            connection_name: "queue-native".into(),
+            connection_name: "jobrail-native".into(),
             ca_certificates: None,
         }
     }
@@ -146,7 +146,7 @@ impl RabbitConfig {
             "amqps" if cfg!(feature = "rabbitmq-tls") => {}
             "amqps" => {
                 return Err(config_error(format!(
-                    "`{}` needs TLS: enable the `rabbitmq-tls` feature of queue-native",
+                    "`{}` needs TLS: enable the `rabbitmq-tls` feature of jobrail-native",
                     self.redacted_url()
                 )))
             }
@@ -282,7 +282,7 @@ mod tests {
             [Duration::from_secs(1), Duration::from_secs(5)]
         );
         // A low delivery limit is the consumer's to refuse, against the
-        // registry's own jobs (queue::check_delivery_limit).
+        // registry's own jobs (jobrail::check_delivery_limit).
         let mut c = RabbitConfig {
             delivery_limit: Some(3),
             ..RabbitConfig::new("amqp://localhost")

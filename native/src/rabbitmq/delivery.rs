@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::StreamExt;
+use jobrail::{FailureRecord, Settlement};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
     BasicRejectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
-use queue::{FailureRecord, Settlement};
 use tracing::{error, warn};
 
 use super::config::RabbitConfig;
@@ -24,9 +24,12 @@ use crate::support::Reconnect;
 /// `consumer_timeout` allows, with [`CONSUMER_TIMEOUT_MARGIN`] to spare (see
 /// [`RabbitConfig::consumer_timeout`]); a job without a timeout is accepted
 /// with a warning.
-pub(super) fn check_hold(config: &RabbitConfig, spec: &queue::JobSpec) -> Result<(), DriverError> {
+pub(super) fn check_hold(
+    config: &RabbitConfig,
+    spec: &jobrail::JobSpec,
+) -> Result<(), DriverError> {
     let limit = config.consumer_timeout;
-    let Some(hold) = queue::longest_hold(spec) else {
+    let Some(hold) = jobrail::longest_hold(spec) else {
         warn!(
             job = %spec.name,
             "job `{}` has no timeout: a handler running longer than the broker's consumer_timeout \

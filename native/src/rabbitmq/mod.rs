@@ -99,7 +99,7 @@
 //!
 //! Reject is `basic.reject` without requeue (the work queue has no
 //! dead-letter exchange: the message is dropped). Terminal failure publishes
-//! [`FailureRecord::encode`](queue::FailureRecord::encode) to the failure
+//! [`FailureRecord::encode`](jobrail::FailureRecord::encode) to the failure
 //! queue with a confirm, then acks; with no failure queue configured it
 //! rejects without requeue and logs the record's reason at error level.
 //!
@@ -112,7 +112,7 @@
 //! plus one: it counts returns to the queue, not deliveries), and a
 //! consumer refuses to start ([`ErrorKind::Config`], naming the job) when a
 //! job of its registry, or the unknown-name rule, needs more deliveries
-//! than that ([`queue::check_delivery_limit`]). (RabbitMQ 4.0 introduced a
+//! than that ([`jobrail::check_delivery_limit`]). (RabbitMQ 4.0 introduced a
 //! default limit of 20: set `delivery_limit` explicitly above your caps
 //! there, and note that a work queue declared by an older version keeps its
 //! arguments.)
@@ -126,7 +126,7 @@
 //! twice. [`consumer_timeout`](RabbitConfig::consumer_timeout) tells the
 //! driver the broker's value (it must be the same), and a consumer refuses
 //! to start ([`ErrorKind::Config`], naming the job, its timeout and the
-//! setting) with a job whose [`longest_hold`](queue::longest_hold) on a delivery (timeout x
+//! setting) with a job whose [`longest_hold`](jobrail::longest_hold) on a delivery (timeout x
 //! in-process attempts, plus the tier-one waits) does not fit in it with
 //! [`CONSUMER_TIMEOUT_MARGIN`] to spare. A job without a timeout is
 //! accepted with a warning at start: its handler is unbounded by
@@ -212,7 +212,7 @@ pub const CONSUMER_TIMEOUT_MARGIN: Duration = Duration::from_secs(60);
 pub const ATTEMPTS_HEADER: &str = "x-queue-attempts";
 
 /// The header counting deliveries a graceful shutdown handed back
-/// (see [`queue::exceeds_crash_bound`]).
+/// (see [`jobrail::exceeds_crash_bound`]).
 pub const SHUTDOWNS_HEADER: &str = "x-queue-shutdowns";
 
 /// The default delay buckets, in seconds.
@@ -336,7 +336,7 @@ impl Driver for RabbitDriver {
         self.disconnect().await
     }
 
-    fn check_job(&self, spec: &queue::JobSpec) -> Result<(), DriverError> {
+    fn check_job(&self, spec: &jobrail::JobSpec) -> Result<(), DriverError> {
         delivery::check_hold(&self.inner.config, spec)
     }
 }

@@ -2,10 +2,10 @@
 //! persistent, mandatory publish on the driver's confirm channel, waiting
 //! for the broker's confirm.
 
+use jobrail::FailureRecord;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
-use queue::FailureRecord;
 
 use super::errors::{confirmed, error, publish_failed};
 use super::{RabbitDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};

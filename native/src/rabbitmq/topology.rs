@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use jobrail::FailureRecord;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use queue::FailureRecord;
 use tracing::warn;
 
 use super::errors::{answer, bounded, conflicting_queue, error, precondition_failed};
@@ -244,7 +244,7 @@ impl RabbitDriver {
             match FailureRecord::decode(&message.delivery.data) {
                 Ok(record) => records.push(record),
                 Err(e) => {
-                    warn!(queue = %failed, "skipping a message that is not a failure record: {}", queue::json_error(&e))
+                    warn!(queue = %failed, "skipping a message that is not a failure record: {}", jobrail::json_error(&e))
                 }
             }
         }

@@ -152,15 +152,15 @@ impl fmt::Debug for SqsKeys {
 ///
 /// ```
 /// use async_trait::async_trait;
-/// use queue_native::sqs::{SqsCredentialSource, SqsKeys};
-/// use queue_native::sqs::{SqsConfig, SqsCredentials};
+/// use jobrail_native::sqs::{SqsCredentialSource, SqsKeys};
+/// use jobrail_native::sqs::{SqsConfig, SqsCredentials};
 ///
 /// #[derive(Debug)]
 /// struct Vault;
 ///
 /// #[async_trait]
 /// impl SqsCredentialSource for Vault {
-///     async fn keys(&self) -> Result<SqsKeys, queue::BoxError> {
+///     async fn keys(&self) -> Result<SqsKeys, jobrail::BoxError> {
 ///         // Fetch them here; they may carry a session token and an expiry.
 ///         Ok(SqsKeys::new("AKIDEXAMPLE", "secret").session_token("token"))
 ///     }
@@ -177,7 +177,7 @@ impl fmt::Debug for SqsKeys {
 #[async_trait]
 pub trait SqsCredentialSource: Send + Sync + fmt::Debug {
     /// Fresh keys, or why there are none.
-    async fn keys(&self) -> Result<SqsKeys, queue::BoxError>;
+    async fn keys(&self) -> Result<SqsKeys, jobrail::BoxError>;
 }
 
 /// Settings for [`SqsDriver`](super::SqsDriver).

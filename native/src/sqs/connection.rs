@@ -68,7 +68,7 @@ fn credentials(credentials: &SqsCredentials) -> Result<SharedCredentialsProvider
             secret_access_key,
             session_token.clone(),
             None,
-            "queue-native static",
+            "jobrail-native static",
         )),
         SqsCredentials::Environment => {
             let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
@@ -84,7 +84,7 @@ fn credentials(credentials: &SqsCredentials) -> Result<SharedCredentialsProvider
                 secret,
                 var("AWS_SESSION_TOKEN"),
                 None,
-                "queue-native environment",
+                "jobrail-native environment",
             ))
         }
         SqsCredentials::Source(source) => {
@@ -121,7 +121,7 @@ impl ProvideCredentials for FromSource {
                 keys.secret_access_key,
                 keys.session_token,
                 keys.expires_at,
-                "queue-native source",
+                "jobrail-native source",
             ))
         })
     }
@@ -152,7 +152,7 @@ impl SqsDriver {
             self.inner
                 .client
                 .list_queues()
-                .queue_name_prefix("queue-native-probe")
+                .queue_name_prefix("jobrail-native-probe")
                 .max_results(1)
                 .send(),
         )
@@ -204,7 +204,7 @@ mod tests {
 
     #[async_trait]
     impl SqsCredentialSource for Counting {
-        async fn keys(&self) -> Result<SqsKeys, queue::BoxError> {
+        async fn keys(&self) -> Result<SqsKeys, jobrail::BoxError> {
             if self.calls.fetch_add(1, Ordering::SeqCst) + 1 >= self.fails_from {
                 return Err(Box::new(Sealed));
             }

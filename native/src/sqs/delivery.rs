@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
-use queue::{FailureRecord, Instant, Settlement};
+use jobrail::{FailureRecord, Instant, Settlement};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
@@ -369,7 +369,7 @@ impl SqsDelivery {
             // Driver timing: back when the current visibility ends.
             return Ok(());
         };
-        let seconds = queue::whole_seconds_up(delay);
+        let seconds = jobrail::whole_seconds_up(delay);
         let since_receive = self.hold.received.elapsed();
         if since_receive.saturating_add(Duration::from_secs(seconds)) > MAX_VISIBILITY {
             return Err(error(

@@ -24,10 +24,10 @@
 //! [`Driver::delivery_limit`] (`GetQueueAttributes`, after resolving or
 //! creating the queue as a dispatch would; `None` without a policy). A
 //! consumer checks it when it starts against the registry's own jobs on
-//! that queue ([`queue::check_delivery_limit`]): a job whose attempt cap
+//! that queue ([`jobrail::check_delivery_limit`]): a job whose attempt cap
 //! needs more receives (the cap plus the receive on which the facade
 //! records a message that crashed its worker every time,
-//! [`queue::deliveries_needed`]) is refused with [`ErrorKind::Config`]
+//! [`jobrail::deliveries_needed`]) is refused with [`ErrorKind::Config`]
 //! naming the job, since SQS would move its messages to the dead-letter
 //! queue before the facade ends them. A policy without a readable
 //! `maxReceiveCount` is refused with [`ErrorKind::Config`]. Dispatch does
@@ -109,7 +109,7 @@
 //! - Reject: no request; the message comes back when its visibility ends,
 //!   and the queue's own redrive policy (if any) decides its fate. SQS has no
 //!   way to drop a message other than deleting it.
-//! - Fail: `SendMessage` of [`FailureRecord::encode`](queue::FailureRecord::encode) to the failure queue,
+//! - Fail: `SendMessage` of [`FailureRecord::encode`](jobrail::FailureRecord::encode) to the failure queue,
 //!   then `DeleteMessage`. With no failure queue configured the record's
 //!   reason is logged at error level and the message deleted. The transfer
 //!   and the delete are not atomic: a crash between them duplicates the
@@ -187,7 +187,7 @@ pub const ENCODING_ATTRIBUTE: &str = "queue-body-encoding";
 /// before it was sent again by a graceful shutdown.
 pub const ATTEMPTS_ATTRIBUTE: &str = "queue-attempts";
 /// The message attribute (Number) counting deliveries a graceful shutdown
-/// handed back (see [`queue::exceeds_crash_bound`]).
+/// handed back (see [`jobrail::exceeds_crash_bound`]).
 pub const SHUTDOWNS_ATTRIBUTE: &str = "queue-shutdowns";
 /// The longest dispatch delay SQS supports, in seconds.
 pub const MAX_DELAY_SECONDS: u64 = 900;

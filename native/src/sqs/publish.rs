@@ -36,7 +36,7 @@ impl SqsDriver {
     /// Stores `message` on the work queue `queue` (resolving or creating
     /// it), its delay rounded up to whole seconds.
     pub(super) async fn dispatch(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
-        let delay_seconds = message.delay.map(queue::whole_seconds_up).unwrap_or(0);
+        let delay_seconds = message.delay.map(jobrail::whole_seconds_up).unwrap_or(0);
         if delay_seconds > MAX_DELAY_SECONDS {
             return Err(error(
                 ErrorKind::Unsupported,

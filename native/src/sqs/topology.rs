@@ -2,7 +2,7 @@
 //! redrive policy, and peeking at failure queues.
 
 use aws_sdk_sqs::types::QueueAttributeName;
-use queue::FailureRecord;
+use jobrail::FailureRecord;
 use tracing::warn;
 
 use super::connection::bounded;

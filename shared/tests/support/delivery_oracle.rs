@@ -17,7 +17,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use queue::{
+use jobrail::{
     CancelToken, Envelope, Event, EventKind, EventSink, FailureKind, Job, JobContext, RawBody,
     Registry, Runtime, Settlement, VirtualRuntime,
 };

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use queue::{BoxFuture, DeliveryHandle, ErrorKind, Settlement, SettlementError};
+use jobrail::{BoxFuture, DeliveryHandle, ErrorKind, Settlement, SettlementError};
 
 /// How the backend answers a settlement.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -6,13 +6,13 @@
 //! binding. `/send` is off unless the secret `TEST_ROUTES_TOKEN` is set and
 //! the request carries it as a bearer token, as in the report worker.
 //!
-//! Besides queue-edge's own line per settlement, each settlement is logged
+//! Besides jobrail-edge's own line per settlement, each settlement is logged
 //! with the Worker's clock (`invoice-worker settled <ms> <event>`), so the
 //! test can measure the gaps between deliveries.
 
 use std::time::Duration;
 
-use queue::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
+use jobrail::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
 use serde::{Deserialize, Serialize};
 
 /// How the (simulated) mail server treats one invoice.
@@ -77,18 +77,18 @@ pub fn jobs() -> Result<Registry, RegistryError> {
 }
 
 /// Terminal failures are recorded on the queue of the `FAILED` binding.
-pub const OPTIONS: queue_edge::Options = queue_edge::Options {
+pub const OPTIONS: jobrail_edge::Options = jobrail_edge::Options {
     failure_queue: Some("FAILED"),
-    ..queue_edge::Options::DEFAULT
+    ..jobrail_edge::Options::DEFAULT
 };
 
-queue_edge::consumer!(jobs, options = OPTIONS);
+jobrail_edge::consumer!(jobs, options = OPTIONS);
 
 /// The test's additions: the routes and the timed settlement log.
 #[cfg(target_arch = "wasm32")]
 mod test_routes {
-    use queue::{Event, EventSink};
-    use queue_edge::EdgeProducer;
+    use jobrail::{Event, EventSink};
+    use jobrail_edge::EdgeProducer;
     use worker::{event, Context, Env, Request, Response, Result};
 
     use crate::SendInvoice;
@@ -98,8 +98,8 @@ mod test_routes {
 
     impl EventSink for Stamped {
         fn emit(&self, event: &Event) {
-            let line = queue_edge::LogSink::line(event);
-            let json = line.trim_start_matches("queue-edge settlement ");
+            let line = jobrail_edge::LogSink::line(event);
+            let json = line.trim_start_matches("jobrail-edge settlement ");
             let at_ms = worker::Date::now().as_millis();
             worker::console_log!("invoice-worker settled {at_ms} {json}");
         }
@@ -128,7 +128,7 @@ mod test_routes {
 
     async fn send(mut req: Request, env: &Env) -> Result<Response> {
         let invoices: Vec<SendInvoice> = req.json().await?;
-        let fail = |e: queue_edge::EdgeError| worker::Error::RustError(e.to_string());
+        let fail = |e: jobrail_edge::EdgeError| worker::Error::RustError(e.to_string());
         let job = crate::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
         let ids = EdgeProducer::from_env(env, "INVOICES")
             .map_err(fail)?

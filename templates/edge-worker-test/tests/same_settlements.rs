@@ -1,4 +1,4 @@
-//! One scenario, two ways: natively under `queue_edge::testing` (Cloudflare
+//! One scenario, two ways: natively under `jobrail_edge::testing` (Cloudflare
 //! Queues' rules on a virtual clock) and on this worker under
 //! `wrangler dev`. Per message, the settlements must be the same: the
 //! attempts, the outcome of each, the handler executions, and each retry's
@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use queue_edge::testing::CloudflareQueues;
+use jobrail_edge::testing::CloudflareQueues;
 use serde_json::Value;
 
 use invoice_worker::{job, jobs, MailServer, SendInvoice, OPTIONS};
@@ -50,7 +50,7 @@ struct Settlement {
 }
 
 impl Settlement {
-    /// From an event's JSON (`queue::Event`, as the edge logs it).
+    /// From an event's JSON (`jobrail::Event`, as the edge logs it).
     fn of(event: &Value) -> Settlement {
         let kind = &event["kind"];
         let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
@@ -148,7 +148,7 @@ fn now_ms() -> u128 {
         .as_millis()
 }
 
-/// What the worker logged for each message so far: queue-edge's own
+/// What the worker logged for each message so far: jobrail-edge's own
 /// settlement lines, and this worker's timed ones (ms, settlement).
 #[derive(Default)]
 struct EdgeLog {
@@ -162,7 +162,7 @@ fn read_log(path: &str) -> EdgeLog {
     // Only whole lines: the last one may still be being written.
     let complete = text.rfind('\n').map_or("", |end| &text[..end]);
     for line in complete.lines() {
-        if let Some(json) = line.strip_prefix("queue-edge settlement ") {
+        if let Some(json) = line.strip_prefix("jobrail-edge settlement ") {
             if let Ok(event) = serde_json::from_str::<Value>(json) {
                 let id = event["message_id"].as_str().unwrap_or_default().to_string();
                 log.settled

@@ -1,6 +1,6 @@
-//! A Cloudflare Queues consumer for one job, built on `queue` and
-//! `queue-edge`. Replace the job and its handler with your own; the wiring
-//! is the one `queue_edge::consumer!` line at the end.
+//! A Cloudflare Queues consumer for one job, built on `jobrail` and
+//! `jobrail-edge`. Replace the job and its handler with your own; the wiring
+//! is the one `jobrail_edge::consumer!` line at the end.
 //!
 //! The consumer settings live in `wrangler.toml`. The macro embeds that file
 //! and checks it against the jobs: when the Worker starts, and natively in
@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use queue::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
+use jobrail::{Job, JobContext, JobError, PolicyError, Registry, RegistryError};
 use serde::{Deserialize, Serialize};
 
 /// The message: what one welcome email needs.
@@ -55,9 +55,9 @@ pub fn jobs() -> Result<Registry, RegistryError> {
 }
 
 /// Terminal failures are recorded on the queue of the `FAILED` binding.
-pub const OPTIONS: queue_edge::Options = queue_edge::Options {
+pub const OPTIONS: jobrail_edge::Options = jobrail_edge::Options {
     failure_queue: Some("FAILED"),
-    ..queue_edge::Options::DEFAULT
+    ..jobrail_edge::Options::DEFAULT
 };
 
-queue_edge::consumer!(jobs, options = OPTIONS);
+jobrail_edge::consumer!(jobs, options = OPTIONS);

@@ -2,8 +2,8 @@
 //! virtual clock: `cargo test`, no wrangler, no waiting for backoff.
 #![cfg(not(target_arch = "wasm32"))]
 
-use queue::FailureKind;
-use queue_edge::testing::{CloudflareQueues, MessageState};
+use jobrail::FailureKind;
+use jobrail_edge::testing::{CloudflareQueues, MessageState};
 
 use edge_worker::{job, jobs, WelcomeEmail, OPTIONS};
 

@@ -15,8 +15,8 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{FailureKind, Job, JobError, Registry};
-use queue_native::{ConsumerHandle, ErrorKind};
+use jobrail::{FailureKind, Job, JobError, Registry};
+use jobrail_native::{ConsumerHandle, ErrorKind};
 use tokio::time::Instant;
 
 use crate::harness::{Backend, Calls, Harness};
@@ -37,7 +37,7 @@ pub fn announcing_registry(queue: &str, name: &str, cap: u32) -> Registry {
         .expect("job");
     let mut registry = Registry::new();
     registry
-        .register(&job, |ctx: queue::JobContext, _work: Work| async move {
+        .register(&job, |ctx: jobrail::JobContext, _work: Work| async move {
             {
                 use std::io::Write;
                 let mut out = std::io::stdout().lock();

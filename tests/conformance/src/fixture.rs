@@ -9,8 +9,8 @@ use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use queue::FailureRecord;
-use queue_native::{Driver, DriverError};
+use jobrail::FailureRecord;
+use jobrail_native::{Driver, DriverError};
 
 use crate::harness::{Backend, Hooks, Unreachable};
 
@@ -198,22 +198,22 @@ impl<B: Broker> Drop for Fixture<B> {
     }
 }
 
-/// RabbitMQ (`queue_native::rabbitmq::RabbitDriver`).
+/// RabbitMQ (`jobrail_native::rabbitmq::RabbitDriver`).
 #[cfg(feature = "rabbitmq")]
 pub struct RabbitMq;
 
 #[cfg(feature = "rabbitmq")]
 #[async_trait]
 impl Broker for RabbitMq {
-    type Driver = queue_native::rabbitmq::RabbitDriver;
-    type Config = queue_native::rabbitmq::RabbitConfig;
+    type Driver = jobrail_native::rabbitmq::RabbitDriver;
+    type Config = jobrail_native::rabbitmq::RabbitConfig;
     const WHERE: &'static str = "RabbitMQ at RABBITMQ_URL";
 
     fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
-        queue_native::rabbitmq::RabbitDriver::new(config)
+        jobrail_native::rabbitmq::RabbitDriver::new(config)
     }
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
-        queue_native::rabbitmq::RabbitDriver::connect(config).await
+        jobrail_native::rabbitmq::RabbitDriver::connect(config).await
     }
     async fn failure_records(
         driver: &Self::Driver,
@@ -246,22 +246,22 @@ impl Broker for RabbitMq {
     }
 }
 
-/// NATS JetStream (`queue_native::nats::NatsDriver`).
+/// NATS JetStream (`jobrail_native::nats::NatsDriver`).
 #[cfg(feature = "nats")]
 pub struct Nats;
 
 #[cfg(feature = "nats")]
 #[async_trait]
 impl Broker for Nats {
-    type Driver = queue_native::nats::NatsDriver;
-    type Config = queue_native::nats::NatsConfig;
+    type Driver = jobrail_native::nats::NatsDriver;
+    type Config = jobrail_native::nats::NatsConfig;
     const WHERE: &'static str = "NATS at NATS_URL";
 
     fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
-        queue_native::nats::NatsDriver::new(config)
+        jobrail_native::nats::NatsDriver::new(config)
     }
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
-        queue_native::nats::NatsDriver::connect(config).await
+        jobrail_native::nats::NatsDriver::connect(config).await
     }
     async fn failure_records(
         driver: &Self::Driver,
@@ -309,37 +309,37 @@ impl Broker for Nats {
 /// with its `test` keys and short settings so scenarios take seconds: a
 /// 2 s visibility timeout, 1 s long polls.
 #[cfg(feature = "sqs")]
-pub fn sqs_emulator_config() -> queue_native::sqs::SqsConfig {
+pub fn sqs_emulator_config() -> jobrail_native::sqs::SqsConfig {
     let endpoint = std::env::var("SQS_ENDPOINT").unwrap_or_else(|_| {
         panic!(
             "SQS_ENDPOINT is not set: start the emulator with `tests/sqs-emulator` and export \
              SQS_ENDPOINT=<the URL it prints> (e.g. http://127.0.0.1:4517)"
         )
     });
-    queue_native::sqs::SqsConfig::new("us-east-1")
+    jobrail_native::sqs::SqsConfig::new("us-east-1")
         .endpoint(endpoint)
-        .credentials(queue_native::sqs::SqsCredentials::fixed("test", "test"))
+        .credentials(jobrail_native::sqs::SqsCredentials::fixed("test", "test"))
         .visibility_timeout(std::time::Duration::from_secs(2))
         .wait_time(std::time::Duration::from_secs(1))
 }
 
-/// Amazon SQS (`queue_native::sqs::SqsDriver`), usually against the emulator.
+/// Amazon SQS (`jobrail_native::sqs::SqsDriver`), usually against the emulator.
 #[cfg(feature = "sqs")]
 pub struct Sqs;
 
 #[cfg(feature = "sqs")]
 #[async_trait]
 impl Broker for Sqs {
-    type Driver = queue_native::sqs::SqsDriver;
-    type Config = queue_native::sqs::SqsConfig;
+    type Driver = jobrail_native::sqs::SqsDriver;
+    type Config = jobrail_native::sqs::SqsConfig;
     const WHERE: &'static str =
         "the SQS emulator at SQS_ENDPOINT (start it with tests/sqs-emulator)";
 
     fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
-        queue_native::sqs::SqsDriver::new(config)
+        jobrail_native::sqs::SqsDriver::new(config)
     }
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
-        queue_native::sqs::SqsDriver::connect(config).await
+        jobrail_native::sqs::SqsDriver::connect(config).await
     }
     async fn failure_records(
         driver: &Self::Driver,
@@ -388,7 +388,7 @@ impl Broker for Sqs {
         let mut unreachable = config.clone();
         unreachable.endpoint = Some(format!("http://{}", closed_address()));
         unreachable.operation_timeout = std::time::Duration::from_secs(1);
-        unreachable.credentials = queue_native::sqs::SqsCredentials::Static {
+        unreachable.credentials = jobrail_native::sqs::SqsCredentials::Static {
             access_key_id: ACCESS_KEY.into(),
             secret_access_key: SECRET_KEY.into(),
             session_token: Some(TOKEN.into()),

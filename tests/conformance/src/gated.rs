@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
-use queue::{JobError, Registry, Settlement, UnknownNameAttempts};
-use queue_native::{Delivery, DriverError, ErrorKind, Outgoing, Subscription};
+use jobrail::{JobError, Registry, Settlement, UnknownNameAttempts};
+use jobrail_native::{Delivery, DriverError, ErrorKind, Outgoing, Subscription};
 use tokio::time::{timeout, Instant};
 
 use crate::harness::{outgoing, Backend, Calls, Harness};
@@ -227,11 +227,13 @@ pub async fn delivery_limit_is_checked_at_start(backend: &dyn Backend) {
     let counted = h.driver.capabilities().counts_shutdown_returns;
     // The largest cap and unknown-name cap the limit leaves room for.
     let fits = (1..LIMIT)
-        .filter(|cap| queue::deliveries_needed(*cap, counted).is_some_and(|n| n <= LIMIT))
+        .filter(|cap| jobrail::deliveries_needed(*cap, counted).is_some_and(|n| n <= LIMIT))
         .max()
         .expect("a limit of 4 leaves room for some cap");
     let unknown = (1..LIMIT)
-        .filter(|cap| queue::unknown_name_deliveries_needed(Some(*cap)).is_some_and(|n| n <= LIMIT))
+        .filter(|cap| {
+            jobrail::unknown_name_deliveries_needed(Some(*cap)).is_some_and(|n| n <= LIMIT)
+        })
         .max()
         .expect("a limit of 4 leaves room for some unknown-name cap");
     let job = |cap| h.job("limited").retry(cap).build().unwrap();

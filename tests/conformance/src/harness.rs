@@ -4,8 +4,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use queue::{Event, EventSink, FailureRecord, Registry};
-use queue_native::{Consumer, ConsumerHandle, Driver, DriverError, Outgoing, Producer};
+use jobrail::{Event, EventSink, FailureRecord, Registry};
+use jobrail_native::{Consumer, ConsumerHandle, Driver, DriverError, Outgoing, Producer};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -36,7 +36,7 @@ pub trait Backend: Send + Sync {
 
     /// A driver whose hold on a delivery (a lease, a visibility timeout) is
     /// short, its length reported as the driver's
-    /// [`redelivery_hint`](queue_native::Capabilities::redelivery_hint).
+    /// [`redelivery_hint`](jobrail_native::Capabilities::redelivery_hint).
     /// `None` where deliveries are not held for a time.
     async fn short_hold(&self) -> Option<Arc<dyn Driver>> {
         None
@@ -105,7 +105,7 @@ impl EventSink for Events {
         self.inner.changed.notify_waiters();
     }
 
-    fn settlement_failed(&self, event: &Event, error: &queue::SettlementError) {
+    fn settlement_failed(&self, event: &Event, error: &jobrail::SettlementError) {
         self.inner
             .settlement_failures
             .lock()
@@ -229,13 +229,13 @@ impl Harness {
         format!(
             "cf-{}-{}",
             scenario.replace('_', "-"),
-            &queue::new_message_id()[..8]
+            &jobrail::new_message_id()[..8]
         )
     }
 
     /// A job declaration for the scenario payload on this harness's queue.
-    pub fn job(&self, name: &str) -> queue::JobBuilder<Work> {
-        queue::Job::<Work>::builder(name).queue(self.queue.clone())
+    pub fn job(&self, name: &str) -> jobrail::JobBuilder<Work> {
+        jobrail::Job::<Work>::builder(name).queue(self.queue.clone())
     }
 
     /// Starts a consumer of `registry` (its events go to [`Harness::events`]).
@@ -250,7 +250,7 @@ impl Harness {
     /// Runs `job` with a handler that succeeds, until `n` messages have
     /// succeeded, then shuts the consumer down; returns the ids of the work
     /// the handler saw, sorted.
-    pub async fn consume_ids(&self, job: &queue::Job<Work>, n: usize) -> Vec<u32> {
+    pub async fn consume_ids(&self, job: &jobrail::Job<Work>, n: usize) -> Vec<u32> {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let record = seen.clone();
         let mut registry = Registry::new();
@@ -289,7 +289,7 @@ pub struct Calls(Arc<Mutex<Vec<(u32, u32, Instant)>>>);
 
 impl Calls {
     /// Records one execution; returns how many there have been (first = 1).
-    pub fn record(&self, ctx: &queue::JobContext) -> usize {
+    pub fn record(&self, ctx: &jobrail::JobContext) -> usize {
         let mut calls = self.0.lock().unwrap();
         calls.push((ctx.attempt(), ctx.in_process_attempt(), Instant::now()));
         calls.len()
@@ -326,12 +326,12 @@ impl Calls {
     pub fn handler<F>(
         &self,
         outcome: F,
-    ) -> impl Fn(queue::JobContext, Work) -> std::future::Ready<Result<(), queue::JobError>>
+    ) -> impl Fn(jobrail::JobContext, Work) -> std::future::Ready<Result<(), jobrail::JobError>>
            + Send
            + Sync
            + 'static
     where
-        F: Fn(&queue::JobContext, usize) -> Result<(), queue::JobError> + Send + Sync + 'static,
+        F: Fn(&jobrail::JobContext, usize) -> Result<(), jobrail::JobError> + Send + Sync + 'static,
     {
         let calls = self.clone();
         move |ctx, _| {

@@ -3,7 +3,7 @@
 //! Each scenario is a plain async function taking a [`Backend`], so the same
 //! code runs against the memory driver, RabbitMQ, and any driver a user
 //! writes. Where backends legitimately differ, the scenario reads the
-//! driver's [`Capabilities`](queue_native::Capabilities) instead of being
+//! driver's [`Capabilities`](jobrail_native::Capabilities) instead of being
 //! copied per driver; a scenario that needs a capability or a set-up some
 //! backends lack is registered only for those that have it
 //! ([`scenarios::registered`], as opendal registers its behaviour tests).
@@ -16,8 +16,8 @@
 //! ```ignore
 //! struct MyBackend;
 //! #[async_trait::async_trait]
-//! impl queue_conformance::Backend for MyBackend { /* connect, failure_records, hooks */ }
-//! queue_conformance::conformance_suite!(MyBackend);
+//! impl jobrail_conformance::Backend for MyBackend { /* connect, failure_records, hooks */ }
+//! jobrail_conformance::conformance_suite!(MyBackend);
 //! ```
 
 pub mod crash;

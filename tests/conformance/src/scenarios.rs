@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use queue::{
+use jobrail::{
     BreakerConfig, CircuitBreaker, Envelope, Event, EventKind, FailureKind, Job, JobBuilder,
     JobContext, JobError, Permanent, RawBody, Registry, Resolution, UnknownNameAttempts,
 };
-use queue_native::{Capabilities, DispatchOptions, ErrorKind};
+use jobrail_native::{Capabilities, DispatchOptions, ErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -641,7 +641,7 @@ fn cancelled_handler(
 
 mod futures_like {
     pub(super) type Fut =
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), queue::JobError>> + Send>>;
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), jobrail::JobError>> + Send>>;
 }
 
 /// Shutdown cancels the handler; its cancellation error is a zero-delay retry
@@ -1239,7 +1239,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     // being stopped.
     let stopped = backend.connect().await;
     stopped.stop().await.unwrap();
-    let err = queue_native::Producer::new(stopped)
+    let err = jobrail_native::Producer::new(stopped)
         .send_envelope(&h.queue, &over, None)
         .await
         .expect_err("an oversize message was accepted");

@@ -14,9 +14,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use queue::{Envelope, Registry, UnknownNameAttempts};
-use queue_conformance::Events;
-use queue_native::{Consumer, MemoryDriver, Producer};
+use jobrail::{Envelope, Registry, UnknownNameAttempts};
+use jobrail_conformance::Events;
+use jobrail_native::{Consumer, MemoryDriver, Producer};
 use report_job::{Behaviour, BuildReport};
 use serde_json::{json, Value};
 
@@ -603,7 +603,7 @@ fn batch_scenario(labelled: Vec<(String, BuildReport)>) {
             let last = steps.last().expect("settled");
             assert_eq!(last.1, "failed:attempts_exhausted", "{label}: {steps:?}");
             assert!(
-                last.0 <= u64::from(queue::deliveries_needed(3, false).unwrap()),
+                last.0 <= u64::from(jobrail::deliveries_needed(3, false).unwrap()),
                 "{label}: failed on delivery {} beyond the crash bound",
                 last.0
             );
@@ -790,7 +790,7 @@ fn misconfigured_worker_hands_messages_back() {
 /// padding field).
 fn padded_envelope(id: u64, size: usize) -> Envelope {
     let payload = serde_json::to_value(report(id, Behaviour::Healthy)).unwrap();
-    queue_conformance::scenarios::padded_to(Envelope::new(report_job::NAME, payload), size)
+    jobrail_conformance::scenarios::padded_to(Envelope::new(report_job::NAME, payload), size)
 }
 
 /// Cloudflare Queues takes a message of up to 128 KB (128,000 bytes): one

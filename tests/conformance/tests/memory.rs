@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use queue::FailureRecord;
-use queue_conformance::{conformance_suite, Backend};
-use queue_native::{Driver, MemoryConfig, MemoryDriver};
+use jobrail::FailureRecord;
+use jobrail_conformance::{conformance_suite, Backend};
+use jobrail_native::{Driver, MemoryConfig, MemoryDriver};
 
 struct Memory {
     driver: MemoryDriver,

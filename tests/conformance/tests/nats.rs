@@ -1,11 +1,11 @@
 //! The conformance suite against a real NATS server with JetStream
 //! (`NATS_URL`, default `nats://127.0.0.1:4222`).
 //!
-//! Run with `cargo test -p queue-conformance --features nats --test nats`.
+//! Run with `cargo test -p jobrail-conformance --features nats --test nats`.
 use std::time::Duration;
 
-use queue_conformance::fixture::{Fixture, Nats};
-use queue_native::nats::NatsConfig;
+use jobrail_conformance::fixture::{Fixture, Nats};
+use jobrail_native::nats::NatsConfig;
 
 /// Short, so that redeliveries after a lost lease come quickly.
 const ACK_WAIT: Duration = Duration::from_secs(2);
@@ -26,4 +26,4 @@ fn config() -> NatsConfig {
     config
 }
 
-queue_conformance::conformance_suite!(Fixture::<Nats>::new(config()));
+jobrail_conformance::conformance_suite!(Fixture::<Nats>::new(config()));

@@ -4,20 +4,20 @@
 //! connection, a server outage. Lease renewal, dropped deliveries, MaxDeliver
 //! and hidden credentials are scenarios of the suite (`tests/nats.rs`).
 //!
-//! Run with `cargo test -p queue-conformance --features nats --test nats_extra`.
+//! Run with `cargo test -p jobrail-conformance --features nats --test nats_extra`.
 #![cfg(feature = "nats")]
 
 use std::process::Command;
 use std::time::Duration;
 
-use queue_conformance::crash;
-use queue_conformance::fixture::{Fixture, Nats};
-use queue_conformance::harness::outgoing;
-use queue_conformance::scenarios::Work;
-use queue_conformance::servers::{NatsServer, Relay};
-use queue_conformance::Harness;
-use queue_native::nats::NatsConfig;
-use queue_native::{DispatchOptions, Driver, ErrorKind};
+use jobrail_conformance::crash;
+use jobrail_conformance::fixture::{Fixture, Nats};
+use jobrail_conformance::harness::outgoing;
+use jobrail_conformance::scenarios::Work;
+use jobrail_conformance::servers::{NatsServer, Relay};
+use jobrail_conformance::Harness;
+use jobrail_native::nats::NatsConfig;
+use jobrail_native::{DispatchOptions, Driver, ErrorKind};
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 const STREAM_PREFIX: &str = "EXTRA";
@@ -205,7 +205,7 @@ async fn private_server() -> Option<(NatsServer, RemovedOnDrop)> {
     let store = std::env::temp_dir().join(format!(
         "queue-nats-extra-{}-{}",
         std::process::id(),
-        &queue::new_message_id()[..8]
+        &jobrail::new_message_id()[..8]
     ));
     let server = NatsServer::start(&store, None).await.unwrap();
     Some((server, RemovedOnDrop(store)))

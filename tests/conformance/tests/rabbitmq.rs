@@ -1,11 +1,11 @@
 //! The conformance suite against a real RabbitMQ broker (`RABBITMQ_URL`,
 //! default `amqp://guest:guest@127.0.0.1:5672/%2f`).
 //!
-//! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq`.
+//! Run with `cargo test -p jobrail-conformance --features rabbitmq --test rabbitmq`.
 use std::time::Duration;
 
-use queue_conformance::fixture::{Fixture, RabbitMq};
-use queue_native::rabbitmq::RabbitConfig;
+use jobrail_conformance::fixture::{Fixture, RabbitMq};
+use jobrail_native::rabbitmq::RabbitConfig;
 
 /// Small buckets so the scenarios' delays (tens to hundreds of ms) round up
 /// to something short.
@@ -25,4 +25,4 @@ fn config() -> RabbitConfig {
 }
 
 // Queues declared by the fixture's drivers are deleted when each test ends.
-queue_conformance::conformance_suite!(Fixture::<RabbitMq>::new(config()));
+jobrail_conformance::conformance_suite!(Fixture::<RabbitMq>::new(config()));

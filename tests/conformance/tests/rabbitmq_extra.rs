@@ -6,21 +6,21 @@
 //! deliveries, the delivery limit and hidden credentials are scenarios of
 //! the suite (`tests/rabbitmq.rs`).
 //!
-//! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq_extra`.
+//! Run with `cargo test -p jobrail-conformance --features rabbitmq --test rabbitmq_extra`.
 #![cfg(feature = "rabbitmq")]
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use queue::{Registry, Settlement};
-use queue_conformance::crash;
-use queue_conformance::fixture::{Fixture, RabbitMq};
-use queue_conformance::harness::{outgoing, Calls};
-use queue_conformance::scenarios::Work;
-use queue_conformance::servers::Relay;
-use queue_conformance::{Backend, Harness};
-use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
-use queue_native::{Driver, ErrorKind};
+use jobrail::{Registry, Settlement};
+use jobrail_conformance::crash;
+use jobrail_conformance::fixture::{Fixture, RabbitMq};
+use jobrail_conformance::harness::{outgoing, Calls};
+use jobrail_conformance::scenarios::Work;
+use jobrail_conformance::servers::Relay;
+use jobrail_conformance::{Backend, Harness};
+use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use jobrail_native::{Driver, ErrorKind};
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
 

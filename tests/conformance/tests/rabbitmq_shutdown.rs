@@ -7,16 +7,16 @@
 //! Its own test binary: it installs a global subscriber that collects every
 //! error-level event of the process, lapin's included.
 //!
-//! Run with `cargo test -p queue-conformance --features rabbitmq --test rabbitmq_shutdown`.
+//! Run with `cargo test -p jobrail-conformance --features rabbitmq --test rabbitmq_shutdown`.
 #![cfg(feature = "rabbitmq")]
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use queue::{Job, JobContext, Registry};
-use queue_conformance::scenarios::Work;
-use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
-use queue_native::{Consumer, Driver, Producer};
+use jobrail::{Job, JobContext, Registry};
+use jobrail_conformance::scenarios::Work;
+use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use jobrail_native::{Consumer, Driver, Producer};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;

@@ -4,14 +4,14 @@
 //! [`RabbitConfig::ca_certificates`], and a driver that does not trust the
 //! CA is refused with a clear error.
 //!
-//! Run with `cargo test -p queue-conformance --features rabbitmq-tls --test rabbitmq_tls`.
+//! Run with `cargo test -p jobrail-conformance --features rabbitmq-tls --test rabbitmq_tls`.
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use queue_conformance::fixture::{Fixture, RabbitMq};
-use queue_conformance::harness::outgoing;
-use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
-use queue_native::{Driver, ErrorKind};
+use jobrail_conformance::fixture::{Fixture, RabbitMq};
+use jobrail_conformance::harness::outgoing;
+use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+use jobrail_native::{Driver, ErrorKind};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 /// Small buckets, as in the plain suite.
@@ -108,7 +108,7 @@ fn config() -> RabbitConfig {
     untrusting_config().ca_certificates(proxy().ca_pem.clone())
 }
 
-queue_conformance::conformance_suite!(
+jobrail_conformance::conformance_suite!(
     Fixture::<RabbitMq>::new(config());
     extra: untrusted_certificate_is_refused
 );

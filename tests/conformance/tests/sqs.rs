@@ -2,13 +2,13 @@
 //! `SQS_ENDPOINT`, for example `http://127.0.0.1:4517`.
 //!
 //! Run with
-//! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p queue-conformance --features sqs --test sqs`.
+//! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p jobrail-conformance --features sqs --test sqs`.
 //!
 //! Short settings so the scenarios take seconds (see
 //! [`sqs_emulator_config`]). Every queue a test creates is deleted when it
 //! ends.
 
-use queue_conformance::fixture::{sqs_emulator_config, Fixture, Sqs};
+use jobrail_conformance::fixture::{sqs_emulator_config, Fixture, Sqs};
 
 // Queues created by the fixture's drivers are deleted when each test ends.
-queue_conformance::conformance_suite!(Fixture::<Sqs>::new(sqs_emulator_config()));
+jobrail_conformance::conformance_suite!(Fixture::<Sqs>::new(sqs_emulator_config()));

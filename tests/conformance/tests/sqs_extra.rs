@@ -7,17 +7,17 @@
 //! scenarios of the suite (`tests/sqs.rs`).
 //!
 //! Run with
-//! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p queue-conformance --features sqs --test sqs_extra`.
+//! `SQS_ENDPOINT=$(tests/sqs-emulator) cargo test -p jobrail-conformance --features sqs --test sqs_extra`.
 #![cfg(feature = "sqs")]
 
 use std::time::Duration;
 
-use queue::Settlement;
-use queue_conformance::fixture::{closed_address, sqs_emulator_config, Fixture, Sqs};
-use queue_conformance::servers::Relay;
-use queue_conformance::Harness;
-use queue_native::sqs::{SqsConfig, SqsCredentials, SqsDriver};
-use queue_native::{Driver, ErrorKind, Outgoing};
+use jobrail::Settlement;
+use jobrail_conformance::fixture::{closed_address, sqs_emulator_config, Fixture, Sqs};
+use jobrail_conformance::servers::Relay;
+use jobrail_conformance::Harness;
+use jobrail_native::sqs::{SqsConfig, SqsCredentials, SqsDriver};
+use jobrail_native::{Driver, ErrorKind, Outgoing};
 use tokio::time::Instant;
 
 const MS: fn(u64) -> Duration = Duration::from_millis;
@@ -393,7 +393,7 @@ async fn credentials_and_payloads_stay_out_of_logs_and_errors() {
     // key id, and at trace the session token and request bodies; the module
     // documentation says to keep them off in production).
     let visible = |line: &&str| {
-        line.contains(" queue_native")
+        line.contains(" jobrail_native")
             || [" INFO ", " WARN ", " ERROR "]
                 .iter()
                 .any(|level| line.contains(level))

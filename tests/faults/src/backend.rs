@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::ValueEnum;
-use queue::FailureRecord;
-use queue_native::{Driver, DriverError};
+use jobrail::FailureRecord;
+use jobrail_native::{Driver, DriverError};
 
 /// The environment variable carrying the broker URL (with the run's
 /// credentials) or the SQS endpoint to a worker.
@@ -103,14 +103,14 @@ impl Target {
 
 /// The SQS settings of `target`.
 #[cfg(feature = "sqs")]
-fn sqs_config(target: &Target) -> queue_native::sqs::SqsConfig {
+fn sqs_config(target: &Target) -> jobrail_native::sqs::SqsConfig {
     let (key, secret) = target
         .sqs_keys
         .clone()
         .unwrap_or_else(|| ("test".into(), "test".into()));
-    let mut config = queue_native::sqs::SqsConfig::new("us-east-1")
+    let mut config = jobrail_native::sqs::SqsConfig::new("us-east-1")
         .endpoint(target.url.clone())
-        .credentials(queue_native::sqs::SqsCredentials::fixed(key, secret))
+        .credentials(jobrail_native::sqs::SqsCredentials::fixed(key, secret))
         .visibility_timeout(Duration::from_secs(target.lease.as_secs().max(1)))
         .wait_time(Duration::from_secs(1));
     config.operation_timeout = target.operation_timeout;
@@ -120,21 +120,21 @@ fn sqs_config(target: &Target) -> queue_native::sqs::SqsConfig {
 /// A connected driver of any kind.
 #[derive(Clone)]
 pub(crate) enum Conn {
-    Memory(queue_native::MemoryDriver),
+    Memory(jobrail_native::MemoryDriver),
     #[cfg(feature = "rabbitmq")]
-    Rabbit(queue_native::rabbitmq::RabbitDriver),
+    Rabbit(jobrail_native::rabbitmq::RabbitDriver),
     #[cfg(feature = "nats")]
-    Nats(queue_native::nats::NatsDriver),
+    Nats(jobrail_native::nats::NatsDriver),
     #[cfg(feature = "sqs")]
-    Sqs(queue_native::sqs::SqsDriver),
+    Sqs(jobrail_native::sqs::SqsDriver),
 }
 
 fn not_built(kind: Kind) -> DriverError {
     DriverError::new(
-        "queue-faults",
-        queue_native::ErrorKind::Config,
+        "jobrail-faults",
+        jobrail_native::ErrorKind::Config,
         format!(
-            "this build has no {} driver: build queue-faults with `--features {}`",
+            "this build has no {} driver: build jobrail-faults with `--features {}`",
             kind.name(),
             kind.name()
         ),
@@ -147,35 +147,35 @@ impl Conn {
         #[allow(unused_variables)]
         let lease = target.lease;
         match target.kind {
-            Kind::Memory => Ok(Conn::Memory(queue_native::MemoryDriver::default())),
+            Kind::Memory => Ok(Conn::Memory(jobrail_native::MemoryDriver::default())),
             #[cfg(feature = "rabbitmq")]
             Kind::Rabbitmq => {
-                let mut config = queue_native::rabbitmq::RabbitConfig::new(target.url.clone());
-                config.connection_name = "queue-faults".into();
+                let mut config = jobrail_native::rabbitmq::RabbitConfig::new(target.url.clone());
+                config.connection_name = "jobrail-faults".into();
                 config.operation_timeout = target.operation_timeout;
                 config.confirm_timeout = target.operation_timeout;
                 config.max_reconnect_backoff = Duration::from_secs(1);
                 Ok(Conn::Rabbit(
-                    queue_native::rabbitmq::RabbitDriver::connect(config).await?,
+                    jobrail_native::rabbitmq::RabbitDriver::connect(config).await?,
                 ))
             }
             #[cfg(feature = "nats")]
             Kind::Nats => {
                 let mut config =
-                    queue_native::nats::NatsConfig::new(target.url.clone()).ack_wait(lease);
+                    jobrail_native::nats::NatsConfig::new(target.url.clone()).ack_wait(lease);
                 config.stream_prefix = "FAULTS".into();
                 config.subject_prefix = "faults".into();
                 config.fetch_expiry = Duration::from_secs(2);
                 config.operation_timeout = target.operation_timeout;
                 config.max_reconnect_backoff = Duration::from_secs(1);
-                config.connection_name = "queue-faults".into();
+                config.connection_name = "jobrail-faults".into();
                 Ok(Conn::Nats(
-                    queue_native::nats::NatsDriver::connect(config).await?,
+                    jobrail_native::nats::NatsDriver::connect(config).await?,
                 ))
             }
             #[cfg(feature = "sqs")]
             Kind::Sqs => Ok(Conn::Sqs(
-                queue_native::sqs::SqsDriver::connect(sqs_config(target)).await?,
+                jobrail_native::sqs::SqsDriver::connect(sqs_config(target)).await?,
             )),
             #[allow(unreachable_patterns)]
             other => Err(not_built(other)),
@@ -186,7 +186,7 @@ impl Conn {
     /// others connect): to time dispatches against an endpoint that is down.
     #[cfg(feature = "sqs")]
     pub(crate) fn sqs_unconnected(target: &Target) -> Result<Conn, DriverError> {
-        Ok(Conn::Sqs(queue_native::sqs::SqsDriver::new(sqs_config(
+        Ok(Conn::Sqs(jobrail_native::sqs::SqsDriver::new(sqs_config(
             target,
         ))?))
     }
@@ -210,17 +210,17 @@ impl Conn {
         queue: &str,
     ) -> Result<Vec<FailureRecord>, DriverError> {
         #[allow(unused_imports)]
-        use queue_conformance::fixture::Broker as _;
+        use jobrail_conformance::fixture::Broker as _;
         match self {
             Conn::Memory(d) => Ok(d.failure_records(queue)),
             #[cfg(feature = "rabbitmq")]
             Conn::Rabbit(d) => {
-                queue_conformance::fixture::RabbitMq::failure_records(d, queue).await
+                jobrail_conformance::fixture::RabbitMq::failure_records(d, queue).await
             }
             #[cfg(feature = "nats")]
-            Conn::Nats(d) => queue_conformance::fixture::Nats::failure_records(d, queue).await,
+            Conn::Nats(d) => jobrail_conformance::fixture::Nats::failure_records(d, queue).await,
             #[cfg(feature = "sqs")]
-            Conn::Sqs(d) => queue_conformance::fixture::Sqs::failure_records(d, queue).await,
+            Conn::Sqs(d) => jobrail_conformance::fixture::Sqs::failure_records(d, queue).await,
         }
     }
 
@@ -228,18 +228,18 @@ impl Conn {
     /// its failure queue, and whatever this driver declared.
     pub(crate) async fn delete(&self, queue: &str) -> Result<(), DriverError> {
         #[allow(unused_imports)]
-        use queue_conformance::fixture::Broker as _;
+        use jobrail_conformance::fixture::Broker as _;
         let _ = queue;
         match self {
             Conn::Memory(_) => Ok(()),
             #[cfg(feature = "rabbitmq")]
             Conn::Rabbit(d) => {
-                use queue_conformance::fixture::RabbitMq as B;
+                use jobrail_conformance::fixture::RabbitMq as B;
                 let mut names = B::declared(d);
                 names.push(queue.to_string());
                 names.extend(d.failure_queue_name(queue));
                 for bucket in &d.config().delay_buckets {
-                    names.push(queue_native::rabbitmq::RabbitDriver::hold_queue_name(
+                    names.push(jobrail_native::rabbitmq::RabbitDriver::hold_queue_name(
                         queue, *bucket,
                     ));
                 }
@@ -249,7 +249,7 @@ impl Conn {
             }
             #[cfg(feature = "nats")]
             Conn::Nats(d) => {
-                use queue_conformance::fixture::Nats as B;
+                use jobrail_conformance::fixture::Nats as B;
                 let mut names = B::declared(d);
                 names.push(d.stream_name(queue));
                 names.push(d.failure_stream_name(queue));
@@ -259,7 +259,7 @@ impl Conn {
             }
             #[cfg(feature = "sqs")]
             Conn::Sqs(d) => {
-                use queue_conformance::fixture::Sqs as B;
+                use jobrail_conformance::fixture::Sqs as B;
                 let mut names = B::declared(d);
                 names.push(queue.to_string());
                 names.extend(d.failure_queue_name(queue));

@@ -12,8 +12,8 @@
 //! leak or broken expectation.
 //!
 //! ```text
-//! cargo run -p queue-faults --features nats -- run --backend nats --fault kill
-//! cargo run -p queue-faults --features "rabbitmq nats sqs" -- run     # everything
+//! cargo run -p jobrail-faults --features nats -- run --backend nats --fault kill
+//! cargo run -p jobrail-faults --features "rabbitmq nats sqs" -- run     # everything
 //! ```
 //!
 //! Connections: RabbitMQ on 127.0.0.1:5672 (`FAULTS_RABBITMQ_PORT`
@@ -85,7 +85,7 @@ use clap::{Parser, Subcommand};
 /// The fault suite.
 #[derive(Parser, Debug)]
 #[command(
-    name = "queue-faults",
+    name = "jobrail-faults",
     about = "Fault injection against the native queue drivers"
 )]
 struct Cli {
@@ -130,7 +130,7 @@ fn main() {
             Ok(true) => 0,
             Ok(false) => 1,
             Err(e) => {
-                eprintln!("queue-faults: {e}");
+                eprintln!("jobrail-faults: {e}");
                 2
             }
         },

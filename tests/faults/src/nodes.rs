@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use queue_conformance::servers::{free_port, port_open, wait_port, NatsServer};
+pub(crate) use jobrail_conformance::servers::{free_port, port_open, wait_port, NatsServer};
 
 /// Runs `rabbitmqctl` (on `node` if given), its output kept out of the
 /// logs (it may echo what it was given). Errors name the command, not its

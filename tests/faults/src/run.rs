@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use futures_util::stream::{self, StreamExt};
-use queue::{FailureRecord, Job};
-use queue_native::{DriverError, Producer};
+use jobrail::{FailureRecord, Job};
+use jobrail_native::{DriverError, Producer};
 use tokio::time::Instant;
 
 use crate::backend::{Conn, Kind, Target};
@@ -43,7 +43,7 @@ impl Fault {
     }
 }
 
-/// `queue-faults run`: the whole suite, or a part of it.
+/// `jobrail-faults run`: the whole suite, or a part of it.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct RunArgs {
     /// Backends to run on (default: memory and every driver this build has).
@@ -275,7 +275,7 @@ struct Workers {
 impl Workers {
     /// SIGTERM to every worker, SIGKILL after 10 s.
     async fn stop(&mut self) {
-        queue_conformance::servers::terminate(&mut self.children, Duration::from_secs(10)).await;
+        jobrail_conformance::servers::terminate(&mut self.children, Duration::from_secs(10)).await;
         self.children.clear();
     }
 }
@@ -410,7 +410,7 @@ impl Suite {
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "dispatch during the outage");
-                    if e.kind() == queue_native::ErrorKind::Uncertain {
+                    if e.kind() == jobrail_native::ErrorKind::Uncertain {
                         books.uncertain.insert(id);
                     }
                     format!("{}", e.kind())
@@ -579,7 +579,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
         .secrets
         .push(("payload marker".into(), suite.marker.clone()));
     eprintln!(
-        "queue-faults run {run}: backends {:?}, faults {:?}",
+        "jobrail-faults run {run}: backends {:?}, faults {:?}",
         backends.iter().map(|k| k.name()).collect::<Vec<_>>(),
         faults.iter().map(|f| f.name()).collect::<Vec<_>>()
     );
@@ -1154,7 +1154,7 @@ async fn crash_loop(suite: &mut Suite, env: &Env) -> Result<(), String> {
     let allowance = if caps.counts_shutdown_returns {
         0
     } else {
-        queue::SHUTDOWN_GRACE
+        jobrail::SHUTDOWN_GRACE
     };
     let producer = Producer::new(conn.driver());
     let mut books = new_books(suite, kind, "crash");

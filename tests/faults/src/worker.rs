@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use queue::{Job, JobContext, JobError, Registry};
-use queue_native::Consumer;
+use jobrail::{Job, JobContext, JobError, Registry};
+use jobrail_native::Consumer;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Conn, Kind, Target};
@@ -47,7 +47,7 @@ pub(crate) enum Mode {
     Slow,
 }
 
-/// `queue-faults worker`: consumes one queue until killed or SIGTERM.
+/// `jobrail-faults worker`: consumes one queue until killed or SIGTERM.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct WorkerArgs {
     /// The backend (its URL and keys come from the orchestrator's environment).

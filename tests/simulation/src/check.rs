@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
-use queue::FailureKind;
+use jobrail::FailureKind;
 
 use crate::model::{Abandon, Eff, Entry, Ev, Settled, World};
 use crate::scenario::{panics, Kind, Scenario, Step};
@@ -142,7 +142,7 @@ impl Report {
     /// The command that replays this seed.
     pub fn replay_command(&self) -> String {
         format!(
-            "cargo run -p queue-simulation --release -- --seed {} --backend {}",
+            "cargo run -p jobrail-simulation --release -- --seed {} --backend {}",
             self.seed,
             self.backend.name()
         )
@@ -458,7 +458,7 @@ pub fn check(
             let grace = if counts_shutdowns {
                 0
             } else {
-                queue::SHUTDOWN_GRACE
+                jobrail::SHUTDOWN_GRACE
             };
             if ran > job.cap + s + grace {
                 push(
@@ -611,7 +611,7 @@ pub fn check(
                 if let Some(next) = ds.get(i + 1) {
                     let within_grace = counts_shutdowns
                         || job.cap == 0
-                        || next.attempt <= job.cap + queue::SHUTDOWN_GRACE;
+                        || next.attempt <= job.cap + jobrail::SHUTDOWN_GRACE;
                     if plan.kind == Kind::Valid
                         && within_grace
                         && next.execs == 0

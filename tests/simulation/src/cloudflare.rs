@@ -1,5 +1,5 @@
 //! The Cloudflare Workers Queues host: the real batch loop of the edge,
-//! `queue_edge::EdgeConsumer::consume`, driven the way the Worker's
+//! `jobrail_edge::EdgeConsumer::consume`, driven the way the Worker's
 //! JavaScript driver (`edge/js/invocation.js`) drives it.
 //!
 //! The platform side is modelled here: [`SimMessage`] (a message of a batch:
@@ -34,12 +34,12 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use queue::{BoxFuture, Clock, Runtime};
-use queue_edge::{Bindings, EdgeConfig, EdgeConsumer, EdgeError, QueueMessage};
+use jobrail::{BoxFuture, Clock, Runtime};
+use jobrail_edge::{Bindings, EdgeConfig, EdgeConsumer, EdgeError, QueueMessage};
 
 use crate::model::{Abandon, CfCall, World};
 use crate::scenario::Scenario;
-use queue_native::TokioRuntime;
+use jobrail_native::TokioRuntime;
 
 /// The platform's retry delay when none is requested.
 pub(crate) const DEFAULT_RETRY_DELAY: Duration = Duration::from_secs(2);

@@ -7,10 +7,10 @@
 //! hidden by a wrapper, a shutdown on the last allowed delivery, a panic at a
 //! place nobody tried, a consumer that starves a queue when its concurrency
 //! is low. In the spirit of FoundationDB's and TigerBeetle's simulation
-//! testing, this crate runs the REAL `queue::Registry` (executor, breaker,
+//! testing, this crate runs the REAL `jobrail::Registry` (executor, breaker,
 //! the `Registry::deliver` pipeline), the REAL native
-//! `queue_native::Consumer` and the REAL edge batch loop
-//! (`queue_edge::EdgeConsumer`) against model backends, on a tokio
+//! `jobrail_native::Consumer` and the REAL edge batch loop
+//! (`jobrail_edge::EdgeConsumer`) against model backends, on a tokio
 //! current-thread runtime with paused time: hours of virtual time pass in
 //! milliseconds, and a seed fixes everything (jobs, policies, messages,
 //! outcome scripts, faults), so any failure replays exactly.
@@ -71,7 +71,7 @@
 //!     the delivery's execution, after exactly one execution per delivery
 //!     (natively tier one retries the panic within the delivery).
 //!
-//! The clock is the real `queue_native::TokioRuntime`, whose clock follows
+//! The clock is the real `jobrail_native::TokioRuntime`, whose clock follows
 //! tokio's paused time (the simulation found that it did not: breaker
 //! cool-downs and deadlines read the wall clock while sleeps were virtual).
 
@@ -79,8 +79,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use queue::{Envelope, Runtime};
-use queue_native::{Consumer, ConsumerHandle, Driver, Outgoing, TokioRuntime};
+use jobrail::{Envelope, Runtime};
+use jobrail_native::{Consumer, ConsumerHandle, Driver, Outgoing, TokioRuntime};
 use rand::Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;

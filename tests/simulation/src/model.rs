@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use queue::{Event, EventKind, EventSink, FailureKind, FailureRecord, Settlement};
-use queue_native::{
+use jobrail::{Event, EventKind, EventSink, FailureKind, FailureRecord, Settlement};
+use jobrail_native::{
     Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
 use tokio::sync::Notify;

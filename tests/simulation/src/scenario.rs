@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use queue::{
+use jobrail::{
     BoxError, BoxFuture, BreakerConfig, BreakerError, CircuitBreaker, Job, JobContext, JobError,
     Permanent, Registry, Reject, RetryAfter, UnknownNameAttempts,
 };
@@ -16,7 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Eff, Ev, Semantics, Sink, World};
-use queue_native::TokioRuntime;
+use jobrail_native::TokioRuntime;
 
 /// One scripted handler execution.
 #[derive(Debug, Clone, PartialEq)]
@@ -161,7 +161,7 @@ pub struct Scenario {
     pub batch: usize,
     /// The broker's own delivery limit (JetStream `MaxDeliver`, SQS
     /// `maxReceiveCount`, quorum `x-delivery-limit`), in deliveries: `None`,
-    /// or the least the drivers accept, [`queue::deliveries_needed`] for
+    /// or the least the drivers accept, [`jobrail::deliveries_needed`] for
     /// the largest cap. A message the broker ends by it is a violation.
     pub broker_limit: Option<u32>,
 }
@@ -305,7 +305,7 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
         && sc.jobs.iter().all(|j| j.cap != 0);
     if limited {
         let largest = sc.jobs.iter().map(|j| j.cap).chain([sc.unknown_cap]).max();
-        sc.broker_limit = largest.and_then(|cap| queue::deliveries_needed(cap, true));
+        sc.broker_limit = largest.and_then(|cap| jobrail::deliveries_needed(cap, true));
     }
     // Crash loops: a few messages kill their worker every time (or once).
     // At the edge, where a panic brings the instance down, a few panic every

@@ -1,11 +1,11 @@
 //! A fixed set of seeds for every backend, in bounded time (`tests/run` runs
 //! it). A failure prints the command that replays the seed and the trace of
 //! what happened to the offending message. A longer soak:
-//! `cargo run -p queue-simulation --release -- --seeds 100000`.
+//! `cargo run -p jobrail-simulation --release -- --seeds 100000`.
 
 use std::time::Instant;
 
-use queue_simulation::{run_seed, Backend};
+use jobrail_simulation::{run_seed, Backend};
 
 /// Seeds per backend (a debug build on 2 cores: about 40 s in all).
 const SEEDS: u64 = 1500;
@@ -46,7 +46,7 @@ fn fixed_seeds_hold_every_invariant() {
 
 #[test]
 fn a_seed_replays_identically() {
-    let text = |r: &queue_simulation::Report| {
+    let text = |r: &jobrail_simulation::Report| {
         r.trace
             .iter()
             .map(|e| format!("{} {:?} {:?} {:?}", e.seq, e.at, e.msg, e.ev))

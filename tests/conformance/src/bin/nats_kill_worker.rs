@@ -8,7 +8,7 @@
 
 #[cfg(not(feature = "nats"))]
 fn main() {
-    eprintln!("nats_kill_worker needs the `nats` feature of queue-conformance");
+    eprintln!("nats_kill_worker needs the `nats` feature of jobrail-conformance");
     std::process::exit(2);
 }
 
@@ -18,8 +18,8 @@ async fn main() {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use queue_native::nats::{NatsConfig, NatsDriver};
-    use queue_native::Consumer;
+    use jobrail_native::nats::{NatsConfig, NatsDriver};
+    use jobrail_native::Consumer;
 
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [queue, name, cap, stream_prefix, subject_prefix, ack_wait_ms] = args.as_slice() else {
@@ -36,12 +36,12 @@ async fn main() {
     config.subject_prefix = subject_prefix.clone();
     config.connection_name = "kill-worker".into();
     let driver = NatsDriver::connect(config).await.expect("connect");
-    let registry = queue_conformance::crash::announcing_registry(queue, name, cap);
+    let registry = jobrail_conformance::crash::announcing_registry(queue, name, cap);
     // Runs until killed; a consumer that cannot subscribe says why and exits.
     let ended = Consumer::builder(Arc::new(driver), registry)
         .concurrency(1)
         .build()
-        .run(queue::CancelToken::new())
+        .run(jobrail::CancelToken::new())
         .await;
     eprintln!("nats_kill_worker: the consumer ended: {ended:?}");
     std::process::exit(1);

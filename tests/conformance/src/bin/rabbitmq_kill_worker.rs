@@ -8,7 +8,7 @@
 
 #[cfg(not(feature = "rabbitmq"))]
 fn main() {
-    eprintln!("rabbitmq_kill_worker needs the `rabbitmq` feature of queue-conformance");
+    eprintln!("rabbitmq_kill_worker needs the `rabbitmq` feature of jobrail-conformance");
     std::process::exit(2);
 }
 
@@ -17,8 +17,8 @@ fn main() {
 async fn main() {
     use std::sync::Arc;
 
-    use queue_native::rabbitmq::{RabbitConfig, RabbitDriver};
-    use queue_native::{Consumer, Driver};
+    use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+    use jobrail_native::{Consumer, Driver};
 
     let mut args = std::env::args().skip(1);
     let (Some(queue), Some(name), Some(cap)) = (args.next(), args.next(), args.next()) else {
@@ -31,7 +31,7 @@ async fn main() {
     let mut config = RabbitConfig::new(url);
     config.connection_name = "kill-worker".into();
     let driver = RabbitDriver::connect(config).await.expect("connect");
-    let mut registry = queue_conformance::crash::announcing_registry(&queue, &name, cap);
+    let mut registry = jobrail_conformance::crash::announcing_registry(&queue, &name, cap);
     registry.event_sink(Arc::new(PrintEvents));
     Consumer::builder(Arc::new(driver.clone()), registry)
         .concurrency(1)
@@ -48,10 +48,13 @@ async fn main() {
 struct PrintEvents;
 
 #[cfg(feature = "rabbitmq")]
-impl queue::EventSink for PrintEvents {
-    fn emit(&self, event: &queue::Event) {
+impl jobrail::EventSink for PrintEvents {
+    fn emit(&self, event: &jobrail::Event) {
         use std::io::Write;
-        let shutdown = matches!(event.kind, queue::EventKind::Retried { shutdown: true, .. });
+        let shutdown = matches!(
+            event.kind,
+            jobrail::EventKind::Retried { shutdown: true, .. }
+        );
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "event {} shutdown={shutdown}", event.kind.name());
         let _ = out.flush();

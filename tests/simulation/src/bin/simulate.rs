@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use queue_simulation::{run_seed, Backend};
+use jobrail_simulation::{run_seed, Backend};
 
 fn usage() -> ExitCode {
     eprintln!(

@@ -1,6 +1,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+
+use crate::failures::{Admin, FailureStore};
 pub use jobrail::ErrorKind;
 use jobrail::{BoxError, BoxFuture, DeliveryHandle, Instant, Settlement, SettlementError};
 
@@ -142,6 +144,20 @@ pub trait Driver: Send + Sync + 'static {
     async fn delivery_limit(&self, queue: &str) -> Result<Option<u32>, DriverError> {
         let _ = queue;
         Ok(self.capabilities().max_deliveries)
+    }
+
+    /// Where the backend keeps terminal failure records, for operators
+    /// ([`Failures`](crate::Failures)). `None` (the default): it keeps
+    /// none, and every failure-store operation fails with
+    /// [`ErrorKind::Unsupported`].
+    fn failure_store(&self) -> Option<&dyn FailureStore> {
+        None
+    }
+
+    /// Queue depths and deletion, for operators and tests. `None` (the
+    /// default): not supported.
+    fn admin(&self) -> Option<&dyn Admin> {
+        None
     }
 }
 

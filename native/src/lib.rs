@@ -56,6 +56,7 @@ struct ReadmeDoctests;
 
 mod consumer;
 mod driver;
+mod failures;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "nats")]
@@ -70,6 +71,10 @@ pub mod sqs;
 mod support;
 
 pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
+pub use failures::{
+    replay_id, Admin, ClaimedFailure, FailurePage, FailureStore, Failures, Page, Purge, QueueDepth,
+    Replayed, StoredFailure, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
+};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};

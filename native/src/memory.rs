@@ -10,6 +10,7 @@ use tokio::task::AbortHandle;
 use crate::driver::{
     Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
+use crate::failures::{Admin, ClaimedFailure, FailureStore, QueueDepth, StoredFailure};
 use crate::support::{lock, Lifecycle};
 
 const NAME: &str = "memory";
@@ -40,10 +41,19 @@ struct QueueState {
     in_flight: usize,
 }
 
+/// A failure entry and whether a claim holds it.
+struct MemoryFailure {
+    entry: StoredFailure,
+    /// Bumped by each claim; a claim is live while the entry's `claim`
+    /// still holds its number.
+    claim: Option<u64>,
+}
+
 #[derive(Default)]
 struct State {
+    claims: u64,
     queues: HashMap<String, QueueState>,
-    failures: HashMap<String, Vec<FailureRecord>>,
+    failures: HashMap<String, Vec<MemoryFailure>>,
     timers: Vec<AbortHandle>,
 }
 
@@ -104,7 +114,7 @@ impl MemoryDriver {
         self.state()
             .failures
             .get(queue)
-            .cloned()
+            .map(|entries| entries.iter().filter_map(|f| f.entry.record.clone()).collect())
             .unwrap_or_default()
     }
 
@@ -207,6 +217,14 @@ impl Driver for MemoryDriver {
         }))
     }
 
+    fn failure_store(&self) -> Option<&dyn FailureStore> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
+    }
+
     async fn stop(&self) -> Result<(), DriverError> {
         self.inner.lifecycle.stop();
         let mut state = self.state();
@@ -218,6 +236,129 @@ impl Driver for MemoryDriver {
             q.delayed = 0;
             q.notify.notify_waiters();
         }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl FailureStore for MemoryDriver {
+    async fn read_failures(&self, queue: &str) -> Result<Vec<StoredFailure>, DriverError> {
+        Ok(self
+            .state()
+            .failures
+            .get(queue)
+            .map(|entries| entries.iter().map(|f| f.entry.clone()).collect())
+            .unwrap_or_default())
+    }
+
+    async fn claim_failure(
+        &self,
+        queue: &str,
+        id: &str,
+    ) -> Result<Option<Box<dyn ClaimedFailure>>, DriverError> {
+        let mut state = self.state();
+        state.claims += 1;
+        let number = state.claims;
+        let Some(found) = state
+            .failures
+            .get_mut(queue)
+            .and_then(|entries| entries.iter_mut().find(|f| f.entry.matches(id)))
+        else {
+            return Ok(None);
+        };
+        if found.claim.is_some() {
+            return Ok(None);
+        }
+        found.claim = Some(number);
+        Ok(Some(Box::new(MemoryClaim {
+            driver: self.clone(),
+            queue: queue.to_string(),
+            entry: found.entry.clone(),
+            number: Some(number),
+        })))
+    }
+
+    async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        let mut state = self.state();
+        let Some(entries) = state.failures.get_mut(queue) else {
+            return Ok(0);
+        };
+        let before = entries.len();
+        entries.retain(|f| f.claim.is_some() || !ids.contains(&f.entry.id));
+        Ok((before - entries.len()) as u64)
+    }
+}
+
+#[async_trait]
+impl Admin for MemoryDriver {
+    async fn depth(&self, queue: &str) -> Result<QueueDepth, DriverError> {
+        let state = self.state();
+        Ok(state.queues.get(queue).map_or_else(QueueDepth::default, |q| {
+            QueueDepth::new(
+                q.ready.len() as u64,
+                Some(q.in_flight as u64),
+                Some(q.delayed as u64),
+            )
+        }))
+    }
+
+    async fn delete_queue(&self, queue: &str) -> Result<(), DriverError> {
+        let mut state = self.state();
+        if let Some(q) = state.queues.get_mut(queue) {
+            q.ready.clear();
+        }
+        state.failures.remove(queue);
+        Ok(())
+    }
+}
+
+/// A claimed memory failure entry.
+struct MemoryClaim {
+    driver: MemoryDriver,
+    queue: String,
+    entry: StoredFailure,
+    /// `None` once removed or released.
+    number: Option<u64>,
+}
+
+impl MemoryClaim {
+    /// Ends the claim, removing the entry or giving it back.
+    fn end(&mut self, remove: bool) {
+        let Some(number) = self.number.take() else {
+            return;
+        };
+        let mut state = self.driver.state();
+        if let Some(entries) = state.failures.get_mut(&self.queue) {
+            if let Some(i) = entries.iter().position(|f| f.claim == Some(number)) {
+                if remove {
+                    entries.remove(i);
+                } else {
+                    entries[i].claim = None;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for MemoryClaim {
+    fn drop(&mut self) {
+        self.end(false);
+    }
+}
+
+#[async_trait]
+impl ClaimedFailure for MemoryClaim {
+    fn entry(&self) -> &StoredFailure {
+        &self.entry
+    }
+
+    async fn remove(mut self: Box<Self>) -> Result<(), DriverError> {
+        self.end(true);
+        Ok(())
+    }
+
+    async fn release(mut self: Box<Self>) -> Result<(), DriverError> {
+        self.end(false);
         Ok(())
     }
 }
@@ -340,7 +481,10 @@ impl Delivery for MemoryDelivery {
                     .failures
                     .entry(self.queue.clone())
                     .or_default()
-                    .push(FailureRecord::clone(record));
+                    .push(MemoryFailure {
+                        entry: StoredFailure::from_body(record.encode()),
+                        claim: None,
+                    });
             }
         }
         self.stored = None;

@@ -33,6 +33,9 @@ pub enum ErrorKind {
     Stopped,
     /// The payload could not be encoded.
     Encode,
+    /// What the request names does not exist (a failure record that is
+    /// gone, say).
+    NotFound,
 }
 
 impl fmt::Display for ErrorKind {
@@ -45,6 +48,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Connection => "connection error",
             ErrorKind::Stopped => "driver stopped",
             ErrorKind::Encode => "encoding error",
+            ErrorKind::NotFound => "not found",
         })
     }
 }

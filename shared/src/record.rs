@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::envelope::Envelope;
+use crate::envelope::{new_message_id, Envelope};
 use crate::runtime::{SystemTime, UNIX_EPOCH};
 use crate::settle::{Failure, FailureKind};
 
@@ -19,6 +19,11 @@ pub(crate) const FAILURE_RECORD_VERSION: u32 = 1;
 pub struct FailureRecord {
     /// Format version.
     pub v: u32,
+    /// The record's own id, unique per record (a message that failed twice,
+    /// after a crash, has two records with one message id). Empty in records
+    /// written before records had ids.
+    #[serde(default)]
+    pub id: String,
     /// The queue the message was consumed from.
     pub queue: String,
     /// The message id, when the envelope decoded.
@@ -90,6 +95,7 @@ impl FailureRecord {
         );
         FailureRecord {
             v: FAILURE_RECORD_VERSION,
+            id: new_message_id(),
             queue: queue.to_string(),
             message_id: envelope.map(|e| e.id.clone()),
             job: envelope.map(|e| e.job.clone()),

@@ -1,0 +1,428 @@
+//! Failure stores: where a backend keeps terminal failure records, and the
+//! operator's view of them ([`Failures`]: list, show, replay, purge).
+//!
+//! A driver implements [`FailureStore`], three primitives over its failure
+//! destination (`Q.failed`, a failure stream, `Q-failed`...): read every
+//! entry without removing it, claim one entry so no other operator can take
+//! it, remove entries. The rules of replay and purge live once, in
+//! [`Failures`], on top of those primitives.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use jobrail::{FailureKind, FailureRecord};
+use std::sync::Arc;
+
+use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
+
+/// Metadata key of a replayed message: the id of the record it came from.
+pub const REPLAY_OF: &str = "replay_of";
+/// Metadata key of a replayed message: the original message id.
+pub const REPLAY_OF_MESSAGE: &str = "replay_of_message";
+/// Metadata key of a replayed message: when it was replayed, in
+/// milliseconds since the Unix epoch.
+pub const REPLAYED_AT_MS: &str = "replayed_at_ms";
+
+/// One entry of a failure destination: a failure record, or a message
+/// there that is not one.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct StoredFailure {
+    /// The entry's id, stable across reads: the record's
+    /// [`id`](FailureRecord::id), or for an entry without one (not a
+    /// record, or a record written before records had ids) a hash of its
+    /// body. [`Failures::show`], `replay` and `purge` take it, or a message
+    /// id.
+    pub id: String,
+    /// The record, when the entry is one.
+    pub record: Option<FailureRecord>,
+    /// The entry's body as stored.
+    pub body: Vec<u8>,
+}
+
+impl StoredFailure {
+    /// The entry stored as `body`: decoded when it is a failure record.
+    pub fn from_body(body: Vec<u8>) -> Self {
+        let record = FailureRecord::decode(&body).ok();
+        let id = match &record {
+            Some(record) if !record.id.is_empty() => record.id.clone(),
+            _ => format!("h{:016x}", fnv1a(&body)),
+        };
+        StoredFailure { id, record, body }
+    }
+
+    /// When it failed, in milliseconds since the Unix epoch (0 when the
+    /// entry is not a record).
+    pub fn failed_at_ms(&self) -> u64 {
+        self.record.as_ref().map_or(0, |r| r.failed_at_ms)
+    }
+
+    /// Whether `id` names this entry: its id or its record's message id.
+    pub fn matches(&self, id: &str) -> bool {
+        self.id == id
+            || self
+                .record
+                .as_ref()
+                .and_then(|r| r.message_id.as_deref())
+                .is_some_and(|m| m == id)
+    }
+
+    /// Why replaying it would not run the job again, if it would not: the
+    /// entry is not a record, the message never decoded, or its payload
+    /// did not decode for its job. `None`: replayable.
+    pub fn poison_reason(&self) -> Option<String> {
+        let Some(record) = &self.record else {
+            return Some("the entry is not a failure record".into());
+        };
+        match record.kind {
+            FailureKind::MalformedEnvelope => {
+                Some("poison: the message is not an envelope (malformed)".into())
+            }
+            FailureKind::UndecodablePayload => Some(format!(
+                "poison: the payload did not decode for job `{}`",
+                record.job.as_deref().unwrap_or("?")
+            )),
+            _ if record.envelope.is_none() => Some("the record keeps no envelope".into()),
+            _ => None,
+        }
+    }
+}
+
+/// A stable 64-bit FNV-1a hash (ids of entries that have none).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
+        (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// An entry claimed by one operator: no other claim gets it until this one
+/// is removed or released. Dropping it without either releases it (at once
+/// or once the backend's hold expires).
+#[async_trait]
+pub trait ClaimedFailure: Send {
+    /// The claimed entry.
+    fn entry(&self) -> &StoredFailure;
+    /// Removes the entry for good.
+    async fn remove(self: Box<Self>) -> Result<(), DriverError>;
+    /// Gives the entry back, unchanged.
+    async fn release(self: Box<Self>) -> Result<(), DriverError>;
+}
+
+/// A backend's failure destination, per work queue: part of the driver
+/// contract ([`Driver::failure_store`]).
+#[async_trait]
+pub trait FailureStore: Send + Sync {
+    /// Every entry of `queue`'s failure destination, in the order stored,
+    /// without removing or hiding any for longer than the read.
+    /// [`ErrorKind::Config`] when the queue has no failure destination.
+    async fn read_failures(&self, queue: &str) -> Result<Vec<StoredFailure>, DriverError>;
+
+    /// Claims the oldest entry of `queue` that [`matches`](StoredFailure::matches)
+    /// `id`. `None`: there is none, or another claim holds it.
+    async fn claim_failure(
+        &self,
+        queue: &str,
+        id: &str,
+    ) -> Result<Option<Box<dyn ClaimedFailure>>, DriverError>;
+
+    /// Removes the entries of `queue` whose ids are in `ids` (ids read by
+    /// [`read_failures`](Self::read_failures)); returns how many went.
+    /// Entries another claim holds are left, and ids no longer there are
+    /// not an error.
+    async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError>;
+}
+
+/// How many messages a queue holds, as far as the backend reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct QueueDepth {
+    /// Ready for delivery now.
+    pub ready: u64,
+    /// Delivered and not yet settled, where the backend reports it.
+    pub in_flight: Option<u64>,
+    /// Waiting out a delay, where the backend reports it.
+    pub delayed: Option<u64>,
+}
+
+impl QueueDepth {
+    /// A depth.
+    pub fn new(ready: u64, in_flight: Option<u64>, delayed: Option<u64>) -> Self {
+        QueueDepth {
+            ready,
+            in_flight,
+            delayed,
+        }
+    }
+}
+
+/// Operations on a backend's queues for operators and tests, next to the
+/// failure store ([`Driver::admin`]).
+#[async_trait]
+pub trait Admin: Send + Sync {
+    /// How many messages `queue` holds.
+    async fn depth(&self, queue: &str) -> Result<QueueDepth, DriverError>;
+    /// Deletes `queue` and everything the driver declared for it (hold
+    /// queues, failure destination), with their messages. A queue that does
+    /// not exist is not an error.
+    async fn delete_queue(&self, queue: &str) -> Result<(), DriverError>;
+}
+
+/// Which entries to purge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Purge {
+    /// The oldest entry matching this id (entry or message id).
+    One(String),
+    /// Every entry.
+    All,
+    /// Records that failed before this time (entries that are not records
+    /// have no time and stay).
+    OlderThan(SystemTime),
+}
+
+/// Where a page of [`Failures::list`] starts and how long it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Page {
+    /// Start after this cursor (a previous page's [`FailurePage::next`]);
+    /// `None`: from the oldest.
+    pub after: Option<String>,
+    /// At most this many entries (0: the default, 50).
+    pub limit: usize,
+}
+
+/// A page of entries, oldest first.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct FailurePage {
+    /// The entries.
+    pub entries: Vec<StoredFailure>,
+    /// The cursor of the next page, when there are more entries.
+    pub next: Option<String>,
+    /// Entries in the store in all.
+    pub total: usize,
+}
+
+/// What [`Failures::replay`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Replayed {
+    /// The entry replayed (now removed).
+    pub entry_id: String,
+    /// The message id of the new delivery.
+    pub message_id: String,
+    /// The queue it went to.
+    pub queue: String,
+}
+
+/// The operator's view of a backend's failure records: list, show, replay
+/// and purge, the same on every backend.
+///
+/// Replay re-dispatches the record's envelope to its queue as a new message
+/// (so its attempt count starts again) with metadata [`REPLAY_OF`] (the
+/// entry id), [`REPLAY_OF_MESSAGE`] (the original message id) and
+/// [`REPLAYED_AT_MS`], then removes the record: in that order, so a crash
+/// between the two leaves a duplicate, never a loss. The entry is claimed
+/// first, so concurrent replays of one record send it once; the new
+/// message's id is derived from the entry id, so a backend that
+/// deduplicates by message id (NATS) drops a second copy too.
+#[derive(Clone)]
+pub struct Failures {
+    driver: Arc<dyn Driver>,
+}
+
+impl Failures {
+    /// The failure records of `driver`.
+    pub fn new(driver: Arc<dyn Driver>) -> Self {
+        Failures { driver }
+    }
+
+    fn store(&self) -> Result<&dyn FailureStore, DriverError> {
+        self.driver.failure_store().ok_or_else(|| {
+            DriverError::new(
+                self.driver.name(),
+                ErrorKind::Unsupported,
+                format!("the {} driver keeps no failure store", self.driver.name()),
+            )
+        })
+    }
+
+    /// Every entry of `queue`'s failure destination, oldest first.
+    pub async fn all(&self, queue: &str) -> Result<Vec<StoredFailure>, DriverError> {
+        let mut entries = self.store()?.read_failures(queue).await?;
+        // Stable: entries of one time keep the store's order.
+        entries.sort_by_key(StoredFailure::failed_at_ms);
+        Ok(entries)
+    }
+
+    /// One page of `queue`'s entries, oldest first, without consuming them.
+    pub async fn list(&self, queue: &str, page: &Page) -> Result<FailurePage, DriverError> {
+        let entries = self.all(queue).await?;
+        let total = entries.len();
+        let limit = if page.limit == 0 { 50 } else { page.limit };
+        let start = match &page.after {
+            None => 0,
+            Some(cursor) => {
+                let (at, id) = parse_cursor(cursor).ok_or_else(|| {
+                    DriverError::new(
+                        self.driver.name(),
+                        ErrorKind::Config,
+                        format!("`{cursor}` is not a page cursor"),
+                    )
+                })?;
+                // After the cursor's entry; where that entry went, after
+                // every entry older than it.
+                match entries.iter().position(|e| e.id == id) {
+                    Some(i) => i + 1,
+                    None => entries.partition_point(|e| e.failed_at_ms() <= at),
+                }
+            }
+        };
+        let page_entries: Vec<_> = entries.iter().skip(start).take(limit).cloned().collect();
+        let next = (start + page_entries.len() < total)
+            .then(|| page_entries.last().map(cursor_of))
+            .flatten();
+        Ok(FailurePage {
+            entries: page_entries,
+            next,
+            total,
+        })
+    }
+
+    /// The oldest entry matching `id` (entry id or message id).
+    pub async fn show(&self, queue: &str, id: &str) -> Result<Option<StoredFailure>, DriverError> {
+        Ok(self.all(queue).await?.into_iter().find(|e| e.matches(id)))
+    }
+
+    /// Replays the entry `id` (entry id or message id) to `queue`. Refused
+    /// ([`ErrorKind::NotAccepted`]) for poison entries unless `force`, in
+    /// which case the stored body is sent as it is; not found
+    /// ([`ErrorKind::NotFound`]) when no entry matches or another replay
+    /// holds it.
+    pub async fn replay(&self, queue: &str, id: &str, force: bool) -> Result<Replayed, DriverError> {
+        let name = self.driver.name();
+        let Some(claim) = self.store()?.claim_failure(queue, id).await? else {
+            return Err(DriverError::new(
+                name,
+                ErrorKind::NotFound,
+                format!("no failure record `{id}` on queue `{queue}` (or another replay holds it)"),
+            ));
+        };
+        let entry = claim.entry().clone();
+        let message_id = replay_id(&entry.id);
+        let body = match (entry.poison_reason(), &entry.record) {
+            (None, Some(record)) => {
+                let mut envelope = record
+                    .envelope
+                    .clone()
+                    .expect("poison_reason checks the envelope");
+                envelope
+                    .metadata
+                    .insert(REPLAY_OF_MESSAGE.into(), envelope.id.clone());
+                envelope.metadata.insert(REPLAY_OF.into(), entry.id.clone());
+                envelope
+                    .metadata
+                    .insert(REPLAYED_AT_MS.into(), now_ms().to_string());
+                envelope.id = message_id.clone();
+                envelope.encode()
+            }
+            (Some(reason), _) if !force => {
+                claim.release().await?;
+                return Err(DriverError::new(
+                    name,
+                    ErrorKind::NotAccepted,
+                    format!("entry `{}` is not replayed: {reason} (force sends the stored body as it is)", entry.id),
+                ));
+            }
+            (Some(_), Some(record)) => match &record.raw_body {
+                Some(raw) => raw.to_bytes(),
+                None => record
+                    .envelope
+                    .as_ref()
+                    .map(|e| e.encode())
+                    .unwrap_or_else(|| entry.body.clone()),
+            },
+            (Some(_), None) | (None, None) => entry.body.clone(),
+        };
+        let sent = match self.driver.capabilities().refuse_oversize(name, body.len()) {
+            Ok(()) => {
+                self.driver
+                    .send(
+                        queue,
+                        Outgoing {
+                            id: message_id.clone(),
+                            body,
+                            delay: None,
+                        },
+                    )
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            if e.kind() == ErrorKind::NotAccepted {
+                // Certainly not sent: the record goes back as it was.
+                claim.release().await?;
+            }
+            // Might have been sent: the claim lapses on its own, and a
+            // second replay may duplicate, never lose.
+            return Err(e);
+        }
+        claim.remove().await?;
+        Ok(Replayed {
+            entry_id: entry.id,
+            message_id,
+            queue: queue.to_string(),
+        })
+    }
+
+    /// Removes the entries `which` selects; returns how many went.
+    pub async fn purge(&self, queue: &str, which: &Purge) -> Result<u64, DriverError> {
+        let store = self.store()?;
+        let keep: Box<dyn Fn(&StoredFailure) -> bool + Send + Sync> = match which {
+            Purge::All => Box::new(|_| true),
+            Purge::OlderThan(time) => {
+                let before = time
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or(Duration::ZERO)
+                    .as_millis() as u64;
+                Box::new(move |e| e.record.as_ref().is_some_and(|r| r.failed_at_ms < before))
+            }
+            Purge::One(id) => {
+                return match store.claim_failure(queue, id).await? {
+                    Some(claim) => claim.remove().await.map(|()| 1),
+                    None => Ok(0),
+                };
+            }
+        };
+        let ids: Vec<String> = store
+            .read_failures(queue)
+            .await?
+            .into_iter()
+            .filter(|e| keep(e))
+            .map(|e| e.id)
+            .collect();
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        store.remove_failures(queue, &ids).await
+    }
+}
+/// The message id a replay of entry `entry_id` gets: derived, so that every
+/// replay of one entry sends the same id.
+pub fn replay_id(entry_id: &str) -> String {
+    format!("replay-{entry_id}")
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn cursor_of(entry: &StoredFailure) -> String {
+    format!("{}:{}", entry.failed_at_ms(), entry.id)
+}
+
+fn parse_cursor(cursor: &str) -> Option<(u64, &str)> {
+    let (at, id) = cursor.split_once(':')?;
+    Some((at.parse().ok()?, id))
+}

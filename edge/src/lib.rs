@@ -1,4 +1,4 @@
-//! Cloudflare Queues for the queue facade.
+//! jobrail on Cloudflare Queues: the same jobs and handlers as native, in a Workers queue consumer.
 //!
 //! The same [`jobrail::Job`] declarations and handlers that run natively run
 //! here, in a Workers queue consumer compiled to wasm32. Each message of a

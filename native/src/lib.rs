@@ -1,4 +1,4 @@
-//! Native worker runtime and drivers for the queue facade.
+//! jobrail on servers: the native worker runtime (tokio) and drivers.
 //!
 //! The rules live in the `jobrail` crate; this crate runs them on tokio
 //! against a backend. Declare jobs with [`jobrail::Job`], register handlers in

@@ -1,4 +1,4 @@
-//! The rules of the queue facade.
+//! jobrail: the rules every host shares.
 //!
 //! An application declares a typed [`Job`] once and registers its handler in
 //! a [`Registry`]. Every host (the native worker, the Cloudflare edge and the

@@ -12,8 +12,8 @@
 //! # Layout
 //!
 //! Each item has one path: the consumer, its settings and errors at the
-//! crate root, wrangler.toml's model under [`wrangler`] and the native
-//! harness under [`testing`]. The other modules are private, one concern
+//! crate root, wrangler.toml's model under [`wrangler`], the failure keeper
+//! under [`failures`] and the native harness under [`testing`]. The other modules are private, one concern
 //! each:
 //!
 //! - `batch`: the batch loop ([`EdgeConsumer`]), written once for the
@@ -23,6 +23,8 @@
 //!   embedded wrangler.toml and the operator's variables ([`Options`],
 //!   [`check`]).
 //! - [`wrangler`]: reading wrangler.toml and checking it against the jobs.
+//! - [`failures`]: the failure keeper, the failure queue's consumer that
+//!   keeps records in D1 for operators (list, show, replay, purge routes).
 //! - `settings`: the consumer's settings ([`EdgeConfig`]: the invocation
 //!   budget, concurrency, the failure queue) and their check against the
 //!   jobs. Pure.
@@ -122,6 +124,7 @@
 
 mod batch;
 mod error;
+pub mod failures;
 mod limits;
 mod log;
 mod options;

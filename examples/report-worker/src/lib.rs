@@ -3,9 +3,13 @@
 //! The same job declaration and handler as the native quick start
 //! (`report-job`), consumed from the `reports` queue by a Cloudflare Worker.
 //! Terminal failures go to the `reports-failed` queue, which this worker also
-//! consumes. For the end-to-end tests it keeps a log of every accepted
-//! outcome and every failure record in KV and serves it at `GET /log`;
-//! `POST /dispatch` enqueues reports through the producer binding.
+//! consumes: a [`jobrail_edge::failures::FailureKeeper`] keeps each record in
+//! the D1 database `FAILURES_DB` and serves the operator routes under
+//! `/failures` (list, show, replay to `reports` or `reports-parallel`,
+//! purge), behind the secret `FAILURES_TOKEN`. For the end-to-end tests it
+//! also keeps a log of every accepted outcome and every failure record in KV
+//! and serves it at `GET /log`; `POST /dispatch` enqueues reports through the
+//! producer binding.
 //!
 //! The consumer is wired with [`jobrail_edge::consumer!`]: the consumer
 //! settings come from the repository's `wrangler.toml` (embedded, and checked
@@ -43,7 +47,7 @@ jobrail_edge::consumer!(
         ..jobrail_edge::Options::DEFAULT
     },
     wrangler = "../../wrangler.toml",
-    other_queues = edge::failure_log,
+    other_queues = edge::failure_queue,
     after_batch = edge::flush,
 );
 
@@ -53,6 +57,7 @@ mod edge {
     use std::time::Duration;
 
     use jobrail::{Envelope, Event, EventSink, SettlementError};
+    use jobrail_edge::failures::FailureKeeper;
     use jobrail_edge::EdgeProducer;
     use report_job::BuildReport;
     use serde::Deserialize;
@@ -67,10 +72,20 @@ mod edge {
     const REPORTS: &str = "REPORTS";
     /// The KV namespace holding the test log.
     const LOG: &str = "LOG";
+    /// The producer binding of the failure queue.
+    const FAILED: &str = "FAILED";
     /// The producer binding of the queue consumed with concurrency.
     const REPORTS_PARALLEL: &str = "REPORTS_PARALLEL";
     /// The secret that turns the test routes on.
     const TOKEN: &str = "TEST_ROUTES_TOKEN";
+
+    /// The failure records: kept in D1 (`FAILURES_DB`), replayed through the
+    /// producer binding of the queue they failed on, served under
+    /// `/failures` to holders of the `FAILURES_TOKEN` secret.
+    const KEEPER: FailureKeeper = FailureKeeper {
+        replay_to: &[("reports", REPORTS), ("reports-parallel", REPORTS_PARALLEL)],
+        ..FailureKeeper::DEFAULT
+    };
 
     /// Log entries not yet written to KV. Kept on the JavaScript side so that
     /// entries logged before a panic in the same batch survive the instance
@@ -139,10 +154,11 @@ mod edge {
         }
     }
 
-    /// The failure queue: keeps each record in the log.
-    pub(crate) async fn failure_log(batch: JsValue, _env: Env) {
-        let batch: worker_sys::MessageBatch = batch.unchecked_into();
-        for message in batch.messages().map(|a| a.to_vec()).unwrap_or_default() {
+    /// The failure queue: each record goes to the test log, and to the
+    /// keeper, which stores it and then acknowledges it.
+    pub(crate) async fn failure_queue(batch: JsValue, env: Env) {
+        let messages: worker_sys::MessageBatch = batch.clone().unchecked_into();
+        for message in messages.messages().map(|a| a.to_vec()).unwrap_or_default() {
             let message: worker_sys::Message = message.unchecked_into();
             let body = message
                 .body()
@@ -152,8 +168,8 @@ mod edge {
             let record: serde_json::Value =
                 serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body));
             push(serde_json::json!({ "at_ms": js_sys::Date::now(), "failure_record": record }));
-            let _ = message.ack();
         }
+        KEEPER.keep_batch(batch, &env).await;
     }
 
     /// What `POST /dispatch` accepts.
@@ -168,6 +184,9 @@ mod edge {
         envelopes: Vec<Envelope>,
         /// Raw text bodies (malformed envelopes).
         raw: Vec<String>,
+        /// Raw text bodies sent straight to the failure queue (entries the
+        /// failure keeper must keep although they are not records).
+        failed_raw: Vec<String>,
         /// Delay for each of `reports` (seconds).
         delay_seconds: u64,
         /// Send to `reports-parallel` instead of `reports`.
@@ -215,6 +234,12 @@ mod edge {
         }
         for raw in body.raw {
             producer.send_text(raw, None).await.map_err(fail)?;
+        }
+        if !body.failed_raw.is_empty() {
+            let failed = EdgeProducer::from_env(&ctx.env, FAILED).map_err(fail)?;
+            for raw in body.failed_raw {
+                failed.send_text(raw, None).await.map_err(fail)?;
+            }
         }
         Response::from_json(
             &serde_json::json!({ "reports": reports, "batch": batch, "envelopes": envelopes }),
@@ -281,6 +306,9 @@ mod edge {
 
     #[event(fetch)]
     async fn fetch(req: Request, env: Env, _ctx: Context) -> Result<Response> {
+        if let Some(response) = KEEPER.handle(&req, &env).await {
+            return response;
+        }
         if req.path() != "/health" {
             if let Some(response) = refused(&req, &env) {
                 return response;

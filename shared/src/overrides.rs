@@ -298,6 +298,16 @@ impl Overrides {
     pub fn is_empty(&self) -> bool {
         self.jobs.is_empty()
     }
+
+    /// The job names given exactly (a file's `[jobs.<name>]` tables), in
+    /// name order. Environment variables name a job only by its normalised
+    /// form (`BUILD_REPORT`), so their jobs are not listed.
+    pub fn named_jobs(&self) -> impl Iterator<Item = &str> {
+        self.jobs.keys().filter_map(|key| match key {
+            JobKey::Exact(name) => Some(name.as_str()),
+            JobKey::Env(_) => None,
+        })
+    }
 }
 
 fn duration(job: &str, field: &'static str, text: &str) -> Result<Duration, PolicyError> {
@@ -461,6 +471,18 @@ mod tests {
         assert_eq!(spec.tier_one.attempts, 3);
         assert_eq!(spec.tier_one.backoff.delay(2), Duration::from_millis(100));
         assert_eq!(spec.tier_one.max_wait, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn named_jobs_are_the_exact_names() {
+        let file =
+            Overrides::from_toml("[jobs.send-mail]\nattempts = 2\n[jobs.build-report]\n").unwrap();
+        let env =
+            Overrides::from_env([("QUEUE_JOB__RESIZE__ATTEMPTS".to_string(), "4".to_string())])
+                .unwrap();
+        let merged = file.merge(env);
+        let names: Vec<&str> = merged.named_jobs().collect();
+        assert_eq!(names, ["build-report", "send-mail"]);
     }
 
     #[test]

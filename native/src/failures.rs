@@ -248,8 +248,9 @@ impl Failures {
     /// Every entry of `queue`'s failure destination, oldest first.
     pub async fn all(&self, queue: &str) -> Result<Vec<StoredFailure>, DriverError> {
         let mut entries = self.store()?.read_failures(queue).await?;
-        // Stable: entries of one time keep the store's order.
-        entries.sort_by_key(StoredFailure::failed_at_ms);
+        // Entries of one time by id: a total order, so that a page cursor
+        // places an entry that went meanwhile among them.
+        entries.sort_by(|a, b| (a.failed_at_ms(), &a.id).cmp(&(b.failed_at_ms(), &b.id)));
         Ok(entries)
     }
 
@@ -269,10 +270,12 @@ impl Failures {
                     )
                 })?;
                 // After the cursor's entry; where that entry went, after
-                // every entry older than it.
+                // every entry before it in (time, id) order.
                 match entries.iter().position(|e| e.id == id) {
                     Some(i) => i + 1,
-                    None => entries.partition_point(|e| e.failed_at_ms() <= at),
+                    None => {
+                        entries.partition_point(|e| (e.failed_at_ms(), e.id.as_str()) <= (at, id))
+                    }
                 }
             }
         };

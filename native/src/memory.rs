@@ -172,6 +172,30 @@ impl MemoryDriver {
     }
 }
 
+#[cfg(feature = "testing")]
+impl MemoryDriver {
+    /// Puts `body` among `queue`'s failure entries as it is, as something
+    /// other than the consumer might have (a body that is not a failure
+    /// record, say). For the conformance suite; not a supported API.
+    pub async fn inject_failure_body(
+        &self,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        let mut state = self.state();
+        self.inner.lifecycle.check_running()?;
+        state
+            .failures
+            .entry(queue.to_string())
+            .or_default()
+            .push(MemoryFailure {
+                entry: StoredFailure::from_body(body),
+                claim: None,
+            });
+        Ok(())
+    }
+}
+
 #[async_trait]
 impl Driver for MemoryDriver {
     fn name(&self) -> &'static str {

@@ -9,7 +9,6 @@ use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use jobrail::FailureRecord;
 use jobrail_native::{Driver, DriverError};
 
 use crate::harness::{Backend, Hooks, Unreachable};
@@ -27,11 +26,14 @@ pub trait Broker: Send + Sync + 'static {
     fn new(config: Self::Config) -> Result<Self::Driver, DriverError>;
     /// Connects a driver.
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError>;
-    /// Failure records transferred for `queue`, without consuming them.
-    async fn failure_records(
+    /// Puts `body` among `queue`'s failure entries as it is
+    /// ([`Backend::inject_failure_body`]). Failure records themselves are
+    /// read through the driver's failure store.
+    async fn inject_failure_body(
         driver: &Self::Driver,
         queue: &str,
-    ) -> Result<Vec<FailureRecord>, DriverError>;
+        body: Vec<u8>,
+    ) -> Result<(), DriverError>;
     /// The queues or streams `driver` declared.
     fn declared(driver: &Self::Driver) -> Vec<String>;
     /// Deletes queues or streams by name.
@@ -123,11 +125,8 @@ impl<B: Broker> Backend for Fixture<B> {
         Arc::new(self.driver().await)
     }
 
-    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
-        let driver = self.driver().await;
-        B::failure_records(&driver, queue)
-            .await
-            .unwrap_or_else(|e| panic!("failure records of `{queue}` unreadable: {e}"))
+    async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        B::inject_failure_body(&self.driver().await, queue, body).await
     }
 
     fn hooks(&self) -> Hooks {
@@ -135,6 +134,7 @@ impl<B: Broker> Backend for Fixture<B> {
             short_hold: B::short_hold(&self.config).is_some(),
             delivery_limit: B::delivery_limited(&self.config, 2).is_some(),
             unreachable: B::unreachable(&self.config).is_some(),
+            inject_failure_body: true,
         }
     }
 
@@ -215,11 +215,12 @@ impl Broker for RabbitMq {
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
         jobrail_native::rabbitmq::RabbitDriver::connect(config).await
     }
-    async fn failure_records(
+    async fn inject_failure_body(
         driver: &Self::Driver,
         queue: &str,
-    ) -> Result<Vec<FailureRecord>, DriverError> {
-        driver.failure_records(queue).await
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_failure_body(queue, body).await
     }
     fn declared(driver: &Self::Driver) -> Vec<String> {
         driver.declared_queues()
@@ -263,11 +264,12 @@ impl Broker for Nats {
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
         jobrail_native::nats::NatsDriver::connect(config).await
     }
-    async fn failure_records(
+    async fn inject_failure_body(
         driver: &Self::Driver,
         queue: &str,
-    ) -> Result<Vec<FailureRecord>, DriverError> {
-        driver.failure_records(queue).await
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_failure_body(queue, body).await
     }
     fn declared(driver: &Self::Driver) -> Vec<String> {
         driver.declared_streams()
@@ -341,11 +343,12 @@ impl Broker for Sqs {
     async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
         jobrail_native::sqs::SqsDriver::connect(config).await
     }
-    async fn failure_records(
+    async fn inject_failure_body(
         driver: &Self::Driver,
         queue: &str,
-    ) -> Result<Vec<FailureRecord>, DriverError> {
-        driver.failure_records(queue).await
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_failure_body(queue, body).await
     }
     fn declared(driver: &Self::Driver) -> Vec<String> {
         driver.created_queues()

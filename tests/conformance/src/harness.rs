@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use jobrail::{Event, EventSink, FailureRecord, Registry};
-use jobrail_native::{Consumer, ConsumerHandle, Driver, DriverError, Outgoing, Producer};
+use jobrail_native::{
+    Consumer, ConsumerHandle, Driver, DriverError, ErrorKind, Failures, Outgoing, Producer,
+};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -18,8 +20,32 @@ pub trait Backend: Send + Sync {
     /// connection; all of them see the same queues.
     async fn connect(&self) -> Arc<dyn Driver>;
 
-    /// Failure records transferred for messages consumed from `queue`.
-    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord>;
+    /// Failure records transferred for messages consumed from `queue`,
+    /// oldest first, read without consuming them. The default reads them
+    /// through the driver's failure store ([`Failures::all`]), leaving out
+    /// entries that are not records.
+    async fn failure_records(&self, queue: &str) -> Vec<FailureRecord> {
+        Failures::new(self.connect().await)
+            .all(queue)
+            .await
+            .unwrap_or_else(|e| panic!("failure records of `{queue}` unreadable: {e}"))
+            .into_iter()
+            .filter_map(|entry| entry.record)
+            .collect()
+    }
+
+    /// Puts `body` among `queue`'s failure entries as it is, bypassing the
+    /// consumer (something that is not a failure record, say), where the
+    /// backend offers it ([`Hooks::inject_failure_body`]). The default
+    /// refuses as unsupported.
+    async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        let _ = (queue, body);
+        Err(DriverError::new(
+            "conformance",
+            ErrorKind::Unsupported,
+            "this backend puts nothing among the failures by hand",
+        ))
+    }
 
     /// How long a scenario may wait for something that should happen
     /// promptly (backends with coarse timers need more).
@@ -67,6 +93,8 @@ pub struct Hooks {
     pub delivery_limit: bool,
     /// [`Backend::unreachable`] gives drivers.
     pub unreachable: bool,
+    /// [`Backend::inject_failure_body`] puts a body among the failures.
+    pub inject_failure_body: bool,
 }
 
 /// Drivers holding secrets in their configuration, pointed where nothing

@@ -16,11 +16,12 @@
 //! ```ignore
 //! struct MyBackend;
 //! #[async_trait::async_trait]
-//! impl jobrail_conformance::Backend for MyBackend { /* connect, failure_records, hooks */ }
+//! impl jobrail_conformance::Backend for MyBackend { /* connect, hooks... */ }
 //! jobrail_conformance::conformance_suite!(MyBackend);
 //! ```
 
 pub mod crash;
+pub mod failures;
 pub mod fixture;
 pub mod gated;
 pub mod harness;

@@ -43,7 +43,7 @@ where
     let (driver, choice) = runtime().block_on(async {
         let backend = make().await;
         let driver = backend.connect().await;
-        let choice = scenarios::registered(&driver.capabilities(), &backend.hooks());
+        let choice = scenarios::registered(driver.as_ref(), &backend.hooks());
         (driver.name(), choice)
     });
     // Not in a list or in JSON, which tools read.

@@ -12,10 +12,11 @@ use jobrail::{
     BreakerConfig, CircuitBreaker, Envelope, Event, EventKind, FailureKind, Job, JobBuilder,
     JobContext, JobError, Permanent, RawBody, Registry, Resolution, UnknownNameAttempts,
 };
-use jobrail_native::{Capabilities, DispatchOptions, ErrorKind};
+use jobrail_native::{DispatchOptions, Driver, ErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::failures::*;
 use crate::gated::*;
 use crate::harness::{Backend, Calls, Harness, Hooks};
 
@@ -55,11 +56,13 @@ macro_rules! scenarios {
     };
 }
 
-/// The scenarios a backend with `capabilities` and `hooks` runs, as
-/// opendal's behaviour tests are registered: every backend runs the core
-/// ones; a scenario that needs a capability or a set-up is registered only
-/// where it is there, never run to pass vacuously.
-pub fn registered(capabilities: &Capabilities, hooks: &Hooks) -> Choice {
+/// The scenarios a backend with `driver` (its capabilities, whether it
+/// keeps a failure store) and `hooks` runs, as opendal's behaviour tests
+/// are registered: every backend runs the core ones; a scenario that needs
+/// a capability or a set-up is registered only where it is there, never
+/// run to pass vacuously.
+pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
+    let capabilities = &driver.capabilities();
     let mut choice = Choice::default();
     choice.when(
         true,
@@ -133,6 +136,27 @@ pub fn registered(capabilities: &Capabilities, hooks: &Hooks) -> Choice {
         hooks.delivery_limit,
         "the backend has no delivery limit of its own (no Backend::delivery_limited)",
         &scenarios![delivery_limit_is_checked_at_start],
+    );
+    let failure_store = driver.failure_store().is_some();
+    choice.when(
+        failure_store,
+        "the driver keeps no failure store (Driver::failure_store)",
+        &scenarios![
+            failures_list_pages_oldest_first,
+            failures_show_by_message_or_entry_id,
+            failures_replay_runs_again_with_a_fresh_attempt_count,
+            failures_replay_twice_sends_one_copy,
+            failures_concurrent_replays_send_one_copy,
+            failures_replay_while_a_worker_consumes,
+            failures_poison_replay_is_refused_unless_forced,
+            failures_purge_one_older_than_all,
+            failures_replayed_message_that_fails_again,
+        ],
+    );
+    choice.when(
+        failure_store && hooks.inject_failure_body,
+        "nothing can be put among the failures by hand (no Backend::inject_failure_body)",
+        &scenarios![failures_entries_that_are_not_records],
     );
     choice.when(
         hooks.unreachable,

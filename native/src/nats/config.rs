@@ -42,6 +42,16 @@ pub struct NatsConfig {
     /// in a failure stream (`<work stream>_failed`, limits retention). `None`:
     /// terminal failures are logged at error level and acknowledged.
     pub failure_subject: Option<String>,
+    /// How long an operator's claim on a failure record (a replay or purge
+    /// under way) holds it at most (default 2 minutes): a claim whose
+    /// process crashed before it removed or released the record lapses
+    /// after this long, and the record can be claimed again. It must
+    /// comfortably exceed a replay (a dispatch and a removal, each within
+    /// [`operation_timeout`](Self::operation_timeout)): a claim that lapses
+    /// while its replay is still running lets a second replay send a
+    /// duplicate. It is the age limit of the claims stream (see the
+    /// module documentation), updated when it differs.
+    pub claim_hold: Duration,
     /// Bound on every server round trip: connect, API requests, publish
     /// acknowledgements, double acks.
     pub operation_timeout: Duration,
@@ -66,6 +76,7 @@ impl NatsConfig {
             ack_wait: Duration::from_secs(30),
             max_deliver: None,
             failure_subject: Some("{prefix}.{queue}.failed".into()),
+            claim_hold: Duration::from_secs(120),
             operation_timeout: Duration::from_secs(10),
             fetch_expiry: Duration::from_secs(5),
             max_reconnect_backoff: Duration::from_secs(5),
@@ -142,6 +153,16 @@ impl NatsConfig {
                 "the operation timeout must be positive and the fetch expiry at least 100 ms",
             ));
         }
+        if self.claim_hold < Duration::from_secs(1)
+            || self.claim_hold < self.operation_timeout.saturating_mul(3)
+        {
+            return Err(config_error(format!(
+                "the claim hold {:?} is too short: at least 1 s and three operation timeouts ({:?}), \
+                 so a replay finishes before its claim lapses",
+                self.claim_hold,
+                self.operation_timeout.saturating_mul(3)
+            )));
+        }
         Ok(endpoint)
     }
 }
@@ -156,6 +177,7 @@ impl fmt::Debug for NatsConfig {
             .field("ack_wait", &self.ack_wait)
             .field("max_deliver", &self.max_deliver)
             .field("failure_subject", &self.failure_subject)
+            .field("claim_hold", &self.claim_hold)
             .field("operation_timeout", &self.operation_timeout)
             .field("fetch_expiry", &self.fetch_expiry)
             .field("max_reconnect_backoff", &self.max_reconnect_backoff)
@@ -324,6 +346,15 @@ mod tests {
         let c = NatsConfig::new("nats://localhost").failure_subject(Some("failed"));
         assert!(c.validate().is_err());
         let c = NatsConfig::new("nats://localhost").ack_wait(Duration::ZERO);
+        assert!(c.validate().is_err());
+        let mut c = NatsConfig::new("nats://localhost");
+        c.claim_hold = Duration::from_secs(20);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("claim hold 20s is too short"), "{err}");
+        c.operation_timeout = Duration::from_secs(2);
+        assert!(c.validate().is_ok());
+        c.claim_hold = Duration::from_millis(900);
+        c.operation_timeout = Duration::from_millis(100);
         assert!(c.validate().is_err());
         assert!(valid_subject("queue.a-b.c"));
         assert!(!valid_subject("queue..c"));

@@ -15,7 +15,8 @@ use async_nats::jetstream::context::{
     GetStreamError, GetStreamErrorKind, PublishError, PublishErrorKind,
 };
 use async_nats::jetstream::stream::{
-    ConsumerError, ConsumerErrorKind, RawMessageError, RawMessageErrorKind,
+    ConsumerError, ConsumerErrorKind, DeleteMessageError, DeleteMessageErrorKind, RawMessageError,
+    RawMessageErrorKind,
 };
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::ConnectError;
@@ -199,6 +200,23 @@ pub(super) fn raw_message(stream: &str, sequence: u64, e: RawMessageError) -> Op
     (!missing).then(|| connection(format!("reading `{stream}` sequence {sequence}"), e))
 }
 
+/// Deleting `sequence` of the stream `stream` failed; `None` when there is
+/// no message at that sequence (deleted already). A 2.9 server reports that
+/// as a failed deletion (10057) whose description is the store's "no
+/// message found".
+pub(super) fn message_delete(
+    stream: &str,
+    sequence: u64,
+    e: DeleteMessageError,
+) -> Option<DriverError> {
+    let missing = matches!(e.kind(), DeleteMessageErrorKind::JetStream(j)
+        if j.error_code() == ErrorCode::SEQUENCE_NOT_FOUND
+            || j.error_code() == ErrorCode::NO_MESSAGE_FOUND
+            || (j.error_code() == ErrorCode::STREAM_MESSAGE_DELETE_FAILED
+                && j.to_string().starts_with("no message found")));
+    (!missing).then(|| connection(format!("deleting `{stream}` sequence {sequence}"), e))
+}
+
 /// A settlement (`what`) of a delivery from `queue` whose double ack was not
 /// confirmed: uncertain if it timed out, a connection error otherwise.
 pub(super) fn settlement(what: &str, queue: &str, e: async_nats::Error) -> DriverError {
@@ -268,6 +286,17 @@ mod tests {
         let err = raw_message("S", 3, other).unwrap();
         assert_eq!(err.kind(), ErrorKind::Connection);
         assert!(err.find::<RawMessageError>().is_some());
+        let server = |json: &str| {
+            let error: jetstream::Error = serde_json::from_str(json).unwrap();
+            DeleteMessageError::new(DeleteMessageErrorKind::JetStream(error))
+        };
+        let missing = server(r#"{"code":500,"err_code":10057,"description":"no message found"}"#);
+        assert!(message_delete("S", 3, missing).is_none());
+        let missing = server(r#"{"code":404,"err_code":10043,"description":"sequence not found"}"#);
+        assert!(message_delete("S", 3, missing).is_none());
+        let failed = server(r#"{"code":500,"err_code":10057,"description":"disk full"}"#);
+        let err = message_delete("S", 3, failed).unwrap();
+        assert!(err.to_string().contains("deleting `S` sequence 3"), "{err}");
         let missing = ConsumerInfoError::new(ConsumerInfoErrorKind::NotFound);
         assert!(consumer_lookup("c", "S", missing).is_none());
         let invalid = GetStreamError::new(GetStreamErrorKind::InvalidStreamName);

@@ -19,7 +19,11 @@
 //! - if a failure subject is configured (default `<subject_prefix>.Q.failed`),
 //!   the failure stream `<work stream>_failed` holding that subject, with
 //!   limits retention and file storage, so failure records persist until an
-//!   operator removes them.
+//!   operator removes them; and, once an operator first claims or removes
+//!   one of them, the claims stream `<work stream>_claims` holding the
+//!   subjects `<failure subject>.claim.*`, limits retention, file storage
+//!   and [`claim_hold`](NatsConfig::claim_hold) as its age limit (see
+//!   "Failure store").
 //!
 //! A stream or consumer that already exists is inspected rather than
 //! overwritten: if its subjects, retention or storage (stream), or its ack
@@ -153,6 +157,44 @@
 //! tied to a connection: a delivery received before a reconnection can still
 //! be settled after it, as long as AckWait has not expired.
 //!
+//! # Failure store
+//!
+//! The driver is a [`FailureStore`] and an [`Admin`]
+//! ([`Failures`](crate::Failures) builds list, show, replay and purge on
+//! them):
+//!
+//! - **list** reads the failure stream by sequence, oldest stored first,
+//!   with `STREAM.MSG.GET` requests (one per entry: each asks for the first
+//!   message of the failure subject from the sequence after the previous
+//!   one). Nothing is consumed or hidden: a reader sees every record,
+//!   including one another operator holds, and a record published or
+//!   removed while it reads may or may not be in its list. A message there
+//!   that is not a failure record is listed as an entry without a record.
+//! - **claim**: the stream has no per-message lock, so a claim on the entry
+//!   at sequence `N` is a message on `<failure subject>.claim.N` in the
+//!   claims stream, published with `Nats-Expected-Last-Subject-Sequence: 0`:
+//!   the server stores it only while no other claim is there, so of two
+//!   concurrent claims exactly one succeeds. The claimant then checks that
+//!   the entry is still stored (a claim that has just ended may have removed
+//!   it) and otherwise reads again. Releasing deletes the claim message. A
+//!   claim whose holder crashed, or that was dropped without being removed
+//!   or released, is deleted by the stream's age limit: the record stays,
+//!   and can be claimed again after [`claim_hold`](NatsConfig::claim_hold)
+//!   (2 minutes by default). A replay that outlives the hold (it should
+//!   not: the hold must exceed three operation timeouts) can be repeated by
+//!   another operator, a duplicate that the work stream's duplicate window
+//!   drops only within its 2 minutes.
+//! - **remove** deletes the entry by its sequence (`STREAM.MSG.DELETE`),
+//!   exactly that message; removing entries by id claims each first and
+//!   skips those another claim holds.
+//! - **depth** is the consumer's count of messages not yet delivered
+//!   (ready) and of unacknowledged deliveries (in flight; on JetStream this
+//!   includes retries waiting out a `-NAK` delay); delays are not reported.
+//! - **delete** removes the work, failure and claims streams (the consumer
+//!   goes with the work stream) and forgets the queue was declared. Stop
+//!   the queue's consumers first: a running subscription declares the
+//!   queue again.
+//!
 //! # Connection settings
 //!
 //! One connection per driver, from [`NatsConfig::url`]: `nats://host:port`,
@@ -178,6 +220,8 @@
 //! - `publish.rs`: dispatch, and the failure record and shutdown copy a
 //!   settlement publishes;
 //! - `delivery.rs`: subscriptions, deliveries, leases and settlements;
+//! - `failures.rs`: the failure store (reading, claiming and removing
+//!   failure records) and the admin interface (depth, deletion);
 //! - `errors.rs`: async-nats' errors as [`DriverError`]s;
 //! - `testing.rs` (feature `testing`): helpers for the test suites.
 //!
@@ -191,6 +235,7 @@ mod config;
 mod connection;
 mod delivery;
 mod errors;
+mod failures;
 mod publish;
 #[cfg(feature = "testing")]
 mod testing;
@@ -211,6 +256,7 @@ pub use config::NatsConfig;
 use connection::Link;
 
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
+use crate::failures::{Admin, FailureStore};
 use crate::support::{lock, Lifecycle};
 
 const NAME: &str = "nats";
@@ -338,6 +384,16 @@ impl Driver for NatsDriver {
         prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
         self.subscription(queue, prefetch).await
+    }
+
+    /// See `failures.rs`.
+    fn failure_store(&self) -> Option<&dyn FailureStore> {
+        Some(self)
+    }
+
+    /// See `failures.rs`.
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
     }
 
     /// See `connection.rs`.

@@ -105,7 +105,7 @@ impl NatsDriver {
 
     /// Publishes to `subject` with `Nats-Msg-Id` = `message_id` and the
     /// `headers`, and waits for the `PubAck`.
-    async fn publish(
+    pub(super) async fn publish(
         &self,
         subject: &str,
         body: Vec<u8>,

@@ -1,6 +1,9 @@
 //! Helpers for the conformance and fault suites (feature `testing`): what
-//! the driver declared, how many messages a stream holds, and deleting
-//! streams and consumers behind the driver's back. Not a supported API.
+//! the driver declared, how many messages a stream holds, deleting streams
+//! and consumers behind the driver's back, and putting a message that is not
+//! a failure record into a failure stream. Not a supported API.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::errors;
 use super::NatsDriver;
@@ -63,5 +66,28 @@ impl NatsDriver {
             .map_err(|e| errors::connection("deleting consumer", e))?;
         self.forget(queue);
         Ok(())
+    }
+
+    /// Publishes `body` (anything, typically not a failure record) to
+    /// `queue`'s failure subject, declaring its failure stream if missing:
+    /// the failure store then lists it as an entry. [`ErrorKind::Config`]
+    /// when no failure subject is configured.
+    ///
+    /// [`ErrorKind::Config`]: crate::ErrorKind::Config
+    pub async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        static INJECTED: AtomicU64 = AtomicU64::new(0);
+        let destination = self.destination(queue).await?;
+        // Unique, so the duplicate window never drops an injected body.
+        let id = format!(
+            "injected:{}:{}:{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+            INJECTED.fetch_add(1, Ordering::Relaxed)
+        );
+        self.publish(&destination.subject, body, &id, &[])
+            .await
+            .map(|_| ())
     }
 }

@@ -1,7 +1,9 @@
 //! Names, and the streams and consumer a queue needs: declared once per
 //! driver (again after a failure suggests the server lost them), inspected
-//! rather than overwritten when they already exist, and read back for the
-//! failure records an operator looks at.
+//! rather than overwritten when they already exist. The failure store
+//! (`failures.rs`) reads the failure stream back.
+
+use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy, PullConsumer};
@@ -13,6 +15,7 @@ use super::config::valid_subject;
 use super::errors::{self, config_error, error};
 use super::NatsDriver;
 use crate::driver::{DriverError, ErrorKind};
+use crate::failures::FailureStore;
 use crate::support::lock;
 
 /// Which stream a name is, for its configuration.
@@ -20,6 +23,9 @@ use crate::support::lock;
 pub(super) enum Role {
     Work,
     Failure,
+    /// The claims of a failure stream's entries (see `failures.rs`): their
+    /// age limit is the claim hold.
+    Claims,
 }
 
 impl NatsDriver {
@@ -57,7 +63,7 @@ impl NatsDriver {
         format!("{}_failed", self.stream_name(queue))
     }
 
-    fn check_queue(&self, queue: &str) -> Result<(), DriverError> {
+    pub(super) fn check_queue(&self, queue: &str) -> Result<(), DriverError> {
         if valid_subject(queue) {
             Ok(())
         } else {
@@ -73,9 +79,13 @@ impl NatsDriver {
             subjects: vec![subject.to_string()],
             retention: match role {
                 Role::Work => RetentionPolicy::WorkQueue,
-                Role::Failure => RetentionPolicy::Limits,
+                Role::Failure | Role::Claims => RetentionPolicy::Limits,
             },
             storage: StorageType::File,
+            max_age: match role {
+                Role::Claims => self.inner.config.claim_hold,
+                Role::Work | Role::Failure => Duration::ZERO,
+            },
             ..Default::default()
         }
     }
@@ -293,42 +303,23 @@ impl NatsDriver {
     }
 
     /// Terminal failure records of `queue`, oldest first, read from its
-    /// failure stream by sequence without removing them. Messages that are
-    /// not failure records are skipped with a warning.
+    /// failure stream without removing them (the failure store's
+    /// [`read_failures`](crate::FailureStore::read_failures), records
+    /// only). Messages that are not failure records are skipped with a
+    /// warning; with no failure subject configured there are none.
     pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        let Some(subject) = self.failure_subject(queue) else {
+        if self.failure_subject(queue).is_none() {
             return Ok(Vec::new());
-        };
-        let link = self.link().await?;
-        let name = self.failure_stream_name(queue);
-        let mut stream = self
-            .ensure_stream(&link.js, &name, &subject, Role::Failure)
-            .await?;
-        let state = stream
-            .info()
-            .await
-            .map_err(|e| errors::connection(format!("stream `{name}`"), e))?
-            .state
-            .clone();
-        let mut records = Vec::new();
-        if state.messages == 0 {
-            return Ok(records);
         }
-        for sequence in state.first_sequence..=state.last_sequence {
-            match stream.get_raw_message(sequence).await {
-                Ok(message) => match FailureRecord::decode(&message.payload) {
-                    Ok(record) => records.push(record),
-                    Err(e) => {
-                        warn!(stream = %name, sequence, "skipping a message that is not a failure record: {}", jobrail::json_error(&e))
-                    }
-                },
-                Err(e) => {
-                    if let Some(err) = errors::raw_message(&name, sequence, e) {
-                        return Err(err);
-                    }
+        let entries = FailureStore::read_failures(self, queue).await?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|entry| {
+                if entry.record.is_none() {
+                    warn!(queue, entry = %entry.id, "skipping a message that is not a failure record");
                 }
-            }
-        }
-        Ok(records)
+                entry.record
+            })
+            .collect())
     }
 }

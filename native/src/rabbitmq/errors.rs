@@ -65,6 +65,16 @@ pub(super) fn precondition_failed(cause: &lapin::Error) -> bool {
     )
 }
 
+/// Whether the broker answered that the queue does not exist (`NOT_FOUND`,
+/// which closes only that channel).
+pub(super) fn not_found(cause: &lapin::Error) -> bool {
+    matches!(
+        cause,
+        lapin::Error::ProtocolError(e)
+            if matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+    )
+}
+
 /// Queue `name` exists with arguments other than `expected` (the role and
 /// arguments this driver declares): a configuration error naming the queue.
 pub(super) fn conflicting_queue(name: &str, expected: &str, cause: lapin::Error) -> DriverError {
@@ -178,5 +188,12 @@ mod tests {
             "closed".into(),
         ));
         assert!(!precondition_failed(&other));
+        assert!(!not_found(&other));
+        let missing = lapin::Error::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND),
+            "NOT_FOUND - no queue 'jobs' in vhost '/'".into(),
+        ));
+        assert!(not_found(&missing));
+        assert!(!precondition_failed(&missing));
     }
 }

@@ -103,6 +103,48 @@
 //! queue with a confirm, then acks; with no failure queue configured it
 //! rejects without requeue and logs the record's reason at error level.
 //!
+//! # Failure store
+//!
+//! The driver is its own [`FailureStore`] and [`Admin`]
+//! ([`Driver::failure_store`], [`Driver::admin`]), over the failure queue.
+//! A quorum queue has no way to look at a message without taking it, so each
+//! operation is a scan: a channel of its own takes messages with `basic.get`
+//! and keeps them unacknowledged (hidden from everyone else) until it settles
+//! them.
+//!
+//! - **List** takes every message, then gives them all back in one
+//!   `basic.nack` with requeue: they return ahead of anything published
+//!   meanwhile, in their order. Nothing is consumed.
+//! - **Claim** takes messages up to the first that matches, gives back the
+//!   others and keeps that one unacknowledged on its channel. The broker hands
+//!   a message to one channel at a time, so no other claim (or list) sees it
+//!   while the claim lives. **Remove** acks it (exactly that message);
+//!   **release** nacks it back. A claim dropped without either, a lost
+//!   connection or a crashed process closes the channel and the broker gives
+//!   the entry back at once (so a crash mid-replay leaves the record, and
+//!   the replayed copy may then be sent twice, never lost).
+//! - **Remove by ids** (purge) takes every message, acks those named, gives
+//!   back the rest; a claimed entry is not among them, so it stays.
+//!
+//! Limits: scans by one driver take turns per failure queue, but scans by
+//! other processes do not: while one runs, a concurrent list sees fewer
+//! entries and a claim may miss its entry (a replay then answers not found;
+//! trying again finds it). A claimed entry is missing from lists until it
+//! is removed or released, and a released entry goes back to the head of the
+//! queue. Each `basic.get` is a round trip and a scan holds every message it
+//! took, so listing is linear in the queue's length. A returned message
+//! counts as a delivery (`x-delivery-count`), harmless on the failure queue,
+//! which has no delivery limit. Without a failure queue configured, the
+//! store answers [`ErrorKind::Config`].
+//!
+//! [`Admin::depth`] reports the work queue's ready messages (0 for a queue
+//! that does not exist) and, as delayed, the messages of its hold queues;
+//! in-flight messages are not reported (AMQP has no count of them).
+//! [`Admin::delete_queue`] deletes the hold queues of every configured
+//! bucket, the work queue and its failure queue (the broker cancels their
+//! consumers) and forgets they were declared; a later use declares them
+//! again, as does a subscription of this driver still running.
+//!
 //! # The broker's delivery limit
 //!
 //! RabbitMQ 3.x quorum queues have no default `x-delivery-limit`, and the
@@ -171,6 +213,7 @@
 //! `config.rs` holds the settings and their validation; `connection.rs` the
 //! connection, channels, the stopped state and `stop`; `topology.rs` queue
 //! names, arguments, declarations and the failure queue's records;
+//! `failures.rs` the failure store and admin interface;
 //! `publish.rs` every publish; `delivery.rs` subscriptions, deliveries and
 //! their settlement, and the consumer-timeout check; `errors.rs` the mapping
 //! of lapin's errors; `testing.rs` helpers for the test suites (feature
@@ -180,6 +223,7 @@ mod config;
 mod connection;
 mod delivery;
 mod errors;
+mod failures;
 mod publish;
 #[cfg(feature = "testing")]
 mod testing;
@@ -198,6 +242,7 @@ use delivery::RabbitSubscription;
 #[cfg(doc)]
 use crate::driver::ErrorKind;
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
+use crate::failures::{Admin, FailureStore};
 use crate::support::Lifecycle;
 
 const NAME: &str = "rabbitmq";
@@ -248,6 +293,8 @@ struct Inner {
     /// close that starts after the connection began closing fails and takes
     /// the connection down with an error instead of a clean close.
     released: Mutex<Vec<lapin::ChannelStatus>>,
+    /// Per failure queue, the turn its scans take (see `failures.rs`).
+    scans: Mutex<failures::ScanTurns>,
 }
 
 /// The RabbitMQ driver. Clones share one connection.
@@ -280,6 +327,7 @@ impl RabbitDriver {
                 known: Mutex::default(),
                 lifecycle: Lifecycle::new(NAME),
                 released: Mutex::default(),
+                scans: Mutex::default(),
             }),
         })
     }
@@ -330,6 +378,14 @@ impl Driver for RabbitDriver {
     ) -> Result<Box<dyn Subscription>, DriverError> {
         let subscription = RabbitSubscription::start(self.clone(), queue, prefetch).await?;
         Ok(Box::new(subscription))
+    }
+
+    fn failure_store(&self) -> Option<&dyn FailureStore> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
     }
 
     async fn stop(&self) -> Result<(), DriverError> {

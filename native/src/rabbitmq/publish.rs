@@ -80,7 +80,7 @@ impl RabbitDriver {
 
     /// Publishes persistently to `routing_key` on the default exchange and
     /// waits for the confirm.
-    async fn publish(
+    pub(super) async fn publish(
         &self,
         routing_key: &str,
         body: &[u8],

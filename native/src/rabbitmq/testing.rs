@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
+use lapin::BasicProperties;
 
-use super::errors::bounded;
+use super::errors::{bounded, error};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
 use crate::support::lock;
@@ -41,6 +42,22 @@ impl RabbitDriver {
         let mut names: Vec<String> = lock(&self.inner.known).iter().cloned().collect();
         names.sort();
         names
+    }
+
+    /// Publishes `body` as it is to `queue`'s failure queue (declared
+    /// first), as a failure record would be: to put there a message that is
+    /// not one. [`ErrorKind::Config`] when no failure queue is configured.
+    pub async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        let Some(failed) = self.declare_failure_queue(queue).await? else {
+            return Err(error(
+                ErrorKind::Config,
+                format!(
+                    "queue `{queue}` has no failure queue (RabbitConfig::failure_queue is None)"
+                ),
+            ));
+        };
+        let properties = BasicProperties::default().with_content_type("application/json".into());
+        self.publish(&failed, &body, properties).await
     }
 
     /// Deletes `names`, even if in use or not empty.

@@ -1,17 +1,18 @@
 //! The queues of a work queue: their names, their arguments, declaring them
-//! (once per connection), choosing a delay's hold queue, and reading the
-//! failure queue.
+//! (once per connection), choosing a delay's hold queue, and the failure
+//! queue's records.
 
 use std::time::Duration;
 
 use jobrail::FailureRecord;
-use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use tracing::warn;
 
-use super::errors::{answer, bounded, conflicting_queue, error, precondition_failed};
+use super::errors::{answer, conflicting_queue, error, precondition_failed};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
+use crate::failures::FailureStore;
 use crate::support::lock;
 
 /// Which kind of queue a name is, for its arguments.
@@ -221,35 +222,24 @@ impl RabbitDriver {
         Ok(())
     }
 
-    /// Terminal failure records on `queue`'s failure queue, oldest first.
+    /// Terminal failure records on `queue`'s failure queue, in the order
+    /// stored (none when no failure queue is configured).
     ///
-    /// Reads every message with `basic.get` and returns them to the queue
-    /// (the channel closes without acking), so the records stay. Messages
-    /// that are not failure records are skipped with a warning.
+    /// The records of [`read_failures`](crate::FailureStore::read_failures):
+    /// entries that are not failure records are skipped with a warning.
     pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        let Some(failed) = self.declare_failure_queue(queue).await? else {
+        if self.failure_queue_name(queue).is_none() {
             return Ok(Vec::new());
-        };
-        let limit = self.inner.config.operation_timeout;
-        let channel = self.open_channel().await?;
-        let mut records = Vec::new();
-        while let Some(message) = bounded(
-            limit,
-            "basic.get",
-            ErrorKind::Connection,
-            channel.basic_get(&failed, BasicGetOptions { no_ack: false }),
-        )
-        .await?
-        {
-            match FailureRecord::decode(&message.delivery.data) {
-                Ok(record) => records.push(record),
-                Err(e) => {
-                    warn!(queue = %failed, "skipping a message that is not a failure record: {}", jobrail::json_error(&e))
-                }
-            }
         }
-        // Closing without acking returns every message to the queue.
-        let _ = tokio::time::timeout(limit, channel.close(200, "peeked")).await;
-        Ok(records)
+        let entries = self.read_failures(queue).await?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|entry| {
+                if entry.record.is_none() {
+                    warn!(queue, entry = %entry.id, "skipping a failed message that is not a failure record");
+                }
+                entry.record
+            })
+            .collect())
     }
 }

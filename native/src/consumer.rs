@@ -8,6 +8,7 @@ use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
 
 use crate::driver::{Delivery, Driver, DriverError, ErrorKind, Subscription};
+use crate::metrics::DepthPoller;
 use crate::runtime::TokioRuntime;
 use crate::support::Reconnect;
 
@@ -17,12 +18,23 @@ pub struct ConsumerBuilder {
     registry: Registry,
     concurrency: usize,
     runtime: Arc<dyn Runtime>,
+    depth_every: Option<Duration>,
 }
 
 impl ConsumerBuilder {
     /// At most `n` deliveries handled at once (default 8; at least 1).
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
+        self
+    }
+
+    /// Records each queue's depth (the `jobrail_queue_depth` gauge, see
+    /// [`describe_metrics`](crate::describe_metrics)) every `every`, at
+    /// least every 100 ms, and once more when the consumer stops, where the
+    /// driver reports depths ([`Driver::admin`]). Off by default: each poll
+    /// is a request to the backend.
+    pub fn queue_depth_every(mut self, every: Duration) -> Self {
+        self.depth_every = Some(every.max(MIN_DEPTH_INTERVAL));
         self
     }
 
@@ -47,9 +59,13 @@ impl ConsumerBuilder {
             registry: Arc::new(self.registry),
             concurrency: self.concurrency,
             runtime: self.runtime,
+            depth_every: self.depth_every,
         }
     }
 }
+
+/// The shortest interval between two depth polls.
+const MIN_DEPTH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Runs registered handlers against a driver's queues.
 ///
@@ -68,6 +84,7 @@ pub struct Consumer {
     registry: Arc<Registry>,
     concurrency: usize,
     runtime: Arc<dyn Runtime>,
+    depth_every: Option<Duration>,
 }
 
 /// A running consumer.
@@ -110,6 +127,7 @@ impl Consumer {
             registry,
             concurrency: 8,
             runtime: Arc::new(TokioRuntime),
+            depth_every: None,
         }
     }
 
@@ -164,6 +182,9 @@ impl Consumer {
             let subscription = self.driver.subscribe(&queue, self.concurrency).await?;
             sources.push(Source::new(queue, subscription));
         }
+        let depth = self
+            .depth_every
+            .and_then(|every| DepthPoller::start(&self.driver, self.registry.queues(), every));
         let intake = Intake {
             driver: self.driver,
             registry: self.registry,
@@ -173,6 +194,9 @@ impl Consumer {
             prefetch: self.concurrency,
         };
         intake.run(sources, &cancel).await;
+        if let Some(depth) = depth {
+            depth.finish().await;
+        }
         Ok(())
     }
 }

@@ -10,8 +10,10 @@
 //! Every item has one path. The worker, the producer, the driver interface
 //! ([`Driver`], [`Subscription`], [`Delivery`], [`Capabilities`],
 //! [`DriverError`]), the in-memory backend ([`MemoryDriver`], feature
-//! `memory`, on by default), tokio's clock ([`TokioRuntime`]) and operator
-//! overrides ([`apply_env_overrides`]) are at the crate root. Each broker
+//! `memory`, on by default), tokio's clock ([`TokioRuntime`]), operator
+//! overrides ([`apply_env_overrides`]) and the metrics' descriptions
+//! ([`describe_metrics`]: what the worker records through the `metrics`
+//! facade) are at the crate root. Each broker
 //! driver is a module of its own, with its contract (topology, guarantees,
 //! limits) in the module docs and its settings beside it:
 //!
@@ -59,6 +61,7 @@ mod driver;
 mod failures;
 #[cfg(feature = "memory")]
 mod memory;
+mod metrics;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod overrides;
@@ -70,12 +73,13 @@ mod runtime;
 pub mod sqs;
 mod support;
 
+pub use crate::metrics::describe_metrics;
 pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
+pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 pub use failures::{
     replay_id, Admin, ClaimedFailure, FailurePage, FailureStore, Failures, Page, Purge, QueueDepth,
     Replayed, StoredFailure, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
 };
-pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};
 pub use overrides::{apply_env_overrides, overrides_from_env};

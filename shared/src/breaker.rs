@@ -166,6 +166,7 @@ impl CircuitBreaker {
                 "must be at least 1",
             ));
         }
+        crate::metrics::breaker_created(&name);
         Ok(CircuitBreaker {
             inner: Arc::new(Inner {
                 name,
@@ -210,7 +211,12 @@ impl CircuitBreaker {
             State::Closed { .. } => Ok(()),
             State::Open { until } if self.inner.clock.now() < until => Err(self.open_error()),
             State::Open { .. } | State::HalfOpen { probing: false } => {
+                let was_open = matches!(*state, State::Open { .. });
                 *state = State::HalfOpen { probing: true };
+                drop(state);
+                if was_open {
+                    self.entered(BreakerState::HalfOpen);
+                }
                 Ok(())
             }
             State::HalfOpen { probing: true } => Err(self.open_error()),
@@ -225,7 +231,15 @@ impl CircuitBreaker {
 
     /// Records a successful call: closes the breaker.
     pub fn record_success(&self) {
-        *self.lock() = State::Closed { failures: 0 };
+        let previous = std::mem::replace(&mut *self.lock(), State::Closed { failures: 0 });
+        if !matches!(previous, State::Closed { .. }) {
+            self.entered(BreakerState::Closed);
+        }
+    }
+
+    /// Records a change of state in the metrics (outside the state lock).
+    fn entered(&self, state: BreakerState) {
+        crate::metrics::breaker_entered(&self.inner.name, state);
     }
 
     /// Records a failed call: may open the breaker.
@@ -234,7 +248,8 @@ impl CircuitBreaker {
         let open = State::Open {
             until: self.inner.clock.now() + self.inner.config.cool_down,
         };
-        *state = match *state {
+        let previous = std::mem::replace(&mut *state, State::Closed { failures: 0 });
+        *state = match previous {
             State::Closed { failures } => {
                 let failures = failures.saturating_add(1);
                 if failures >= self.inner.config.failure_threshold {
@@ -245,6 +260,12 @@ impl CircuitBreaker {
             }
             State::HalfOpen { .. } | State::Open { .. } => open,
         };
+        let opened =
+            matches!(*state, State::Open { .. }) && !matches!(previous, State::Open { .. });
+        drop(state);
+        if opened {
+            self.entered(BreakerState::Open);
+        }
     }
 
     /// Runs `operation` through the breaker. While open, returns

@@ -33,6 +33,8 @@
 //! - `breaker`: the circuit breaker per named dependency ([`CircuitBreaker`]).
 //! - `record`, `event`, `stats`, `budget`: what an operator sees
 //!   ([`FailureRecord`], [`Event`], [`Stats`], [`FailureBudget`]).
+//! - `metrics`: counters, histograms and gauges through the `metrics`
+//!   facade, recorded where each fact is decided ([`describe_metrics`]).
 //! - `redact`: decode errors without the payload values serde quotes
 //!   ([`json_error`]).
 //! - `overrides`: operator overrides of tier depths and backoffs
@@ -87,6 +89,7 @@ mod executor;
 mod job;
 mod limit;
 mod maybe_send;
+mod metrics;
 mod overrides;
 mod panic;
 mod pipeline;
@@ -98,6 +101,7 @@ mod runtime;
 mod settle;
 mod stats;
 
+pub use crate::metrics::describe_metrics;
 pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
 pub use budget::{failure_budget, human, longest_hold, FailureBudget};
 pub use cancel::{CancelToken, Cancellation};

@@ -195,12 +195,16 @@ impl Registry {
         processed: Processed,
         runtime: &Arc<dyn Runtime>,
     ) -> Delivered {
+        let started = runtime.now();
         let settling = settle_within_budget(handle, &processed.settlement, runtime);
         let outcome = match guarded(settling).await {
             Ok(outcome) => outcome,
             Err(panicked) => Err(SettlementError::new(ErrorKind::Uncertain, panicked)),
         };
-        self.settled(&processed, outcome.as_ref().map(|_| ()));
+        let labels = self.metric_labels(&processed);
+        let took = runtime.now().saturating_duration_since(started);
+        labels.settlement_took(processed.settlement.name(), took);
+        self.report(&processed, outcome.as_ref().map(|_| ()), &labels);
         Delivered { processed, outcome }
     }
 }

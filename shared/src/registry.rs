@@ -17,6 +17,7 @@ use crate::event::{Event, EventKind, EventSink};
 use crate::executor::run_tiers;
 use crate::job::{Job, JobSpec};
 use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::metrics::Labels;
 use crate::panic::guard;
 use crate::pipeline::SettlementError;
 use crate::policy::PolicyError;
@@ -464,6 +465,7 @@ impl Registry {
         crate::executor::feed_breaker(spec, &result);
         let decision = settle(&spec.retry, delivery.attempt, &result, false);
         self.stats.update(&envelope.job, |s| s.executions += 1);
+        Labels::new(&envelope.job, delivery.queue).crashed_execution();
         let summary = RunSummary {
             executions: 1,
             resolution: None,
@@ -620,8 +622,29 @@ impl Registry {
     /// [`Registry::deliver`] calls it; a host that settles by other means
     /// calls it itself.
     pub fn settled(&self, processed: &Processed, outcome: Result<(), &SettlementError>) {
+        let labels = self.metric_labels(processed);
+        self.report(processed, outcome, &labels);
+    }
+
+    /// The metric labels of `processed`'s delivery: its counted job name
+    /// and its queue.
+    pub(crate) fn metric_labels(&self, processed: &Processed) -> Labels {
+        Labels::new(
+            self.counted_as(&processed.event.job),
+            &processed.event.queue,
+        )
+    }
+
+    /// [`Registry::settled`], with the delivery's metric labels made once.
+    pub(crate) fn report(
+        &self,
+        processed: &Processed,
+        outcome: Result<(), &SettlementError>,
+        labels: &Labels,
+    ) {
         let event = &processed.event;
         let counted_as = self.counted_as(&event.job);
+        labels.settled(&event.kind, processed.settlement.name(), outcome);
         match outcome {
             Ok(()) => {
                 self.stats.update(counted_as, |s| match &event.kind {

@@ -1,0 +1,281 @@
+//! Metrics through the `metrics` facade ([`describe_metrics`]).
+//!
+//! Why the facade: an application picks its exporter (Prometheus,
+//! OpenTelemetry, StatsD...) by installing a recorder; the rules only say
+//! what happened. Every fact is recorded where it is decided: a delivery and
+//! its outcome where the backend's answer is reported
+//! ([`Registry::settled`](crate::Registry::settled)), an execution where
+//! tier one runs the handler, a settlement's latency where the pipeline waits
+//! for the backend, a breaker's state where it changes. Nothing here does
+//! I/O, so the crate still builds for wasm32; without a recorder each
+//! recording is a call into the facade's no-op recorder.
+//!
+//! Labels are job and queue names, plus a few closed sets of words
+//! (`outcome`, `kind`, `tier`, `settlement`, `error`, `result`). Job names
+//! that no handler is registered for are counted under
+//! [`UNREGISTERED_JOBS`](crate::UNREGISTERED_JOBS): the names come from
+//! message bodies, and a producer must not be able to grow the number of
+//! series. Payloads and message ids are never labels.
+//!
+//! The table of metrics is on [`describe_metrics`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Label,
+    SharedString, Unit,
+};
+
+use crate::breaker::BreakerState;
+use crate::event::EventKind;
+use crate::pipeline::{ErrorKind, SettlementError};
+use crate::settle::FailureKind;
+use crate::stats::Resolution;
+
+pub(crate) const DELIVERIES: &str = "jobrail_deliveries_total";
+pub(crate) const OUTCOMES: &str = "jobrail_outcomes_total";
+pub(crate) const FAILURES: &str = "jobrail_failures_total";
+pub(crate) const RESOLUTIONS: &str = "jobrail_resolutions_total";
+pub(crate) const SETTLEMENT_ERRORS: &str = "jobrail_settlement_errors_total";
+pub(crate) const EXECUTIONS: &str = "jobrail_executions_total";
+pub(crate) const HANDLER_DURATION: &str = "jobrail_handler_duration_seconds";
+pub(crate) const SETTLEMENT_DURATION: &str = "jobrail_settlement_duration_seconds";
+pub(crate) const BREAKER_STATE: &str = "jobrail_breaker_state";
+pub(crate) const BREAKER_TRANSITIONS: &str = "jobrail_breaker_transitions_total";
+
+/// Registers the name, unit and meaning of every metric the rules record
+/// with the installed recorder (exporters print them, as Prometheus's
+/// `# HELP` lines). Call it once after installing a recorder; recording
+/// works without it. A native worker calls
+/// `jobrail_native::describe_metrics`, which also describes the metrics the
+/// consumer records.
+///
+/// | name | type | labels | meaning |
+/// |---|---|---|---|
+/// | `jobrail_deliveries_total` | counter | `job`, `queue` | Deliveries whose settlement was requested, whatever the backend answered. |
+/// | `jobrail_outcomes_total` | counter | `job`, `queue`, `outcome` | Settlements the backend accepted, by outcome: `succeeded`, `retried` (a tier-two retry, including a graceful shutdown's hand-back), `rejected`, `failed` (terminal). |
+/// | `jobrail_failures_total` | counter | `job`, `queue`, `kind` | Accepted terminal failures by kind: `permanent`, `attempts_exhausted`, `undecodable_payload`, `malformed_envelope`, `unknown_name`, `invalid_payload`. |
+/// | `jobrail_resolutions_total` | counter | `job`, `queue`, `tier` | Accepted successes by the tier that resolved them: `first_attempt`, `tier_one` (an in-process retry), `tier_two` (a redelivery). |
+/// | `jobrail_settlement_errors_total` | counter | `job`, `queue`, `settlement`, `error` | Settlements (`ack`, `retry`, `reject`, `fail`) the backend refused or did not confirm, by error kind (`not_accepted`, `uncertain`, `unsupported`, `config`, `connection`, `stopped`, `encode`, `not_found`). The delivery stays with the backend. |
+/// | `jobrail_executions_total` | counter | `job`, `queue`, `result` | Handler executions (`result`: `ok` or `error`; a panic is an error), tier-one retries included. |
+/// | `jobrail_handler_duration_seconds` | histogram | `job`, `queue`, `result` | How long each handler execution took, on the consumer's clock. |
+/// | `jobrail_settlement_duration_seconds` | histogram | `job`, `queue`, `settlement` | How long the backend took to answer a settlement request (accepted or not; a request that ran out of its budget counts the budget). |
+/// | `jobrail_breaker_state` | gauge | `breaker` | A circuit breaker's state at its last change: 0 closed, 1 open, 2 half-open (a probe call is running). An open breaker whose cool-down has passed reads 1 until a call probes it. |
+/// | `jobrail_breaker_transitions_total` | counter | `breaker`, `to` | Changes of a breaker's state, by the state entered (`closed`, `open`, `half_open`). |
+///
+/// `job` is the job name for registered jobs and `(unregistered)` for any
+/// other name (unknown job names, bodies that are not envelopes); `breaker`
+/// is the breaker's name.
+pub fn describe_metrics() {
+    describe_counter!(
+        DELIVERIES,
+        Unit::Count,
+        "Deliveries whose settlement was requested, whatever the backend answered."
+    );
+    describe_counter!(
+        OUTCOMES,
+        Unit::Count,
+        "Settlements the backend accepted, by outcome (succeeded, retried, rejected, failed)."
+    );
+    describe_counter!(
+        FAILURES,
+        Unit::Count,
+        "Accepted terminal failures, by failure kind."
+    );
+    describe_counter!(
+        RESOLUTIONS,
+        Unit::Count,
+        "Accepted successes, by the tier that resolved them (first_attempt, tier_one, tier_two)."
+    );
+    describe_counter!(
+        SETTLEMENT_ERRORS,
+        Unit::Count,
+        "Settlements the backend refused or did not confirm, by settlement and error kind."
+    );
+    describe_counter!(
+        EXECUTIONS,
+        Unit::Count,
+        "Handler executions, tier-one retries included, by result (ok, error)."
+    );
+    describe_histogram!(
+        HANDLER_DURATION,
+        Unit::Seconds,
+        "How long each handler execution took."
+    );
+    describe_histogram!(
+        SETTLEMENT_DURATION,
+        Unit::Seconds,
+        "How long the backend took to answer a settlement request."
+    );
+    describe_gauge!(
+        BREAKER_STATE,
+        "A circuit breaker's state at its last change: 0 closed, 1 open, 2 half-open."
+    );
+    describe_counter!(
+        BREAKER_TRANSITIONS,
+        Unit::Count,
+        "Changes of a circuit breaker's state, by the state entered."
+    );
+}
+
+/// The `job` and `queue` labels of one delivery, shared by every metric
+/// recorded for it (each clone is a reference count, not a copy).
+pub(crate) struct Labels {
+    job: SharedString,
+    queue: SharedString,
+}
+
+impl Labels {
+    /// The labels of `job` (already mapped to the counted name) on `queue`.
+    pub(crate) fn new(job: &str, queue: &str) -> Self {
+        Labels {
+            job: SharedString::from_shared(Arc::from(job)),
+            queue: SharedString::from_shared(Arc::from(queue)),
+        }
+    }
+
+    /// `job`, `queue`, then `extra`.
+    fn with(&self, extra: &[(&'static str, &'static str)]) -> Vec<Label> {
+        let mut labels = Vec::with_capacity(2 + extra.len());
+        labels.push(Label::new("job", self.job.clone()));
+        labels.push(Label::new("queue", self.queue.clone()));
+        labels.extend(
+            extra
+                .iter()
+                .map(|(key, value)| Label::from_static_parts(key, value)),
+        );
+        labels
+    }
+
+    /// A delivery's settlement was answered: counts the delivery, and the
+    /// outcome if the backend accepted it, or the settlement error.
+    pub(crate) fn settled(
+        &self,
+        kind: &EventKind,
+        settlement: &'static str,
+        outcome: Result<(), &SettlementError>,
+    ) {
+        counter!(DELIVERIES, self.with(&[])).increment(1);
+        let error = match outcome {
+            Ok(()) => {
+                counter!(OUTCOMES, self.with(&[("outcome", kind.name())])).increment(1);
+                match kind {
+                    EventKind::Succeeded { resolution } => {
+                        let tier = resolution_label(resolution);
+                        counter!(RESOLUTIONS, self.with(&[("tier", tier)])).increment(1);
+                    }
+                    EventKind::Failed { failure } => {
+                        let kind = failure_kind_label(failure.kind);
+                        counter!(FAILURES, self.with(&[("kind", kind)])).increment(1);
+                    }
+                    EventKind::Retried { .. } | EventKind::Rejected { .. } => {}
+                }
+                return;
+            }
+            Err(error) => error,
+        };
+        let labels = self.with(&[
+            ("settlement", settlement),
+            ("error", error_kind_label(error.kind())),
+        ]);
+        counter!(SETTLEMENT_ERRORS, labels).increment(1);
+    }
+
+    /// The backend answered a `settlement` request after `took`.
+    pub(crate) fn settlement_took(&self, settlement: &'static str, took: Duration) {
+        histogram!(
+            SETTLEMENT_DURATION,
+            self.with(&[("settlement", settlement)])
+        )
+        .record(took.as_secs_f64());
+    }
+
+    /// One handler execution ended after `took`.
+    pub(crate) fn executed(&self, ok: bool, took: Duration) {
+        let result = [("result", if ok { "ok" } else { "error" })];
+        counter!(EXECUTIONS, self.with(&result)).increment(1);
+        histogram!(HANDLER_DURATION, self.with(&result)).record(took.as_secs_f64());
+    }
+
+    /// One handler execution brought its host down (a panic where panics
+    /// abort): counted as an error; its duration is unknown.
+    pub(crate) fn crashed_execution(&self) {
+        counter!(EXECUTIONS, self.with(&[("result", "error")])).increment(1);
+    }
+}
+
+/// A breaker named `name` entered `state`.
+pub(crate) fn breaker_entered(name: &str, state: BreakerState) {
+    let (value, to) = match state {
+        BreakerState::Closed => (0.0, "closed"),
+        BreakerState::Open => (1.0, "open"),
+        BreakerState::HalfOpen => (2.0, "half_open"),
+    };
+    let breaker = SharedString::from_owned(name.to_string());
+    gauge!(BREAKER_STATE, "breaker" => breaker.clone()).set(value);
+    counter!(BREAKER_TRANSITIONS, "breaker" => breaker, "to" => to).increment(1);
+}
+
+/// A breaker named `name` was created (closed): its gauge reads 0 from the
+/// start rather than appearing at its first change.
+pub(crate) fn breaker_created(name: &str) {
+    gauge!(BREAKER_STATE, "breaker" => name.to_string()).set(0.0);
+}
+
+fn resolution_label(resolution: &Resolution) -> &'static str {
+    match resolution {
+        Resolution::FirstAttempt => "first_attempt",
+        Resolution::TierOne { .. } => "tier_one",
+        Resolution::TierTwo { .. } => "tier_two",
+    }
+}
+
+/// The snake-case name of a failure kind, as its serde form spells it.
+pub(crate) fn failure_kind_label(kind: FailureKind) -> &'static str {
+    match kind {
+        FailureKind::Permanent => "permanent",
+        FailureKind::AttemptsExhausted => "attempts_exhausted",
+        FailureKind::UndecodablePayload => "undecodable_payload",
+        FailureKind::MalformedEnvelope => "malformed_envelope",
+        FailureKind::UnknownName => "unknown_name",
+        FailureKind::InvalidPayload => "invalid_payload",
+    }
+}
+
+fn error_kind_label(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::NotAccepted => "not_accepted",
+        ErrorKind::Uncertain => "uncertain",
+        ErrorKind::Unsupported => "unsupported",
+        ErrorKind::Config => "config",
+        ErrorKind::Connection => "connection",
+        ErrorKind::Stopped => "stopped",
+        ErrorKind::Encode => "encode",
+        ErrorKind::NotFound => "not_found",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// The labels spell each kind as the failure record's JSON does, so a
+    /// dashboard and the failure store agree.
+    #[test]
+    fn failure_kind_labels_match_the_serde_names() {
+        for kind in [
+            FailureKind::Permanent,
+            FailureKind::AttemptsExhausted,
+            FailureKind::UndecodablePayload,
+            FailureKind::MalformedEnvelope,
+            FailureKind::UnknownName,
+            FailureKind::InvalidPayload,
+        ] {
+            let json = serde_json::to_value(kind).unwrap();
+            assert_eq!(json.as_str(), Some(failure_kind_label(kind)));
+        }
+    }
+}

@@ -11,6 +11,10 @@
 //! worker does not know, prints every outcome as the worker settles it, then
 //! the failure records, then each job's failure budget and which retry tier
 //! resolved its successes.
+//!
+//! With `--metrics 127.0.0.1:PORT` it serves the worker's metrics in
+//! Prometheus's text format at `/metrics` while it runs (add
+//! `--metrics-linger SECS` to keep serving that long after the run).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -207,6 +211,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|i| args.get(i + 1).cloned())
         .or_else(|| std::env::var("QUEUE_BACKEND").ok())
         .unwrap_or_else(|| "memory".into());
+    let metrics = MetricsEndpoint::from_args(&args)?;
+    if let Some(metrics) = &metrics {
+        metrics.serve()?;
+    }
     let backend = Backend::connect(&backend).await?;
     let driver = backend.driver();
 
@@ -273,10 +281,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     registry.event_sink(printer.clone());
     let specs: Vec<_> = registry.specs().cloned().collect();
-    let consumer = Consumer::builder(driver.clone(), registry)
-        .concurrency(4)
-        .build()
-        .spawn();
+    let mut consumer = Consumer::builder(driver.clone(), registry).concurrency(4);
+    if metrics.is_some() {
+        consumer = consumer.queue_depth_every(Duration::from_secs(1));
+    }
+    let consumer = consumer.build().spawn();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let notified = printer.changed.notified();
@@ -354,5 +363,80 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "\n(worst time = tier-one waits in every delivery + tier-two delays + N x M x timeout;"
     );
     println!(" override depths with QUEUE_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS=2 and friends, or a QUEUE_CONFIG file)");
+    if let Some(metrics) = metrics {
+        metrics.linger().await;
+    }
     Ok(())
+}
+
+/// `--metrics ADDR`: serve the worker's metrics in Prometheus's text format
+/// at `http://ADDR/metrics` while the demo runs, and `--metrics-linger SECS`
+/// more seconds after it (or until SIGINT/SIGTERM), so a scraper can read
+/// the final counts.
+struct MetricsEndpoint {
+    addr: std::net::SocketAddr,
+    linger: Duration,
+}
+
+impl MetricsEndpoint {
+    fn from_args(args: &[String]) -> Result<Option<Self>, Box<dyn std::error::Error>> {
+        let value = |flag: &str| -> Result<Option<&String>, String> {
+            match args.iter().position(|a| a == flag) {
+                None => Ok(None),
+                Some(i) => args
+                    .get(i + 1)
+                    .map(Some)
+                    .ok_or_else(|| format!("{flag} needs a value")),
+            }
+        };
+        let linger =
+            match value("--metrics-linger")? {
+                None => Duration::ZERO,
+                Some(secs) => Duration::from_secs(secs.parse().map_err(|e| {
+                    format!("--metrics-linger takes whole seconds, not `{secs}`: {e}")
+                })?),
+            };
+        let Some(addr) = value("--metrics")? else {
+            if !linger.is_zero() {
+                return Err("--metrics-linger needs --metrics ADDR".into());
+            }
+            return Ok(None);
+        };
+        let addr = addr.parse().map_err(|e| {
+            format!("--metrics takes an address such as 127.0.0.1:9464, not `{addr}`: {e}")
+        })?;
+        Ok(Some(MetricsEndpoint { addr, linger }))
+    }
+
+    /// Installs the Prometheus recorder with its HTTP listener.
+    fn serve(&self) -> Result<(), Box<dyn std::error::Error>> {
+        use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+        const SECONDS: &[f64] = &[
+            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ];
+        PrometheusBuilder::new()
+            .with_http_listener(self.addr)
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)?
+            .install()
+            .map_err(|e| format!("cannot serve metrics on {}: {e}", self.addr))?;
+        jobrail_native::describe_metrics();
+        println!("metrics: http://{}/metrics\n", self.addr);
+        Ok(())
+    }
+
+    /// Keeps serving for the linger time, or until SIGINT/SIGTERM.
+    async fn linger(self) {
+        if self.linger.is_zero() {
+            return;
+        }
+        println!(
+            "\nmetrics: the run is over; serving http://{}/metrics for {} s more",
+            self.addr,
+            self.linger.as_secs()
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(self.linger) => {}
+            _ = jobrail_native::shutdown_signal() => {}
+        }
+    }
 }

@@ -233,7 +233,7 @@ pub(crate) fn list_output(
         );
         let _ = writeln!(
             text,
-            "{:<36}  {:<20}  {:<19}  {:<14}  {:>8}  REASON",
+            "{:<36}  {:<20}  {:<21}  {:<14}  {:>8}  REASON",
             "ID", "FAILED AT (UTC)", "KIND", "JOB", "DELIVERY"
         );
         for entry in entries {
@@ -258,7 +258,7 @@ pub(crate) fn list_output(
             };
             let _ = writeln!(
                 text,
-                "{:<36}  {:<20}  {:<19}  {:<14}  {:>8}  {}",
+                "{:<36}  {:<20}  {:<21}  {:<14}  {:>8}  {}",
                 entry.id,
                 at,
                 format!("{}{mark}", kind_name(entry)),

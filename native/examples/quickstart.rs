@@ -12,6 +12,10 @@
 //! the failure records, then each job's failure budget and which retry tier
 //! resolved its successes.
 //!
+//! With `--consume-only` it dispatches nothing: it works the queue until it
+//! is idle, printing each outcome (a replayed failure record running again,
+//! say), and stops.
+//!
 //! With `--metrics 127.0.0.1:PORT` it serves the worker's metrics in
 //! Prometheus's text format at `/metrics` while it runs (add
 //! `--metrics-linger SECS` to keep serving that long after the run).
@@ -43,7 +47,11 @@ impl Printer {
         self.names
             .get(&event.message_id)
             .cloned()
-            .unwrap_or_else(|| "(unreadable message)".into())
+            .unwrap_or_else(|| match event.message_id.as_str() {
+                "" => "(unreadable message)".into(),
+                // Not dispatched by this run (--consume-only): job and id.
+                id => format!("{} {id}", event.job),
+            })
     }
 }
 
@@ -226,6 +234,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unknown_name_attempts(UnknownNameAttempts::limited(2))
         .unknown_name_retry_delay(Duration::from_millis(500));
     jobrail_native::apply_env_overrides(&mut registry)?;
+    if args.iter().any(|a| a == "--consume-only") {
+        return consume_only(driver, registry).await;
+    }
 
     println!(
         "queue quick start on the {} driver, queue `{}`\n",
@@ -439,4 +450,84 @@ impl MetricsEndpoint {
             _ = jobrail_native::shutdown_signal() => {}
         }
     }
+}
+
+/// Forwards events to the printer and notes when the last one came.
+struct LastEvent {
+    printer: Arc<Printer>,
+    at: Mutex<Instant>,
+}
+
+impl EventSink for LastEvent {
+    fn emit(&self, event: &Event) {
+        *self.at.lock().unwrap() = Instant::now();
+        self.printer.emit(event);
+    }
+
+    fn settlement_failed(&self, event: &Event, error: &jobrail::SettlementError) {
+        *self.at.lock().unwrap() = Instant::now();
+        self.printer.settlement_failed(event, error);
+    }
+}
+
+/// `--consume-only`: works the queue, dispatching nothing, until it is
+/// idle: no outcome for two seconds and, where the backend reports depths,
+/// nothing ready, in flight or delayed. Gives up after 60 s.
+async fn consume_only(
+    driver: Arc<dyn Driver>,
+    mut registry: Registry,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let queue = report_job::QUEUE;
+    println!(
+        "consuming queue `{queue}` on the {} driver until it is idle\n",
+        driver.name()
+    );
+    let started = Instant::now();
+    let sink = Arc::new(LastEvent {
+        printer: Arc::new(Printer {
+            started,
+            names: BTreeMap::new(),
+            terminal: Mutex::new(0),
+            changed: Notify::new(),
+        }),
+        at: Mutex::new(started),
+    });
+    registry.event_sink(sink.clone());
+    let consumer = Consumer::builder(driver.clone(), registry)
+        .concurrency(4)
+        .build()
+        .spawn();
+    let quiet = Duration::from_secs(2);
+    let deadline = started + Duration::from_secs(60);
+    let idle = loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if Instant::now() >= deadline {
+            break false;
+        }
+        if sink.at.lock().unwrap().elapsed() < quiet {
+            continue;
+        }
+        let empty = match driver.admin() {
+            Some(admin) => {
+                let depth = admin.depth(queue).await?;
+                depth.ready == 0
+                    && depth.in_flight.unwrap_or(0) == 0
+                    && depth.delayed.unwrap_or(0) == 0
+            }
+            // Without depths, a longer silence.
+            None => sink.at.lock().unwrap().elapsed() >= quiet * 3,
+        };
+        if empty {
+            break true;
+        }
+    };
+    consumer.shutdown().await?;
+    driver.stop().await?;
+    let outcomes = *sink.printer.terminal.lock().unwrap();
+    if idle {
+        println!("\nidle after {outcomes} outcome{}", plural(outcomes as u32));
+    } else {
+        println!("\ngave up waiting for the queue to empty after 60 s ({outcomes} outcomes)");
+    }
+    Ok(())
 }

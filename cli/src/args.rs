@@ -74,7 +74,8 @@ pub(crate) struct Connection {
     /// The backend the worker runs on.
     #[arg(long, global = true, env = "QUEUE_BACKEND", value_enum)]
     pub(crate) backend: Option<BackendKind>,
-    /// The RabbitMQ URL (amqp://user:password@host:port/vhost).
+    /// The RabbitMQ URL, amqp://user:password@host:port/vhost
+    /// [default: amqp://guest:***@127.0.0.1:5672/%2f].
     #[arg(
         long,
         global = true,

@@ -288,7 +288,7 @@ impl Drop for Hold {
     }
 }
 
-async fn change_visibility(
+pub(super) async fn change_visibility(
     driver: &SqsDriver,
     url: &str,
     receipt: &str,

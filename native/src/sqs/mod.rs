@@ -115,6 +115,40 @@
 //!   and the delete are not atomic: a crash between them duplicates the
 //!   record, never loses it.
 //!
+//! # Failure store
+//!
+//! [`FailureStore`] (behind [`Failures`](crate::Failures))
+//! works on the failure queue. SQS cannot peek, so each operation receives
+//! the messages (short polls, each message hidden for 30 s) and then makes
+//! visible again (visibility 0) what it does not keep or delete. List
+//! receives everything and gives it all back, oldest sent first; it never
+//! creates the failure queue, and a queue configured without one is
+//! [`ErrorKind::Config`]. Claim receives until it finds the entry, gives
+//! back the rest and keeps the entry hidden under its receipt handle,
+//! renewed every 10 s: SQS hands a message to one receiver at a time, so
+//! two claims never both get it. Remove after a claim is `DeleteMessage`
+//! with that receipt (exactly that message); release or a dropped claim
+//! makes it visible at once, and a claim whose process died lapses within
+//! 30 s. Remove by ids deletes the named entries among those received;
+//! claimed ones are not received, so they stay.
+//!
+//! Limits: what one operation holds is invisible to the others meanwhile.
+//! An operation that saw fewer messages than the queue reports
+//! (`ApproximateNumberOfMessages` plus `...NotVisible`) scans again, for
+//! up to 3 s, and a list keeps the union of its scans; an entry held by a
+//! live claim, or by a process that died mid-scan, stays out of sight until
+//! released or lapsed. On SQS itself a short poll samples a subset of its
+//! servers and the counts are approximate and lag, so a list can come back
+//! short or late and a claim can miss its entry (not found: try again); the
+//! emulator answers exactly.
+//!
+//! [`Admin`]: depth from `GetQueueAttributes`
+//! (`ApproximateNumberOfMessages` ready, `...NotVisible` in flight,
+//! `...Delayed` delayed; a queue that does not exist holds nothing and is
+//! not created). `delete_queue` deletes the work and failure queues and
+//! forgets their URLs, so a later use resolves or creates them again; SQS
+//! itself refuses a deleted queue's name for 60 s.
+//!
 //! # Credentials
 //!
 //! Static keys, the standard environment variables, or an
@@ -147,7 +181,9 @@
 //!   the SDK's credentials provider), the probe of
 //!   [`SqsDriver::connect`], the stopped state, the bound on every request.
 //! - `topology`: queue names, resolving and creating queues, the redrive
-//!   policy, peeking at failure queues.
+//!   policy.
+//! - `failures`: the failure store (list, claim, remove) and the admin
+//!   interface (depth, deleting a queue).
 //! - `publish`: `SendMessage` (dispatch, a shutdown's copy, a failure
 //!   record's transfer) and the body encoding.
 //! - `delivery`: subscriptions, deliveries, leases and settlements.
@@ -158,6 +194,7 @@ mod config;
 mod connection;
 mod delivery;
 mod errors;
+mod failures;
 mod publish;
 #[cfg(feature = "testing")]
 mod testing;
@@ -177,6 +214,7 @@ use delivery::SqsSubscription;
 #[cfg(doc)]
 use crate::driver::ErrorKind;
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
+use crate::failures::{Admin, FailureStore};
 use crate::support::Lifecycle;
 
 const NAME: &str = "sqs";
@@ -300,5 +338,16 @@ impl Driver for SqsDriver {
     async fn delivery_limit(&self, queue: &str) -> Result<Option<u32>, DriverError> {
         self.inner.life.check_running()?;
         self.max_receive_count(queue).await
+    }
+
+    /// The failure queues (see the [module documentation](self#failure-store)).
+    fn failure_store(&self) -> Option<&dyn FailureStore> {
+        Some(self)
+    }
+
+    /// Depths from `GetQueueAttributes`, deletion with `DeleteQueue` (see
+    /// the [module documentation](self#failure-store)).
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
     }
 }

@@ -1,13 +1,14 @@
 //! Helpers for the conformance and fault suites (feature `testing`): the
 //! queues a driver created, deleting queues, counting messages, and setting
 //! up what the driver itself never does (a redrive policy, a queue deleted
-//! behind its back). Not a supported API.
+//! behind its back, a failure-queue message that is not a record). Not a
+//! supported API.
 
 use aws_sdk_sqs::types::QueueAttributeName;
 
 use super::connection::bounded;
-use super::errors::{config_error, is_missing_queue, sdk_error};
-use super::topology::check_name;
+use super::errors::{config_error, sdk_error};
+use super::topology::{check_name, Role};
 use super::SqsDriver;
 use crate::driver::{DriverError, ErrorKind};
 use crate::support::lock;
@@ -21,16 +22,21 @@ impl SqsDriver {
     /// Deletes `names` (for tests and tooling), whatever they hold. Names
     /// that do not exist are skipped.
     pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
-        for name in names {
-            check_name(name)?;
-            self.forget(name);
-            let Some(url) = self.lookup(name).await? else {
-                continue;
-            };
-            self.delete_url(name, url).await?;
-            lock(&self.inner.created).remove(name);
-        }
-        Ok(())
+        self.delete_names(names).await
+    }
+
+    /// Sends `body` as it is to `queue`'s failure queue (creating it if
+    /// missing and the driver creates queues), as if a failure had been
+    /// recorded there: for entries that are not failure records.
+    /// [`ErrorKind::Config`] when no failure queue is configured.
+    pub async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        let name = self.failure_queue_name(queue).ok_or_else(|| {
+            config_error(format!(
+                "queue `{queue}` has no failure queue (SqsConfig::failure_queue is None)"
+            ))
+        })?;
+        let url = self.queue_url(&name, Role::Failure).await?;
+        self.send_body(&name, &url, &body, 0, &[]).await
     }
 
     /// Deletes `queue` while this driver keeps its URL, as if someone else
@@ -122,50 +128,5 @@ impl SqsDriver {
         out.queue_url()
             .map(str::to_string)
             .ok_or_else(|| config_error(format!("{what}: no URL in the answer")))
-    }
-
-    /// `GetQueueAttributes` of `names`.
-    async fn attributes(
-        &self,
-        queue: &str,
-        url: &str,
-        names: &[QueueAttributeName],
-    ) -> Result<Vec<(QueueAttributeName, String)>, DriverError> {
-        let what = format!("GetQueueAttributes `{queue}`");
-        let mut request = self.inner.client.get_queue_attributes().queue_url(url);
-        for name in names {
-            request = request.attribute_names(name.clone());
-        }
-        let limit = self.inner.config.operation_timeout;
-        let out = bounded(limit, &what, ErrorKind::Connection, request.send())
-            .await?
-            .map_err(|e| sdk_error(&what, e, ErrorKind::Connection, ErrorKind::Connection))?;
-        Ok(out
-            .attributes()
-            .map(|a| a.iter().map(|(n, v)| (n.clone(), v.clone())).collect())
-            .unwrap_or_default())
-    }
-
-    /// `DeleteQueue`; one already gone is not an error.
-    async fn delete_url(&self, name: &str, url: String) -> Result<(), DriverError> {
-        let what = format!("DeleteQueue `{name}`");
-        let limit = self.inner.config.operation_timeout;
-        let answer = bounded(
-            limit,
-            &what,
-            ErrorKind::Connection,
-            self.inner.client.delete_queue().queue_url(url).send(),
-        )
-        .await?;
-        match answer {
-            Ok(_) => Ok(()),
-            Err(e) if is_missing_queue(&e) => Ok(()),
-            Err(e) => Err(sdk_error(
-                &what,
-                e,
-                ErrorKind::Connection,
-                ErrorKind::Connection,
-            )),
-        }
     }
 }

@@ -1,15 +1,11 @@
-//! Queue names, resolving and creating queues, reading a work queue's
-//! redrive policy, and peeking at failure queues.
+//! Queue names, resolving and creating queues, and reading a work queue's
+//! redrive policy.
 
 use aws_sdk_sqs::types::QueueAttributeName;
-use jobrail::FailureRecord;
-use tracing::warn;
 
 use super::connection::bounded;
-use super::delivery::is_base64;
 use super::errors::{config_error, error, is_existing_queue, is_missing_queue, sdk_error};
-use super::publish::decode_body;
-use super::{SqsDriver, ENCODING_ATTRIBUTE};
+use super::SqsDriver;
 use crate::driver::{DriverError, ErrorKind};
 use crate::support::{failed, lock};
 
@@ -200,84 +196,6 @@ impl SqsDriver {
                 "queue `{queue}` has a redrive policy without a readable maxReceiveCount: {policy}"
             ))),
         }
-    }
-
-    /// Terminal failure records on `queue`'s failure queue.
-    ///
-    /// Receives every message (short polls, each message hidden for 30 s
-    /// while the others are read), then makes them all visible again, so the
-    /// records stay. A concurrent reader of the failure queue can therefore
-    /// miss records, and on SQS itself a short poll samples only some
-    /// servers: this is a helper for tests and tooling, not an exact count.
-    /// Messages that are not failure records are skipped with a warning.
-    /// Does not create the failure queue: a missing one has no records.
-    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        let Some(failed) = self.failure_queue_name(queue) else {
-            return Ok(Vec::new());
-        };
-        check_name(&failed)?;
-        let Some(url) = self.lookup(&failed).await? else {
-            return Ok(Vec::new());
-        };
-        let limit = self.inner.config.operation_timeout;
-        let client = &self.inner.client;
-        let what = "ReceiveMessage (failure records)";
-        let mut records = Vec::new();
-        let mut receipts = Vec::new();
-        let result = async {
-            loop {
-                let out = bounded(
-                    limit,
-                    what,
-                    ErrorKind::Connection,
-                    client
-                        .receive_message()
-                        .queue_url(&url)
-                        .max_number_of_messages(10)
-                        .visibility_timeout(30)
-                        .wait_time_seconds(0)
-                        .message_attribute_names(ENCODING_ATTRIBUTE)
-                        .send(),
-                )
-                .await?
-                .map_err(|e| sdk_error(what, e, ErrorKind::Connection, ErrorKind::Connection))?;
-                let messages = out.messages();
-                if messages.is_empty() {
-                    return Ok::<_, DriverError>(());
-                }
-                for message in messages {
-                    if let Some(receipt) = message.receipt_handle() {
-                        receipts.push(receipt.to_string());
-                    }
-                    let body = decode_body(message.body().unwrap_or_default(), is_base64(message));
-                    match FailureRecord::decode(&body) {
-                        Ok(record) => records.push(record),
-                        Err(e) => {
-                            warn!(queue = %failed, "skipping a message that is not a failure record: {e}")
-                        }
-                    }
-                }
-            }
-        }
-        .await;
-        for receipt in receipts {
-            let released = bounded(
-                limit,
-                "ChangeMessageVisibility",
-                ErrorKind::Connection,
-                client
-                    .change_message_visibility()
-                    .queue_url(&url)
-                    .receipt_handle(receipt)
-                    .visibility_timeout(0)
-                    .send(),
-            )
-            .await;
-            if !matches!(released, Ok(Ok(_))) {
-                warn!(queue = %failed, "a failure record read stays hidden for 30 s: could not make it visible again");
-            }
-        }
-        result.map(|()| records)
     }
 }
 

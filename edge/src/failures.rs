@@ -464,7 +464,8 @@ impl KeptFailure {
     /// The message a replay sends at `now_ms`: its id, queue and text.
     /// `queue` overrides the record's queue. Refused (409) for a poison
     /// entry unless `force`, then the stored body goes as it is; refused
-    /// (422) when no queue is known.
+    /// (422) when no queue is known (an entry that is not a record names
+    /// none).
     pub fn replay_message(
         &self,
         force: bool,
@@ -473,6 +474,16 @@ impl KeptFailure {
     ) -> Result<ReplayMessage, RouteError> {
         let message_id = replay_id(&self.id);
         let queue = queue.unwrap_or(&self.queue).to_string();
+        let poison = self.poison_reason();
+        if let (Some(reason), false) = (&poison, force) {
+            return Err(RouteError::new(
+                409,
+                format!(
+                    "entry `{}` is not replayed: {reason} (force=true sends the stored body as it is)",
+                    self.id
+                ),
+            ));
+        }
         if queue.is_empty() {
             return Err(RouteError::new(
                 422,
@@ -482,7 +493,7 @@ impl KeptFailure {
                 ),
             ));
         }
-        let body = match (self.poison_reason(), &self.record) {
+        let body = match (poison, &self.record) {
             (None, Some(record)) => {
                 let mut envelope = record
                     .envelope
@@ -497,15 +508,6 @@ impl KeptFailure {
                     .insert(REPLAYED_AT_MS.into(), now_ms.to_string());
                 envelope.id = message_id.clone();
                 envelope.encode()
-            }
-            (Some(reason), _) if !force => {
-                return Err(RouteError::new(
-                    409,
-                    format!(
-                        "entry `{}` is not replayed: {reason} (force=true sends the stored body as it is)",
-                        self.id
-                    ),
-                ))
             }
             (Some(_), Some(record)) => match &record.raw_body {
                 Some(raw) => raw.to_bytes(),
@@ -623,6 +625,7 @@ mod tests {
             one.poison.as_deref(),
             Some("the entry is not a failure record")
         );
+        assert_eq!(one.replay_message(false, None, 1).unwrap_err().status, 409);
         assert_eq!(one.replay_message(true, None, 1).unwrap_err().status, 422);
         let forced = one.replay_message(true, Some("reports"), 1).unwrap();
         assert_eq!(

@@ -13,8 +13,8 @@
 //!
 //! Each item has one path: the consumer, its settings and errors at the
 //! crate root, wrangler.toml's model under [`wrangler`], the failure keeper
-//! under [`failures`] and the native harness under [`testing`]. The other modules are private, one concern
-//! each:
+//! under [`failures`] and the native harness under [`testing`]. The other
+//! modules are private, one concern each:
 //!
 //! - `batch`: the batch loop ([`EdgeConsumer`]), written once for the
 //!   Worker and the native harness over two small traits

@@ -295,6 +295,11 @@ impl Wrangler {
     ///    it gives up on), or its dead-letter queue is itself a job queue.
     /// 5. `failure_queue`: `failure_queue_binding` is not a producer binding,
     ///    or it sends to a job queue.
+    /// 6. `wrangler.queues.consumers.dead_letter_queue`: the failure queue is
+    ///    consumed here (by a [`FailureKeeper`](crate::failures::FailureKeeper),
+    ///    say) without a dead-letter queue of its own, outside the job
+    ///    queues and other than itself: a record that could not be kept
+    ///    after every retry would be deleted by the platform.
     ///
     /// Also `wrangler.queues.consumers.max_retries` (above the platform's
     /// limit of 100) and `wrangler.queues.consumers` (a job
@@ -428,7 +433,29 @@ impl Wrangler {
                         "`{binding}` sends to `{queue}`, a job queue: failure records would come back as malformed deliveries and fail again, in a loop"
                     ),
                 )),
-                Some(_) => {}
+                Some(queue) => {
+                    let field = "wrangler.queues.consumers.dead_letter_queue";
+                    match self.consumer(queue).map(|c| c.dead_letter_queue.as_deref()) {
+                        None => {}
+                        Some(None) => problems.push(invalid(
+                            "*",
+                            field,
+                            format!(
+                                "the failure queue `{queue}` is consumed here without a dead_letter_queue: a record its consumer could not keep after every retry would be deleted"
+                            ),
+                        )),
+                        Some(Some(dlq)) if dlq == queue || job_queues.iter().any(|q| q == dlq) => {
+                            problems.push(invalid(
+                                "*",
+                                field,
+                                format!(
+                                    "the failure queue `{queue}` has the dead_letter_queue `{dlq}`, which is itself consumed as a job or failure queue"
+                                ),
+                            ))
+                        }
+                        Some(Some(_)) => {}
+                    }
+                }
             }
         }
 
@@ -987,6 +1014,35 @@ dead_letter_queue = "two-dlq"
             .unwrap_err();
         assert_eq!(fields(&problems), [("*".into(), "failure_queue".into())]);
         assert!(reasons(&problems).contains("`jobs`"));
+    }
+
+    #[test]
+    fn rule_6_a_consumed_failure_queue_keeps_what_it_cannot_store() {
+        let r = registry(&[("j", "jobs", 2)], small_unknown_cap());
+        let consumed = |extra: &str| {
+            let text = format!(
+                "{}\n[[queues.consumers]]\nqueue = \"failed\"\nmax_retries = 10\n{extra}",
+                toml_with("jobs", 5)
+            );
+            Wrangler::parse(&text).unwrap().check(&r, Some("FAILED"))
+        };
+        assert!(consumed("dead_letter_queue = \"failed-dlq\"\n").is_ok());
+        for extra in [
+            "",
+            "dead_letter_queue = \"jobs\"\n",
+            "dead_letter_queue = \"failed\"\n",
+        ] {
+            let problems = consumed(extra).unwrap_err();
+            assert_eq!(
+                fields(&problems),
+                [(
+                    "*".into(),
+                    "wrangler.queues.consumers.dead_letter_queue".into()
+                )],
+                "{extra}"
+            );
+            assert!(reasons(&problems).contains("`failed`"), "{problems:?}");
+        }
     }
 
     #[test]

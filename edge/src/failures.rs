@@ -6,12 +6,12 @@
 //! [`FailureKeeper`] is the other end of that queue and the operator's view
 //! of what arrived there:
 //!
-//! - [`FailureKeeper::keep_batch`] (wasm32) consumes the failure queue: it
+//! - `FailureKeeper::keep_batch` (wasm32) consumes the failure queue: it
 //!   stores every message in a D1 table and acknowledges it only once the
 //!   write succeeded (a failed write is retried by the platform). A body that
 //!   is not a failure record is kept too, as a poison entry. A record
 //!   delivered twice is stored once (its record id is the key).
-//! - [`FailureKeeper::handle`] (wasm32) serves the operator routes under
+//! - `FailureKeeper::handle` (wasm32) serves the operator routes under
 //!   [`FailureKeeper::prefix`], each behind the bearer token held in the
 //!   secret [`FailureKeeper::token`]: without the secret the routes answer
 //!   404, with a wrong or missing token 401.

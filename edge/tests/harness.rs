@@ -581,6 +581,7 @@ queue = "reports-failed"
 max_batch_size = 10
 max_batch_timeout = 1
 max_retries = 10
+dead_letter_queue = "reports-failed-dlq"
 "#;
 
 fn report_jobs() -> Result<Registry, String> {

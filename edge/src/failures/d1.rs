@@ -107,7 +107,7 @@ impl FailureKeeper {
     }
 
     /// The database, with the table created on this instance's first use.
-    async fn database(&self, env: &Env) -> Result<D1Database, String> {
+    async fn open(&self, env: &Env) -> Result<D1Database, String> {
         self.validate()?;
         let db = env.d1(self.database).map_err(|e| {
             failed(
@@ -165,7 +165,7 @@ impl FailureKeeper {
             return KeptBatch::default();
         }
         let now = now_ms();
-        let stored = match self.database(env).await {
+        let stored = match self.open(env).await {
             Ok(db) => {
                 let statements = messages
                     .iter()
@@ -275,7 +275,7 @@ impl FailureKeeper {
             Ok(route) => route,
             Err(e) => return refusal(e),
         };
-        let db = match self.database(env).await {
+        let db = match self.open(env).await {
             Ok(db) => db,
             Err(e) => return server_error(e),
         };

@@ -18,8 +18,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jobrail::{Envelope, EventKind, FailureKind, Job, JobContext, JobError, RawBody, Registry};
 use jobrail_native::{
-    replay_id, DispatchOptions, DriverError, ErrorKind, FailurePage, Failures, Page, Purge,
-    Replayed, StoredFailure, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
+    replay_id, ConsumerHandle, DispatchOptions, DriverError, ErrorKind, FailurePage, Failures,
+    Page, Purge, Replayed, StoredFailure, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
 };
 
 use crate::harness::{Backend, Harness};
@@ -39,9 +39,11 @@ struct Run {
     metadata: BTreeMap<String, String>,
 }
 
-/// A job with a bug that can be fixed: its handler fails while `broken` is
-/// set (permanently when the job allows one delivery, as an ordinary error
-/// otherwise) and records every execution.
+/// A job with a bug that can be fixed, and the worker running it for the
+/// whole scenario (as in production, where the operator replays while the
+/// workers run): its handler fails while `broken` is set (permanently when
+/// the job allows one delivery, as an ordinary error otherwise) and records
+/// every execution.
 struct Subject {
     h: Harness,
     job: Job<Work>,
@@ -50,29 +52,37 @@ struct Subject {
     permanent: bool,
     runs: Arc<Mutex<Vec<Run>>>,
     failures: Failures,
+    consumer: Option<ConsumerHandle>,
 }
 
 impl Subject {
-    /// A subject on a fresh queue whose job allows `deliveries` deliveries.
-    async fn new(backend: &dyn Backend, name: &str, deliveries: u32) -> Self {
+    /// A subject on a fresh queue whose job allows `deliveries` deliveries,
+    /// its worker running `concurrency` handlers at most.
+    async fn new(backend: &dyn Backend, name: &str, deliveries: u32, concurrency: usize) -> Self {
         let h = Harness::new(backend, name).await;
-        Self::on(h, name, deliveries)
-    }
-
-    fn on(h: Harness, name: &str, deliveries: u32) -> Self {
         let job = h
             .job(name)
             .retry(deliveries)
             .backoff(MS(20), 1.0, MS(20))
             .build()
             .unwrap();
-        Subject {
+        let mut subject = Subject {
             failures: Failures::new(h.driver.clone()),
             h,
             job,
             broken: Arc::new(AtomicBool::new(true)),
             permanent: deliveries == 1,
             runs: Arc::default(),
+            consumer: None,
+        };
+        subject.consumer = Some(subject.h.start(subject.registry(), concurrency));
+        subject
+    }
+
+    /// Stops the worker.
+    async fn stop(mut self) {
+        if let Some(consumer) = self.consumer.take() {
+            consumer.shutdown().await.unwrap();
         }
     }
 
@@ -113,11 +123,6 @@ impl Subject {
         registry
     }
 
-    /// Starts a consumer of the subject's job.
-    fn start(&self, concurrency: usize) -> jobrail_native::ConsumerHandle {
-        self.h.start(self.registry(), concurrency)
-    }
-
     async fn dispatch(&self, id: u32) -> String {
         let options = DispatchOptions {
             metadata: BTreeMap::from([(TENANT.0.to_string(), TENANT.1.to_string())]),
@@ -130,16 +135,15 @@ impl Subject {
             .unwrap()
     }
 
-    /// Dispatches `ids` to a consumer (one handler at a time) while the bug
-    /// is there and waits until each has failed for good; returns their
-    /// message ids in the order they failed.
+    /// Dispatches `ids` while the bug is there and waits until each has
+    /// failed for good; returns their message ids in the order they failed
+    /// (when the worker runs one handler at a time).
     async fn fail(&self, ids: impl IntoIterator<Item = u32>) -> Vec<String> {
         assert!(
             self.broken.load(Ordering::SeqCst),
             "the bug is fixed: nothing fails"
         );
         let before = self.count("failed");
-        let consumer = self.start(1);
         let mut dispatched = Vec::new();
         for id in ids {
             dispatched.push(self.dispatch(id).await);
@@ -149,7 +153,6 @@ impl Subject {
             .events
             .wait_count(self.h.patience * 3, "failed", before + n)
             .await;
-        consumer.shutdown().await.unwrap();
         let failed: Vec<String> = self.message_ids("failed")[before..].to_vec();
         assert_eq!(
             failed.iter().collect::<BTreeSet<_>>(),
@@ -229,6 +232,14 @@ impl Subject {
             .unwrap_or_else(|e| panic!("purging {which:?} on `{}`: {e}", self.queue()))
     }
 
+    /// Waits until `n` messages in all have succeeded.
+    async fn wait_succeeded(&self, n: usize) -> Vec<jobrail::Event> {
+        self.h
+            .events
+            .wait_count(self.h.patience * 2, "succeeded", n)
+            .await
+    }
+
     /// Long enough for a second copy of a message, or a redelivery, to
     /// arrive if there were one.
     async fn settle(&self) {
@@ -303,7 +314,7 @@ pub fn check_pages(pages: &[FailurePage], expected: &[StoredFailure], limit: usi
 /// cursor whose entry went meanwhile still continues where it was.
 pub async fn failures_list_pages_oldest_first(backend: &dyn Backend) {
     const N: u32 = 7;
-    let s = Subject::new(backend, "failures-list", 1).await;
+    let s = Subject::new(backend, "failures-list", 1, 1).await;
     let empty = s.failures.list(s.queue(), &Page::default()).await.unwrap();
     assert_eq!((empty.entries.len(), empty.next, empty.total), (0, None, 0));
 
@@ -385,12 +396,13 @@ pub async fn failures_list_pages_oldest_first(backend: &dyn Backend) {
     assert_eq!(ids(&rest.entries), ids(&entries[3..]));
     assert_eq!((rest.total, rest.next), (N as usize - 1, None));
     assert_eq!(s.entries().await.len(), N as usize - 1, "reading consumed");
+    s.stop().await;
 }
 
 /// `show` finds an entry by its message id and by its entry id; an unknown
 /// id finds nothing.
 pub async fn failures_show_by_message_or_entry_id(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-show", 1).await;
+    let s = Subject::new(backend, "failures-show", 1, 1).await;
     let failed = s.fail([1, 2]).await;
     let entries = s.entries().await;
     assert_eq!(entries.len(), 2);
@@ -428,13 +440,14 @@ pub async fn failures_show_by_message_or_entry_id(backend: &dyn Backend) {
         );
     }
     assert_eq!(s.entries().await, entries, "showing consumed");
+    s.stop().await;
 }
 
 /// Replay sends the record's message back as a new delivery: it runs on a
 /// worker at attempt 1, its metadata names the record, the original message
 /// and the replay time, and the record is gone.
 pub async fn failures_replay_runs_again_with_a_fresh_attempt_count(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-replay", 2).await;
+    let s = Subject::new(backend, "failures-replay", 2, 2).await;
     let original = s.fail([7]).await.remove(0);
     let attempts: Vec<u32> = s.runs_of(&original).iter().map(|r| r.attempt).collect();
     assert_eq!(attempts, [1, 2], "the job used up its deliveries");
@@ -451,10 +464,8 @@ pub async fn failures_replay_runs_again_with_a_fresh_attempt_count(backend: &dyn
     assert!(s.entries().await.is_empty(), "the record is gone");
     assert_eq!(s.failures.show(s.queue(), &original).await.unwrap(), None);
 
-    let consumer = s.start(2);
-    let events = s.h.events.wait_count(s.h.patience, "succeeded", 1).await;
+    let events = s.wait_succeeded(1).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
     let success = events
         .iter()
         .find(|e| e.kind.name() == "succeeded")
@@ -479,12 +490,13 @@ pub async fn failures_replay_runs_again_with_a_fresh_attempt_count(backend: &dyn
     );
     assert_eq!(s.count("succeeded"), 1);
     assert!(s.entries().await.is_empty());
+    s.stop().await;
 }
 
 /// Replaying one record twice in a row: the second is not found, by either
 /// id, and one copy is delivered.
 pub async fn failures_replay_twice_sends_one_copy(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-replay-twice", 1).await;
+    let s = Subject::new(backend, "failures-replay-twice", 1, 2).await;
     let original = s.fail([3]).await.remove(0);
     let entry = s.entry_of(&original).await;
     s.fix();
@@ -501,13 +513,12 @@ pub async fn failures_replay_twice_sends_one_copy(backend: &dyn Backend) {
             .expect_err("a record was replayed twice (forced)");
         assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     }
-    let consumer = s.start(2);
-    s.h.events.wait_count(s.h.patience, "succeeded", 1).await;
+    s.wait_succeeded(1).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
     assert_eq!(s.runs_of(&replayed.message_id).len(), 1, "one copy");
     assert_eq!(s.count("succeeded"), 1);
     assert!(s.entries().await.is_empty());
+    s.stop().await;
 }
 
 /// Eight operators replay one record at once, each on a connection of its
@@ -515,7 +526,7 @@ pub async fn failures_replay_twice_sends_one_copy(backend: &dyn Backend) {
 /// is delivered.
 pub async fn failures_concurrent_replays_send_one_copy(backend: &dyn Backend) {
     const OPERATORS: usize = 8;
-    let s = Subject::new(backend, "failures-replay-race", 1).await;
+    let s = Subject::new(backend, "failures-replay-race", 1, 4).await;
     let original = s.fail([5]).await.remove(0);
     let entry = s.entry_of(&original).await;
     s.fix();
@@ -550,24 +561,22 @@ pub async fn failures_concurrent_replays_send_one_copy(backend: &dyn Backend) {
     assert_eq!(replayed[0].entry_id, entry.id);
     assert!(s.entries().await.is_empty(), "the record is gone");
 
-    let consumer = s.start(4);
-    s.h.events.wait_count(s.h.patience, "succeeded", 1).await;
+    s.wait_succeeded(1).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
     let runs = s.runs_of(&replayed[0].message_id);
     assert_eq!(runs.len(), 1, "one copy delivered: {runs:?}");
     assert_eq!(runs[0].attempt, 1);
     assert_eq!(s.count("succeeded"), 1);
+    s.stop().await;
 }
 
 /// A replay while a worker consumes the queue and other work flows: the
 /// replayed job runs once, every other message once.
 pub async fn failures_replay_while_a_worker_consumes(backend: &dyn Backend) {
     const OTHERS: u32 = 20;
-    let s = Subject::new(backend, "failures-replay-live", 1).await;
+    let s = Subject::new(backend, "failures-replay-live", 1, 4).await;
     let original = s.fail([0]).await.remove(0);
     s.fix();
-    let consumer = s.start(4);
     let mut others = BTreeSet::new();
     let mut replayed = None;
     for id in 1..=OTHERS {
@@ -578,12 +587,8 @@ pub async fn failures_replay_while_a_worker_consumes(backend: &dyn Backend) {
         tokio::time::sleep(MS(5)).await;
     }
     let replayed = replayed.unwrap();
-    let events =
-        s.h.events
-            .wait_count(s.h.patience * 2, "succeeded", OTHERS as usize + 1)
-            .await;
+    let events = s.wait_succeeded(OTHERS as usize + 1).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
     assert_eq!(s.count("succeeded"), OTHERS as usize + 1, "{events:#?}");
     let succeeded: BTreeSet<String> = s.message_ids("succeeded").into_iter().collect();
     others.insert(replayed.message_id.clone());
@@ -599,6 +604,7 @@ pub async fn failures_replay_while_a_worker_consumes(backend: &dyn Backend) {
     assert!(per_message.values().all(|n| *n == 1), "{per_message:?}");
     assert_eq!(per_message.len(), OTHERS as usize + 2);
     assert!(s.entries().await.is_empty());
+    s.stop().await;
 }
 
 /// The entries of poison messages (a body that is not an envelope, a
@@ -607,9 +613,8 @@ pub async fn failures_replay_while_a_worker_consumes(backend: &dyn Backend) {
 /// forced replay sends the stored body as it was, which fails as poison
 /// again: a new record with the same body.
 pub async fn failures_poison_replay_is_refused_unless_forced(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-poison", 3).await;
+    let s = Subject::new(backend, "failures-poison", 3, 1).await;
     s.fix();
-    let consumer = s.start(1);
     let garbage = vec![0xff, b'{', b'n', b'o', 0x00];
     s.h.producer
         .send_raw(
@@ -684,7 +689,6 @@ pub async fn failures_poison_replay_is_refused_unless_forced(backend: &dyn Backe
     }
     s.h.events.wait_count(s.h.patience, "failed", 4).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
     assert_eq!(s.count("failed"), 4, "each forced replay delivered once");
     assert!(s.runs().is_empty(), "the handler never ran");
     let again = s.entries().await;
@@ -714,6 +718,7 @@ pub async fn failures_poison_replay_is_refused_unless_forced(backend: &dyn Backe
     }
     assert_eq!(s.purge(Purge::All).await, 2);
     assert!(s.entries().await.is_empty());
+    s.stop().await;
 }
 
 /// An entry that is not a failure record (put there by something other
@@ -722,7 +727,7 @@ pub async fn failures_poison_replay_is_refused_unless_forced(backend: &dyn Backe
 /// envelope, so it fails as malformed: a record); purging by its id
 /// removes it; purging by time leaves it (it has no time).
 pub async fn failures_entries_that_are_not_records(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-foreign", 1).await;
+    let s = Subject::new(backend, "failures-foreign", 1, 1).await;
     let failed = s.fail([1]).await;
     let bodies = [
         b"an operator's note, not a record".to_vec(),
@@ -769,11 +774,10 @@ pub async fn failures_entries_that_are_not_records(backend: &dyn Backend) {
 
     // Forced: the note is sent as it is and fails as a malformed message.
     s.fix();
-    let consumer = s.start(1);
     s.replay(&foreign[0].id, true).await.unwrap();
     s.h.events.wait_count(s.h.patience, "failed", 2).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
+    assert_eq!(s.count("failed"), 2);
     let now = s.entries().await;
     assert_eq!(now.len(), 2, "{now:#?}");
     let record = now
@@ -787,23 +791,33 @@ pub async fn failures_entries_that_are_not_records(backend: &dyn Backend) {
     assert_eq!(s.purge(Purge::One(foreign[1].id.clone())).await, 1);
     assert_eq!(s.purge(Purge::One(foreign[1].id.clone())).await, 0);
     assert_eq!(s.entries().await.len(), 1);
+    s.stop().await;
 }
 
 /// Purge one (by message or entry id), older than a time (records before
 /// it go, newer stay), all: each returns how many went, and nothing else is
-/// touched (another queue's records, the queue's waiting messages).
+/// touched (another queue's records, a message waiting in a queue).
 pub async fn failures_purge_one_older_than_all(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-purge", 1).await;
-    let other = Subject::new(backend, "failures-purge-other", 1).await;
+    let s = Subject::new(backend, "failures-purge", 1, 1).await;
+    let other = Subject::new(backend, "failures-purge-other", 1, 1).await;
     let kept = other.fail([100]).await;
+    // A queue nobody consumes yet, with a message waiting.
+    let idle = Harness::on(
+        backend,
+        s.h.driver.clone(),
+        Harness::queue_name("failures-purge-idle"),
+    );
+    let idle_job = idle.job("failures-purge-idle").build().unwrap();
+    idle.producer
+        .dispatch(&idle_job, &Work { id: 99 })
+        .await
+        .unwrap();
 
     let old = s.fail(0..3).await;
     tokio::time::sleep(MS(30)).await;
     let cut = SystemTime::now();
     tokio::time::sleep(MS(30)).await;
     let new = s.fail(3..5).await;
-    // A message waiting in the queue itself.
-    let waiting = s.dispatch(99).await;
     let entries = s.entries().await;
     assert_eq!(entries.len(), 5);
     let cut_ms = cut.duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
@@ -854,14 +868,12 @@ pub async fn failures_purge_one_older_than_all(backend: &dyn Backend) {
     assert_eq!(others.len(), 1);
     assert_eq!(record_message_id(&others[0]), Some(kept[0].as_str()));
     if let Some(admin) = s.h.driver.admin() {
-        let depth = admin.depth(s.queue()).await.unwrap();
+        let depth = admin.depth(&idle.queue).await.unwrap();
         assert_eq!(depth.ready, 1, "the waiting message: {depth:?}");
     }
-    s.fix();
-    let consumer = s.start(1);
-    let events = s.h.events.wait_count(s.h.patience, "succeeded", 1).await;
-    consumer.shutdown().await.unwrap();
-    assert_eq!(last_event(&events, "succeeded").message_id, waiting);
+    assert_eq!(idle.consume_ids(&idle_job, 1).await, [99]);
+    s.stop().await;
+    other.stop().await;
 }
 
 fn last_event<'a>(events: &'a [jobrail::Event], name: &str) -> &'a jobrail::Event {
@@ -876,15 +888,13 @@ fn last_event<'a>(events: &'a [jobrail::Event], name: &str) -> &'a jobrail::Even
 /// and ends as a new record whose envelope still names the replay; that
 /// record replays in turn once the bug is fixed.
 pub async fn failures_replayed_message_that_fails_again(backend: &dyn Backend) {
-    let s = Subject::new(backend, "failures-replay-fails", 2).await;
+    let s = Subject::new(backend, "failures-replay-fails", 2, 1).await;
     let original = s.fail([4]).await.remove(0);
     let first = s.entry_of(&original).await;
 
     // Still broken: the replay fails again, after two deliveries.
     let replayed = s.replay(&original, false).await.unwrap();
-    let consumer = s.start(1);
     let events = s.h.events.wait_count(s.h.patience, "failed", 2).await;
-    consumer.shutdown().await.unwrap();
     let failed = last_event(&events, "failed");
     assert_eq!(failed.message_id, replayed.message_id);
     assert!(
@@ -924,13 +934,12 @@ pub async fn failures_replayed_message_that_fails_again(backend: &dyn Backend) {
     s.fix();
     let again = s.replay(&second.id, false).await.unwrap();
     assert_ne!(again.message_id, replayed.message_id);
-    let consumer = s.start(1);
-    s.h.events.wait_count(s.h.patience, "succeeded", 1).await;
+    s.wait_succeeded(1).await;
     s.settle().await;
-    consumer.shutdown().await.unwrap();
     let runs = s.runs_of(&again.message_id);
     assert_eq!(runs.len(), 1, "{runs:?}");
     assert_eq!(runs[0].attempt, 1);
     assert_eq!(runs[0].metadata[REPLAY_OF], second.id);
     assert!(s.entries().await.is_empty());
+    s.stop().await;
 }

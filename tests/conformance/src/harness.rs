@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use jobrail::{Event, EventSink, FailureRecord, Registry};
 use jobrail_native::{
     Consumer, ConsumerHandle, Driver, DriverError, ErrorKind, Failures, Outgoing, Producer,
+    QueueDepth,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -367,6 +368,24 @@ impl Calls {
             std::future::ready(outcome(&ctx, n))
         }
     }
+}
+
+/// How many messages `queue` holds, as the driver's admin interface
+/// ([`Driver::admin`]) reports; panics where the driver has none.
+pub async fn depth(driver: &(impl Driver + ?Sized), queue: &str) -> QueueDepth {
+    let admin = driver
+        .admin()
+        .unwrap_or_else(|| panic!("the {} driver has no admin interface", driver.name()));
+    admin
+        .depth(queue)
+        .await
+        .unwrap_or_else(|e| panic!("the depth of `{queue}`: {e}"))
+}
+
+/// Every message a depth counts: ready, in flight and delayed (those the
+/// backend reports).
+pub fn held(depth: QueueDepth) -> u64 {
+    depth.ready + depth.in_flight.unwrap_or(0) + depth.delayed.unwrap_or(0)
 }
 
 /// A raw message for tests that talk to a driver directly: body `{}`.

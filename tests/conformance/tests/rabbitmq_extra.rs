@@ -15,7 +15,7 @@ use std::time::Duration;
 use jobrail::{Registry, Settlement};
 use jobrail_conformance::crash;
 use jobrail_conformance::fixture::{Fixture, RabbitMq};
-use jobrail_conformance::harness::{outgoing, Calls};
+use jobrail_conformance::harness::{depth, outgoing, Calls};
 use jobrail_conformance::scenarios::Work;
 use jobrail_conformance::servers::Relay;
 use jobrail_conformance::{Backend, Harness};
@@ -182,7 +182,7 @@ async fn stop_right_after_dropping_a_subscription_succeeds() {
         .unwrap();
     }
     let driver = backend.driver().await;
-    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+    assert_eq!(depth(&driver, &h.queue).await.ready, 0);
 }
 
 fn close_all_connections() {
@@ -254,7 +254,7 @@ async fn conflicting_existing_queue_is_a_config_error() {
     // The refused declare closed only its own channel.
     let fine = format!("{}-other", h.queue);
     driver.send(&fine, outgoing("c", None)).await.unwrap();
-    assert_eq!(driver.ready_count(&fine).await.unwrap(), 1);
+    assert_eq!(depth(&driver, &fine).await.ready, 1);
 }
 
 /// A dispatch delay above the largest bucket is refused as unsupported and
@@ -273,7 +273,7 @@ async fn dispatch_delay_above_the_largest_bucket_is_refused() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
     assert!(err.to_string().contains("largest delay bucket"), "{err}");
-    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+    assert_eq!(depth(&driver, &h.queue).await.ready, 0);
 }
 
 /// While the broker cannot be reached, every dispatch fails at once as not
@@ -327,7 +327,7 @@ async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
     // an uncertain dispatch 0 may have reached the broker, queued between
     // them (consume_ids sorts: [1, 100, 2] reads [1, 2, 100]).
     let driver = backend.driver().await;
-    let queued = driver.ready_count(&h.queue).await.unwrap();
+    let queued = depth(&driver, &h.queue).await.ready;
     let expected: &[u32] = if first_uncertain && queued == 3 {
         &[1, 2, 100]
     } else {
@@ -339,7 +339,7 @@ async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
         "messages queued after the outage (dispatch 0 uncertain: {first_uncertain})"
     );
     assert_eq!(h.consume_ids(&job, expected.len()).await, expected);
-    assert_eq!(driver.ready_count(&h.queue).await.unwrap(), 0);
+    assert_eq!(depth(&driver, &h.queue).await.ready, 0);
 }
 
 /// A job that can hold a delivery longer than the broker's consumer timeout

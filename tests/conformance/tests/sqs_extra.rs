@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use jobrail::Settlement;
 use jobrail_conformance::fixture::{closed_address, sqs_emulator_config, Fixture, Sqs};
+use jobrail_conformance::harness::{depth, held};
 use jobrail_conformance::servers::Relay;
 use jobrail_conformance::Harness;
 use jobrail_native::sqs::{SqsConfig, SqsCredentials, SqsDriver};
@@ -69,7 +70,7 @@ async fn dispatch_delay_above_900_seconds_is_unsupported() {
         .send(&h.queue, outgoing("ok", Some(Duration::from_secs(900))))
         .await
         .unwrap();
-    assert_eq!(driver.message_count(&h.queue).await.unwrap(), 2);
+    assert_eq!(held(depth(&driver, &h.queue).await), 2);
 }
 
 /// A queue name SQS cannot have (`.`) is refused clearly, not mapped.
@@ -270,7 +271,7 @@ async fn dispatch_while_the_endpoint_is_down_fails_fast_as_not_accepted() {
     println!("dispatch after the endpoint went down: {later:?}");
     let direct = backend.driver().await;
     assert_eq!(
-        direct.message_count(&h.queue).await.unwrap(),
+        held(depth(&direct, &h.queue).await),
         1,
         "only the dispatch made while up arrived"
     );

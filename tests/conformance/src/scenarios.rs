@@ -87,6 +87,7 @@ pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
             shutdown_skips_the_cap,
             repeated_shutdowns_at_the_cap,
             shutdown_keeps_the_backlog,
+            stopped_consumer_spends_nothing_sent_after,
             failed_event_follows_the_record,
             delayed_dispatch,
             concurrency_limit_is_respected,
@@ -1186,6 +1187,51 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
         "four untouched messages and the interrupted one"
     );
     next.shutdown().await.unwrap();
+}
+
+/// A message sent just after an idle consumer (waiting for work) shut down
+/// runs on the next consumer, promptly, even for a job allowed a single
+/// delivery: the stopped consumer neither keeps the message nor spends one
+/// of its deliveries.
+pub async fn stopped_consumer_spends_nothing_sent_after(backend: &dyn Backend) {
+    let h = Harness::new(backend, "stopped-idle").await;
+    let job = h.job("stopped-idle").retry(1).build().unwrap();
+    let calls = Calls::default();
+    let first = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.events.wait_count(h.patience, "succeeded", 1).await;
+    // Idle now, waiting for the next message.
+    tokio::time::sleep(MS(200)).await;
+    first.shutdown().await.unwrap();
+    let sent = Instant::now();
+    let id = h.producer.dispatch(&job, &Work { id: 2 }).await.unwrap();
+    tokio::time::sleep(MS(300)).await;
+    let next = h
+        .start_on(
+            backend.connect().await,
+            registry_with(&job, calls.handler(|_, _| Ok(()))),
+        )
+        .await;
+    let events = h
+        .events
+        .wait_for(h.patience, "the second message's outcome", |all| {
+            all.len() >= 2
+        })
+        .await;
+    let took = sent.elapsed();
+    next.shutdown().await.unwrap();
+    assert_eq!(events[1].message_id, id);
+    assert_eq!(
+        h.events.names(),
+        ["succeeded", "succeeded"],
+        "the stopped consumer spent the message's only delivery: {events:#?}"
+    );
+    assert_eq!(calls.count(), 2);
+    let hint = h.driver.capabilities().redelivery_hint;
+    assert!(
+        took < MS(300) + hint.max(MS(1000)),
+        "delivered {took:?} after it was sent"
+    );
 }
 
 /// A payload whose size a scenario chooses.

@@ -20,8 +20,8 @@ use crate::context::{ContextParts, JobContext};
 use crate::error::{Cancelled, JobError, Outcome};
 use crate::job::{BreakerFeed, JobSpec};
 use crate::maybe_send::BoxFuture;
-use crate::metrics::Labels;
 use crate::panic::catch_panics;
+use crate::registry::Meter;
 use crate::runtime::Instant;
 
 /// What tier one did.
@@ -45,10 +45,10 @@ pub(crate) async fn run_tiers(
     spec: &JobSpec,
     run: impl Fn(JobContext) -> BoxFuture<'static, Result<(), JobError>>,
     parts: &ContextParts,
+    meter: &Meter<'_>,
     delivery_deadline: Option<Instant>,
 ) -> TierRun {
     let runtime = &parts.runtime;
-    let labels = Labels::new(&parts.job, &parts.queue);
     let limit = spec.tier_one.attempts.max(1);
     let mut executions = 0;
     let mut attempt = 1;
@@ -61,7 +61,7 @@ pub(crate) async fn run_tiers(
             earliest(timeout_deadline, delivery_deadline),
         );
         let result = catch_panics(|| run(ctx)).await;
-        labels.executed(result.is_ok(), runtime.now().saturating_duration_since(now));
+        meter.executed(result.is_ok(), runtime.now().saturating_duration_since(now));
         executions += 1;
         feed_breaker(spec, &result);
         let err = match result {

@@ -23,14 +23,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::metrics::{
-    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Label,
-    SharedString, Unit,
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Histogram, Key,
+    Label, Level, Metadata, SharedString, Unit,
 };
 
 use crate::breaker::BreakerState;
 use crate::event::EventKind;
 use crate::pipeline::{ErrorKind, SettlementError};
-use crate::settle::FailureKind;
+use crate::settle::{FailureKind, Settlement};
 use crate::stats::Resolution;
 
 pub(crate) const DELIVERIES: &str = "jobrail_deliveries_total";
@@ -119,55 +119,123 @@ pub fn describe_metrics() {
     );
 }
 
-/// The `job` and `queue` labels of one delivery, shared by every metric
-/// recorded for it (each clone is a reference count, not a copy).
-pub(crate) struct Labels {
+/// Where the recordings say they come from (what the facade's macros pass).
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+const OUTCOME_NAMES: [&str; 4] = ["succeeded", "retried", "rejected", "failed"];
+const FAILURE_NAMES: [&str; 6] = [
+    "permanent",
+    "attempts_exhausted",
+    "undecodable_payload",
+    "malformed_envelope",
+    "unknown_name",
+    "invalid_payload",
+];
+const TIER_NAMES: [&str; 3] = ["first_attempt", "tier_one", "tier_two"];
+const RESULT_NAMES: [&str; 2] = ["ok", "error"];
+const SETTLEMENT_NAMES: [&str; 4] = ["ack", "retry", "reject", "fail"];
+
+/// The keys of one job's metrics on one queue, made once (when the job is
+/// registered, or at the first delivery of another job and queue): recording
+/// through them builds no labels and allocates nothing, so without a
+/// recorder a delivery pays a few calls into the facade's no-op recorder.
+pub(crate) struct JobMeter {
     job: SharedString,
     queue: SharedString,
+    deliveries: Key,
+    outcomes: [Key; 4],
+    failures: [Key; 6],
+    resolutions: [Key; 3],
+    executions: [Key; 2],
+    handler: [Key; 2],
+    settlement: [Key; 4],
 }
 
-impl Labels {
-    /// The labels of `job` (already mapped to the counted name) on `queue`.
+impl JobMeter {
+    /// The keys of `job` (already mapped to the counted name) on `queue`.
     pub(crate) fn new(job: &str, queue: &str) -> Self {
-        Labels {
-            job: SharedString::from_shared(Arc::from(job)),
-            queue: SharedString::from_shared(Arc::from(queue)),
+        let job = SharedString::from_shared(Arc::from(job));
+        let queue = SharedString::from_shared(Arc::from(queue));
+        JobMeter {
+            deliveries: labelled(DELIVERIES, &job, &queue, None),
+            outcomes: keys(OUTCOMES, "outcome", OUTCOME_NAMES, &job, &queue),
+            failures: keys(FAILURES, "kind", FAILURE_NAMES, &job, &queue),
+            resolutions: keys(RESOLUTIONS, "tier", TIER_NAMES, &job, &queue),
+            executions: keys(EXECUTIONS, "result", RESULT_NAMES, &job, &queue),
+            handler: keys(HANDLER_DURATION, "result", RESULT_NAMES, &job, &queue),
+            settlement: keys(
+                SETTLEMENT_DURATION,
+                "settlement",
+                SETTLEMENT_NAMES,
+                &job,
+                &queue,
+            ),
+            job,
+            queue,
         }
     }
 
-    /// `job`, `queue`, then `extra`.
-    fn with(&self, extra: &[(&'static str, &'static str)]) -> Vec<Label> {
-        let mut labels = Vec::with_capacity(2 + extra.len());
-        labels.push(Label::new("job", self.job.clone()));
-        labels.push(Label::new("queue", self.queue.clone()));
-        labels.extend(
-            extra
-                .iter()
-                .map(|(key, value)| Label::from_static_parts(key, value)),
-        );
-        labels
+    /// Whether these are the keys of deliveries from `queue`.
+    pub(crate) fn is_for(&self, queue: &str) -> bool {
+        self.queue.as_ref() == queue
     }
+}
 
+/// `name{job, queue, label}` for each value of `label`.
+fn keys<const N: usize>(
+    name: &'static str,
+    label: &'static str,
+    values: [&'static str; N],
+    job: &SharedString,
+    queue: &SharedString,
+) -> [Key; N] {
+    values.map(|value| labelled(name, job, queue, Some((label, value))))
+}
+
+/// `name{job, queue, extra}`.
+fn labelled(
+    name: &'static str,
+    job: &SharedString,
+    queue: &SharedString,
+    extra: Option<(&'static str, &'static str)>,
+) -> Key {
+    let mut labels = Vec::with_capacity(3);
+    labels.push(Label::new("job", job.clone()));
+    labels.push(Label::new("queue", queue.clone()));
+    if let Some((key, value)) = extra {
+        labels.push(Label::from_static_parts(key, value));
+    }
+    Key::from_parts(name, labels)
+}
+
+fn counter(key: &Key) -> Counter {
+    ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
+}
+
+fn histogram(key: &Key) -> Histogram {
+    ::metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
+}
+
+impl JobMeter {
     /// A delivery's settlement was answered: counts the delivery, and the
     /// outcome if the backend accepted it, or the settlement error.
     pub(crate) fn settled(
         &self,
         kind: &EventKind,
-        settlement: &'static str,
+        settlement: &Settlement,
         outcome: Result<(), &SettlementError>,
     ) {
-        counter!(DELIVERIES, self.with(&[])).increment(1);
+        counter(&self.deliveries).increment(1);
         let error = match outcome {
             Ok(()) => {
-                counter!(OUTCOMES, self.with(&[("outcome", kind.name())])).increment(1);
+                counter(&self.outcomes[outcome_index(kind)]).increment(1);
                 match kind {
                     EventKind::Succeeded { resolution } => {
-                        let tier = resolution_label(resolution);
-                        counter!(RESOLUTIONS, self.with(&[("tier", tier)])).increment(1);
+                        counter(&self.resolutions[resolution_index(resolution)]).increment(1);
                     }
                     EventKind::Failed { failure } => {
-                        let kind = failure_kind_label(failure.kind);
-                        counter!(FAILURES, self.with(&[("kind", kind)])).increment(1);
+                        counter(&self.failures[failure_index(failure.kind)]).increment(1);
                     }
                     EventKind::Retried { .. } | EventKind::Rejected { .. } => {}
                 }
@@ -175,33 +243,69 @@ impl Labels {
             }
             Err(error) => error,
         };
-        let labels = self.with(&[
-            ("settlement", settlement),
-            ("error", error_kind_label(error.kind())),
-        ]);
-        counter!(SETTLEMENT_ERRORS, labels).increment(1);
+        // Rare: the key is made each time.
+        let labels = vec![
+            Label::new("job", self.job.clone()),
+            Label::new("queue", self.queue.clone()),
+            Label::from_static_parts("settlement", settlement.name()),
+            Label::from_static_parts("error", error_kind_label(error.kind())),
+        ];
+        counter(&Key::from_parts(SETTLEMENT_ERRORS, labels)).increment(1);
     }
 
     /// The backend answered a `settlement` request after `took`.
-    pub(crate) fn settlement_took(&self, settlement: &'static str, took: Duration) {
-        histogram!(
-            SETTLEMENT_DURATION,
-            self.with(&[("settlement", settlement)])
-        )
-        .record(took.as_secs_f64());
+    pub(crate) fn settlement_took(&self, settlement: &Settlement, took: Duration) {
+        histogram(&self.settlement[settlement_index(settlement)]).record(took.as_secs_f64());
     }
 
     /// One handler execution ended after `took`.
     pub(crate) fn executed(&self, ok: bool, took: Duration) {
-        let result = [("result", if ok { "ok" } else { "error" })];
-        counter!(EXECUTIONS, self.with(&result)).increment(1);
-        histogram!(HANDLER_DURATION, self.with(&result)).record(took.as_secs_f64());
+        let i = usize::from(!ok);
+        counter(&self.executions[i]).increment(1);
+        histogram(&self.handler[i]).record(took.as_secs_f64());
     }
 
     /// One handler execution brought its host down (a panic where panics
     /// abort): counted as an error; its duration is unknown.
     pub(crate) fn crashed_execution(&self) {
-        counter!(EXECUTIONS, self.with(&[("result", "error")])).increment(1);
+        counter(&self.executions[1]).increment(1);
+    }
+}
+
+fn outcome_index(kind: &EventKind) -> usize {
+    match kind {
+        EventKind::Succeeded { .. } => 0,
+        EventKind::Retried { .. } => 1,
+        EventKind::Rejected { .. } => 2,
+        EventKind::Failed { .. } => 3,
+    }
+}
+
+fn resolution_index(resolution: &Resolution) -> usize {
+    match resolution {
+        Resolution::FirstAttempt => 0,
+        Resolution::TierOne { .. } => 1,
+        Resolution::TierTwo { .. } => 2,
+    }
+}
+
+fn failure_index(kind: FailureKind) -> usize {
+    match kind {
+        FailureKind::Permanent => 0,
+        FailureKind::AttemptsExhausted => 1,
+        FailureKind::UndecodablePayload => 2,
+        FailureKind::MalformedEnvelope => 3,
+        FailureKind::UnknownName => 4,
+        FailureKind::InvalidPayload => 5,
+    }
+}
+
+fn settlement_index(settlement: &Settlement) -> usize {
+    match settlement {
+        Settlement::Ack => 0,
+        Settlement::Retry { .. } => 1,
+        Settlement::Reject => 2,
+        Settlement::Fail(_) => 3,
     }
 }
 
@@ -221,26 +325,6 @@ pub(crate) fn breaker_entered(name: &str, state: BreakerState) {
 /// start rather than appearing at its first change.
 pub(crate) fn breaker_created(name: &str) {
     gauge!(BREAKER_STATE, "breaker" => name.to_string()).set(0.0);
-}
-
-fn resolution_label(resolution: &Resolution) -> &'static str {
-    match resolution {
-        Resolution::FirstAttempt => "first_attempt",
-        Resolution::TierOne { .. } => "tier_one",
-        Resolution::TierTwo { .. } => "tier_two",
-    }
-}
-
-/// The snake-case name of a failure kind, as its serde form spells it.
-pub(crate) fn failure_kind_label(kind: FailureKind) -> &'static str {
-    match kind {
-        FailureKind::Permanent => "permanent",
-        FailureKind::AttemptsExhausted => "attempts_exhausted",
-        FailureKind::UndecodablePayload => "undecodable_payload",
-        FailureKind::MalformedEnvelope => "malformed_envelope",
-        FailureKind::UnknownName => "unknown_name",
-        FailureKind::InvalidPayload => "invalid_payload",
-    }
 }
 
 fn error_kind_label(kind: ErrorKind) -> &'static str {
@@ -275,7 +359,7 @@ mod tests {
             FailureKind::InvalidPayload,
         ] {
             let json = serde_json::to_value(kind).unwrap();
-            assert_eq!(json.as_str(), Some(failure_kind_label(kind)));
+            assert_eq!(json.as_str(), Some(FAILURE_NAMES[failure_index(kind)]));
         }
     }
 }

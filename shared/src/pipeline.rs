@@ -201,10 +201,10 @@ impl Registry {
             Ok(outcome) => outcome,
             Err(panicked) => Err(SettlementError::new(ErrorKind::Uncertain, panicked)),
         };
-        let labels = self.metric_labels(&processed);
+        let meter = self.meter(&processed.event.job, &processed.event.queue);
         let took = runtime.now().saturating_duration_since(started);
-        labels.settlement_took(processed.settlement.name(), took);
-        self.report(&processed, outcome.as_ref().map(|_| ()), &labels);
+        meter.settlement_took(&processed.settlement, took);
+        self.report(&processed, outcome.as_ref().map(|_| ()), &meter);
         Delivered { processed, outcome }
     }
 }

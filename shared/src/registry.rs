@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -17,7 +17,7 @@ use crate::event::{Event, EventKind, EventSink};
 use crate::executor::run_tiers;
 use crate::job::{Job, JobSpec};
 use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
-use crate::metrics::Labels;
+use crate::metrics::JobMeter;
 use crate::panic::guard;
 use crate::pipeline::SettlementError;
 use crate::policy::PolicyError;
@@ -35,6 +35,8 @@ use crate::stats::{Resolution, Stats, UNREGISTERED_JOBS};
 trait ErasedJob: MaybeSend + MaybeSync {
     fn spec(&self) -> &JobSpec;
     fn spec_mut(&mut self) -> &mut JobSpec;
+    /// The keys of its metrics on its queue.
+    fn meter(&self) -> &JobMeter;
     /// Decodes and validates the payload without running anything.
     fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure>;
     fn run(
@@ -46,6 +48,7 @@ trait ErasedJob: MaybeSend + MaybeSync {
 
 struct TypedJob<P, H> {
     spec: JobSpec,
+    meter: JobMeter,
     job: Job<P>,
     handler: H,
 }
@@ -62,6 +65,10 @@ where
 
     fn spec_mut(&mut self) -> &mut JobSpec {
         &mut self.spec
+    }
+
+    fn meter(&self) -> &JobMeter {
+        &self.meter
     }
 
     fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure> {
@@ -127,6 +134,10 @@ pub struct Registry {
     sink: Option<Arc<dyn EventSink>>,
     include_payload: bool,
     stats: Arc<Stats>,
+    /// Metric keys of deliveries no registered job's keys fit, by queue
+    /// and counted job name: a registered name or [`UNREGISTERED_JOBS`], on
+    /// a queue the host consumes, so the map stays small.
+    other_meters: Mutex<BTreeMap<String, BTreeMap<String, Arc<JobMeter>>>>,
 }
 
 impl fmt::Debug for Registry {
@@ -193,6 +204,7 @@ impl Registry {
             sink: None,
             include_payload: false,
             stats: Arc::default(),
+            other_meters: Mutex::default(),
         }
     }
 
@@ -228,6 +240,7 @@ impl Registry {
         }
         let entry = TypedJob {
             spec: job.spec().clone(),
+            meter: JobMeter::new(job.name(), job.queue()),
             job: job.clone(),
             handler,
         };
@@ -386,10 +399,12 @@ impl Registry {
             runtime: runtime.clone(),
             metadata: envelope.metadata.clone(),
         };
+        let meter = self.meter(&envelope.job, delivery.queue);
         let run = run_tiers(
             spec,
             |ctx| job.run(ctx, &envelope.payload),
             &parts,
+            &meter,
             delivery.deadline,
         )
         .await;
@@ -465,7 +480,8 @@ impl Registry {
         crate::executor::feed_breaker(spec, &result);
         let decision = settle(&spec.retry, delivery.attempt, &result, false);
         self.stats.update(&envelope.job, |s| s.executions += 1);
-        Labels::new(&envelope.job, delivery.queue).crashed_execution();
+        self.meter(&envelope.job, delivery.queue)
+            .crashed_execution();
         let summary = RunSummary {
             executions: 1,
             resolution: None,
@@ -622,29 +638,43 @@ impl Registry {
     /// [`Registry::deliver`] calls it; a host that settles by other means
     /// calls it itself.
     pub fn settled(&self, processed: &Processed, outcome: Result<(), &SettlementError>) {
-        let labels = self.metric_labels(processed);
-        self.report(processed, outcome, &labels);
+        let meter = self.meter(&processed.event.job, &processed.event.queue);
+        self.report(processed, outcome, &meter);
     }
 
-    /// The metric labels of `processed`'s delivery: its counted job name
-    /// and its queue.
-    pub(crate) fn metric_labels(&self, processed: &Processed) -> Labels {
-        Labels::new(
-            self.counted_as(&processed.event.job),
-            &processed.event.queue,
-        )
+    /// The metrics of a delivery of `job` from `queue`: the registered
+    /// job's keys when it is registered for that queue, else keys made for
+    /// the delivery (under [`UNREGISTERED_JOBS`] for a name no handler is
+    /// registered for).
+    pub(crate) fn meter(&self, job: &str, queue: &str) -> Meter<'_> {
+        if let Some(registered) = self.jobs.get(job) {
+            if registered.meter().is_for(queue) {
+                return Meter::Borrowed(registered.meter());
+            }
+        }
+        let job = self.counted_as(job);
+        let mut others = self.other_meters.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(meter) = others.get(queue).and_then(|by_job| by_job.get(job)) {
+            return Meter::Shared(meter.clone());
+        }
+        let meter = Arc::new(JobMeter::new(job, queue));
+        others
+            .entry(queue.to_string())
+            .or_default()
+            .insert(job.to_string(), meter.clone());
+        Meter::Shared(meter)
     }
 
-    /// [`Registry::settled`], with the delivery's metric labels made once.
+    /// [`Registry::settled`], with the delivery's metrics looked up once.
     pub(crate) fn report(
         &self,
         processed: &Processed,
         outcome: Result<(), &SettlementError>,
-        labels: &Labels,
+        meter: &Meter<'_>,
     ) {
         let event = &processed.event;
         let counted_as = self.counted_as(&event.job);
-        labels.settled(&event.kind, processed.settlement.name(), outcome);
+        meter.settled(&event.kind, &processed.settlement, outcome);
         match outcome {
             Ok(()) => {
                 self.stats.update(counted_as, |s| match &event.kind {
@@ -667,6 +697,24 @@ impl Registry {
                     sink.settlement_failed(event, error);
                 }
             }
+        }
+    }
+}
+
+/// The metric keys of one delivery: its registered job's, or shared ones
+/// made at the first delivery of another job and queue.
+pub(crate) enum Meter<'a> {
+    Borrowed(&'a JobMeter),
+    Shared(Arc<JobMeter>),
+}
+
+impl std::ops::Deref for Meter<'_> {
+    type Target = JobMeter;
+
+    fn deref(&self) -> &JobMeter {
+        match self {
+            Meter::Borrowed(meter) => meter,
+            Meter::Shared(meter) => meter,
         }
     }
 }

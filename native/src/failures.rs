@@ -300,7 +300,12 @@ impl Failures {
     /// which case the stored body is sent as it is; not found
     /// ([`ErrorKind::NotFound`]) when no entry matches or another replay
     /// holds it.
-    pub async fn replay(&self, queue: &str, id: &str, force: bool) -> Result<Replayed, DriverError> {
+    pub async fn replay(
+        &self,
+        queue: &str,
+        id: &str,
+        force: bool,
+    ) -> Result<Replayed, DriverError> {
         let name = self.driver.name();
         let Some(claim) = self.store()?.claim_failure(queue, id).await? else {
             return Err(DriverError::new(

@@ -195,6 +195,39 @@ impl Subscription for SqsSubscription {
     }
 }
 
+/// A subscription dropped (its consumer stopped) may still have a
+/// `ReceiveMessage` call in flight and deliveries buffered that no handler
+/// ever saw. SQS has already counted those receives, so handing them back
+/// by visibility alone would make the next consumer see one attempt more
+/// than the message spent, and a job allowed one delivery would fail
+/// without running. Each is handed back uncounted instead: a copy carrying
+/// one attempt less, then the original deleted (copy first: a failure
+/// between the two duplicates, never loses). Where the copy is not taken,
+/// the hold's own release makes the original visible again, counted.
+impl Drop for SqsSubscription {
+    fn drop(&mut self) {
+        let buffered: Vec<SqsDelivery> = self.buffer.drain(..).collect();
+        let pending = self.pending.take();
+        if buffered.is_empty() && pending.is_none() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let mut unseen = buffered;
+            if let Some(pending) = pending {
+                if let Ok(Ok(batch)) = pending.await {
+                    unseen.extend(batch);
+                }
+            }
+            for mut delivery in unseen {
+                delivery.return_uncounted().await;
+            }
+        });
+    }
+}
+
 /// The driver's hold on one received message: its receipt and the task
 /// renewing its visibility.
 struct Hold {
@@ -398,6 +431,37 @@ impl SqsDelivery {
             .send_body(&self.queue, &self.hold.url, &self.body, 0, &counts)
             .await?;
         self.hold.delete().await
+    }
+
+    /// Hands back a delivery no handler saw, without spending an attempt:
+    /// a copy carrying one attempt less (and the same shutdown count), then
+    /// the original deleted. Unknown attempts (0), a stopped driver or a
+    /// copy not taken leave the original to the hold's release (counted).
+    async fn return_uncounted(&mut self) {
+        if self.attempt == 0 || self.hold.driver.inner.life.is_stopped() {
+            return;
+        }
+        self.hold.stop_renewal().await;
+        let driver = self.hold.driver.clone();
+        let counts = [
+            (ATTEMPTS_ATTRIBUTE, self.attempt - 1),
+            (SHUTDOWNS_ATTRIBUTE, self.shutdowns),
+        ];
+        let copied = driver
+            .send_body(&self.queue, &self.hold.url, &self.body, 0, &counts)
+            .await;
+        match copied {
+            Ok(()) => {
+                if let Err(e) = self.hold.delete().await {
+                    debug!(queue = %self.queue, "a message handed back uncounted may be delivered twice (the original was not deleted): {e}");
+                }
+            }
+            Err(e) => {
+                debug!(queue = %self.queue, "could not hand back an unseen message uncounted (it returns counted): {e}");
+                // Release as an unsettled hold does.
+                self.hold.settled = false;
+            }
+        }
     }
 
     async fn fail(&mut self, record: &FailureRecord) -> Result<(), DriverError> {

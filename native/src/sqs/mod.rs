@@ -82,10 +82,14 @@
 //! cap), so a handler longer than the visibility timeout is not delivered
 //! twice. The renewal stops when the delivery is settled or dropped.
 //! [`Delivery::deadline`](crate::Delivery::deadline) reports the 12-hour
-//! limit. A delivery dropped unsettled (or a message buffered by a dropped
-//! subscription) is made visible again at once (`ChangeMessageVisibility`
-//! 0, best effort; failing that it comes back when its visibility ends); its
-//! receive count has risen.
+//! limit. A delivery dropped unsettled is made visible again at once
+//! (`ChangeMessageVisibility` 0, best effort; failing that it comes back
+//! when its visibility ends); its receive count has risen, as a crash's
+//! would. Messages a dropped subscription received but never handed out
+//! (buffered, or taken by a long poll still in flight when its consumer
+//! stopped) are handed back uncounted: a copy carrying one attempt less,
+//! then the original deleted; where the copy is not taken they are released
+//! like a dropped delivery, counted.
 //!
 //! # Settlements
 //!

@@ -29,7 +29,7 @@ use jobrail::{
     failure_budget, Envelope, Event, EventKind, EventSink, FailureRecord, Registry, Resolution,
     UnknownNameAttempts,
 };
-use jobrail_native::{Consumer, Driver, Producer};
+use jobrail_native::{Failures, Consumer, Driver, Producer};
 use report_job::{Behaviour, BuildReport};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -192,15 +192,8 @@ impl Backend {
         &self,
         queue: &str,
     ) -> Result<Vec<FailureRecord>, Box<dyn std::error::Error>> {
-        match self {
-            Backend::Memory(d) => Ok(d.failure_records(queue)),
-            #[cfg(feature = "rabbitmq")]
-            Backend::Rabbit(d) => Ok(d.failure_records(queue).await?),
-            #[cfg(feature = "nats")]
-            Backend::Nats(d) => Ok(d.failure_records(queue).await?),
-            #[cfg(feature = "sqs")]
-            Backend::Sqs(d) => Ok(d.failure_records(queue).await?),
-        }
+        let entries = Failures::new(self.driver()).all(queue).await?;
+        Ok(entries.into_iter().filter_map(|e| e.record).collect())
     }
 }
 

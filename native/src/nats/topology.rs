@@ -8,14 +8,12 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
-use jobrail::FailureRecord;
-use tracing::{info, warn};
+use tracing::info;
 
 use super::config::valid_subject;
 use super::errors::{self, config_error, error};
 use super::NatsDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::failures::FailureStore;
 use crate::support::lock;
 
 /// Which stream a name is, for its configuration.
@@ -302,24 +300,4 @@ impl NatsDriver {
         lock(&self.inner.consumers).remove(queue);
     }
 
-    /// Terminal failure records of `queue`, oldest first, read from its
-    /// failure stream without removing them (the failure store's
-    /// [`read_failures`](crate::FailureStore::read_failures), records
-    /// only). Messages that are not failure records are skipped with a
-    /// warning; with no failure subject configured there are none.
-    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        if self.failure_subject(queue).is_none() {
-            return Ok(Vec::new());
-        }
-        let entries = FailureStore::read_failures(self, queue).await?;
-        Ok(entries
-            .into_iter()
-            .filter_map(|entry| {
-                if entry.record.is_none() {
-                    warn!(queue, entry = %entry.id, "skipping a message that is not a failure record");
-                }
-                entry.record
-            })
-            .collect())
-    }
 }

@@ -4,15 +4,12 @@
 
 use std::time::Duration;
 
-use jobrail::FailureRecord;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
-use tracing::warn;
 
 use super::errors::{answer, conflicting_queue, error, precondition_failed};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::failures::FailureStore;
 use crate::support::lock;
 
 /// Which kind of queue a name is, for its arguments.
@@ -222,24 +219,4 @@ impl RabbitDriver {
         Ok(())
     }
 
-    /// Terminal failure records on `queue`'s failure queue, in the order
-    /// stored (none when no failure queue is configured).
-    ///
-    /// The records of [`read_failures`](crate::FailureStore::read_failures):
-    /// entries that are not failure records are skipped with a warning.
-    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        if self.failure_queue_name(queue).is_none() {
-            return Ok(Vec::new());
-        }
-        let entries = self.read_failures(queue).await?;
-        Ok(entries
-            .into_iter()
-            .filter_map(|entry| {
-                if entry.record.is_none() {
-                    warn!(queue, entry = %entry.id, "skipping a failed message that is not a failure record");
-                }
-                entry.record
-            })
-            .collect())
-    }
 }

@@ -18,7 +18,6 @@ use aws_sdk_sqs::types::{
     ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry,
     MessageSystemAttributeName, QueueAttributeName,
 };
-use jobrail::FailureRecord;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -312,25 +311,6 @@ impl SqsDriver {
         Ok(visible + hidden > seen as u64)
     }
 
-    /// Terminal failure records on `queue`'s failure queue, without
-    /// consuming them: the records among [`FailureStore::read_failures`]'s
-    /// entries (the others are skipped with a warning). With no failure
-    /// queue configured, or none created yet, there are none.
-    pub async fn failure_records(&self, queue: &str) -> Result<Vec<FailureRecord>, DriverError> {
-        if self.failure_queue_name(queue).is_none() {
-            return Ok(Vec::new());
-        }
-        let entries = self.read_failures(queue).await?;
-        Ok(entries
-            .into_iter()
-            .filter_map(|entry| {
-                if entry.record.is_none() {
-                    warn!(queue, id = %entry.id, "skipping a failure-queue message that is not a failure record");
-                }
-                entry.record
-            })
-            .collect())
-    }
 
     /// `GetQueueAttributes` of `names`.
     pub(super) async fn attributes(

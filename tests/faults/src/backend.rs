@@ -204,69 +204,23 @@ impl Conn {
         }
     }
 
-    /// The failure records of `queue`, read without consuming them.
+    /// The failure records of `queue`, read without consuming them, through
+    /// the operator's API.
     pub(crate) async fn failure_records(
         &self,
         queue: &str,
     ) -> Result<Vec<FailureRecord>, DriverError> {
-        #[allow(unused_imports)]
-        use jobrail_conformance::fixture::Broker as _;
-        match self {
-            Conn::Memory(d) => Ok(d.failure_records(queue)),
-            #[cfg(feature = "rabbitmq")]
-            Conn::Rabbit(d) => {
-                jobrail_conformance::fixture::RabbitMq::failure_records(d, queue).await
-            }
-            #[cfg(feature = "nats")]
-            Conn::Nats(d) => jobrail_conformance::fixture::Nats::failure_records(d, queue).await,
-            #[cfg(feature = "sqs")]
-            Conn::Sqs(d) => jobrail_conformance::fixture::Sqs::failure_records(d, queue).await,
-        }
+        let entries = jobrail_native::Failures::new(self.driver()).all(queue).await?;
+        Ok(entries.into_iter().filter_map(|e| e.record).collect())
     }
 
-    /// Deletes what a run declared on `queue`: the work queue (or stream),
-    /// its failure queue, and whatever this driver declared.
+    /// Deletes what a run declared on `queue` (the work queue or stream, its
+    /// failure destination, hold queues) through the driver's admin
+    /// interface.
     pub(crate) async fn delete(&self, queue: &str) -> Result<(), DriverError> {
-        #[allow(unused_imports)]
-        use jobrail_conformance::fixture::Broker as _;
-        let _ = queue;
-        match self {
-            Conn::Memory(_) => Ok(()),
-            #[cfg(feature = "rabbitmq")]
-            Conn::Rabbit(d) => {
-                use jobrail_conformance::fixture::RabbitMq as B;
-                let mut names = B::declared(d);
-                names.push(queue.to_string());
-                names.extend(d.failure_queue_name(queue));
-                for bucket in &d.config().delay_buckets {
-                    names.push(jobrail_native::rabbitmq::RabbitDriver::hold_queue_name(
-                        queue, *bucket,
-                    ));
-                }
-                names.sort();
-                names.dedup();
-                B::delete(d, &names).await
-            }
-            #[cfg(feature = "nats")]
-            Conn::Nats(d) => {
-                use jobrail_conformance::fixture::Nats as B;
-                let mut names = B::declared(d);
-                names.push(d.stream_name(queue));
-                names.push(d.failure_stream_name(queue));
-                names.sort();
-                names.dedup();
-                B::delete(d, &names).await
-            }
-            #[cfg(feature = "sqs")]
-            Conn::Sqs(d) => {
-                use jobrail_conformance::fixture::Sqs as B;
-                let mut names = B::declared(d);
-                names.push(queue.to_string());
-                names.extend(d.failure_queue_name(queue));
-                names.sort();
-                names.dedup();
-                B::delete(d, &names).await
-            }
+        match self.driver().admin() {
+            Some(admin) => admin.delete_queue(queue).await,
+            None => Ok(()),
         }
     }
 }

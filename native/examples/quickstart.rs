@@ -29,7 +29,7 @@ use jobrail::{
     failure_budget, Envelope, Event, EventKind, EventSink, FailureRecord, Registry, Resolution,
     UnknownNameAttempts,
 };
-use jobrail_native::{Failures, Consumer, Driver, Producer};
+use jobrail_native::{Consumer, Driver, Failures, Producer};
 use report_job::{Behaviour, BuildReport};
 use tokio::sync::Notify;
 use tokio::time::Instant;

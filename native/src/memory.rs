@@ -114,7 +114,12 @@ impl MemoryDriver {
         self.state()
             .failures
             .get(queue)
-            .map(|entries| entries.iter().filter_map(|f| f.entry.record.clone()).collect())
+            .map(|entries| {
+                entries
+                    .iter()
+                    .filter_map(|f| f.entry.record.clone())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -177,11 +182,7 @@ impl MemoryDriver {
     /// Puts `body` among `queue`'s failure entries as it is, as something
     /// other than the consumer might have (a body that is not a failure
     /// record, say). For the conformance suite; not a supported API.
-    pub async fn inject_failure_body(
-        &self,
-        queue: &str,
-        body: Vec<u8>,
-    ) -> Result<(), DriverError> {
+    pub async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
         let mut state = self.state();
         self.inner.lifecycle.check_running()?;
         state
@@ -317,13 +318,16 @@ impl FailureStore for MemoryDriver {
 impl Admin for MemoryDriver {
     async fn depth(&self, queue: &str) -> Result<QueueDepth, DriverError> {
         let state = self.state();
-        Ok(state.queues.get(queue).map_or_else(QueueDepth::default, |q| {
-            QueueDepth::new(
-                q.ready.len() as u64,
-                Some(q.in_flight as u64),
-                Some(q.delayed as u64),
-            )
-        }))
+        Ok(state
+            .queues
+            .get(queue)
+            .map_or_else(QueueDepth::default, |q| {
+                QueueDepth::new(
+                    q.ready.len() as u64,
+                    Some(q.in_flight as u64),
+                    Some(q.delayed as u64),
+                )
+            }))
     }
 
     async fn delete_queue(&self, queue: &str) -> Result<(), DriverError> {

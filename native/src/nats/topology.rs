@@ -299,5 +299,4 @@ impl NatsDriver {
     pub(super) fn forget(&self, queue: &str) {
         lock(&self.inner.consumers).remove(queue);
     }
-
 }

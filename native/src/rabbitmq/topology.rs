@@ -218,5 +218,4 @@ impl RabbitDriver {
         lock(&self.inner.known).insert(name.to_string());
         Ok(())
     }
-
 }

@@ -311,7 +311,6 @@ impl SqsDriver {
         Ok(visible + hidden > seen as u64)
     }
 
-
     /// `GetQueueAttributes` of `names`.
     pub(super) async fn attributes(
         &self,

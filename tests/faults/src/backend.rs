@@ -210,7 +210,9 @@ impl Conn {
         &self,
         queue: &str,
     ) -> Result<Vec<FailureRecord>, DriverError> {
-        let entries = jobrail_native::Failures::new(self.driver()).all(queue).await?;
+        let entries = jobrail_native::Failures::new(self.driver())
+            .all(queue)
+            .await?;
         Ok(entries.into_iter().filter_map(|e| e.record).collect())
     }
 

@@ -175,6 +175,9 @@ impl FailureStore for RabbitDriver {
     /// in one `basic.nack` (a returned message goes back ahead of those
     /// never taken, in the order returned, so the order stays).
     async fn read_failures(&self, queue: &str) -> Result<Vec<StoredFailure>, DriverError> {
+        if !self.failure_queue_exists(queue).await? {
+            return Ok(Vec::new());
+        }
         let mut scan = Scan::start(self, queue).await?;
         scan.take_all().await?;
         if let Some(last) = scan.held.last() {
@@ -192,6 +195,9 @@ impl FailureStore for RabbitDriver {
         queue: &str,
         id: &str,
     ) -> Result<Option<Box<dyn ClaimedFailure>>, DriverError> {
+        if !self.failure_queue_exists(queue).await? {
+            return Ok(None);
+        }
         let mut scan = Scan::start(self, queue).await?;
         loop {
             match scan.take().await? {
@@ -223,6 +229,9 @@ impl FailureStore for RabbitDriver {
 
     /// Takes every message, acks those named, gives back the rest.
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        if !self.failure_queue_exists(queue).await? {
+            return Ok(0);
+        }
         let mut scan = Scan::start(self, queue).await?;
         scan.take_all().await?;
         let mut removed = 0;
@@ -329,6 +338,23 @@ impl RabbitDriver {
             .iter()
             .map(|bucket| Self::hold_queue_name(queue, *bucket))
             .collect()
+    }
+
+    /// Whether `queue`'s failure queue exists (a passive declare: reading the
+    /// failures of a queue never declared creates nothing).
+    /// [`ErrorKind::Config`] when the driver has no failure queue.
+    async fn failure_queue_exists(&self, queue: &str) -> Result<bool, DriverError> {
+        let Some(failed) = self.failure_queue_name(queue) else {
+            return Err(error(
+                ErrorKind::Config,
+                format!(
+                    "queue `{queue}` has no failure queue: the driver is configured without one \
+                     (RabbitConfig::failure_queue is None), so terminal failures are rejected and \
+                     nothing keeps them"
+                ),
+            ));
+        };
+        Ok(self.ready_counts(&[failed]).await?[0].is_some())
     }
 
     /// The ready messages of each of `names` (`None`: no such queue), by

@@ -49,8 +49,10 @@ pub struct NatsConfig {
     /// comfortably exceed a replay (a dispatch and a removal, each within
     /// [`operation_timeout`](Self::operation_timeout)): a claim that lapses
     /// while its replay is still running lets a second replay send a
-    /// duplicate. It is the age limit of the claims stream (see the
-    /// module documentation), updated when it differs.
+    /// duplicate, so a hold shorter than three operation timeouts is raised
+    /// to that ([`effective_claim_hold`](Self::effective_claim_hold)). It
+    /// is the age limit of the claims stream (see the module
+    /// documentation), updated when it differs.
     pub claim_hold: Duration,
     /// Bound on every server round trip: connect, API requests, publish
     /// acknowledgements, double acks.
@@ -153,17 +155,23 @@ impl NatsConfig {
                 "the operation timeout must be positive and the fetch expiry at least 100 ms",
             ));
         }
-        if self.claim_hold < Duration::from_secs(1)
-            || self.claim_hold < self.operation_timeout.saturating_mul(3)
-        {
+        if self.claim_hold < Duration::from_secs(1) {
             return Err(config_error(format!(
-                "the claim hold {:?} is too short: at least 1 s and three operation timeouts ({:?}), \
-                 so a replay finishes before its claim lapses",
-                self.claim_hold,
-                self.operation_timeout.saturating_mul(3)
+                "the claim hold {:?} is too short: at least 1 s, so a replay finishes before its \
+                 claim lapses",
+                self.claim_hold
             )));
         }
         Ok(endpoint)
+    }
+}
+
+impl NatsConfig {
+    /// The claim hold in force: [`claim_hold`](Self::claim_hold), raised to
+    /// three operation timeouts when it is shorter.
+    pub fn effective_claim_hold(&self) -> Duration {
+        self.claim_hold
+            .max(self.operation_timeout.saturating_mul(3))
     }
 }
 
@@ -349,13 +357,15 @@ mod tests {
         assert!(c.validate().is_err());
         let mut c = NatsConfig::new("nats://localhost");
         c.claim_hold = Duration::from_secs(20);
-        let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("claim hold 20s is too short"), "{err}");
-        c.operation_timeout = Duration::from_secs(2);
+        c.operation_timeout = Duration::from_secs(30);
         assert!(c.validate().is_ok());
+        assert_eq!(c.effective_claim_hold(), Duration::from_secs(90));
+        c.operation_timeout = Duration::from_secs(2);
+        assert_eq!(c.effective_claim_hold(), Duration::from_secs(20));
         c.claim_hold = Duration::from_millis(900);
         c.operation_timeout = Duration::from_millis(100);
-        assert!(c.validate().is_err());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("claim hold 900ms is too short"), "{err}");
         assert!(valid_subject("queue.a-b.c"));
         assert!(!valid_subject("queue..c"));
         assert!(!valid_subject("queue.*"));

@@ -126,7 +126,7 @@ impl NatsDriver {
         let stream = self
             .ensure_stream(&link.js, &name, &Self::claim_subjects(failed), Role::Claims)
             .await?;
-        let hold = self.inner.config.claim_hold;
+        let hold = self.inner.config.effective_claim_hold();
         if stream.cached_info().config.max_age == hold {
             return Ok(stream);
         }

@@ -81,7 +81,7 @@ impl NatsDriver {
             },
             storage: StorageType::File,
             max_age: match role {
-                Role::Claims => self.inner.config.claim_hold,
+                Role::Claims => self.inner.config.effective_claim_hold(),
                 Role::Work | Role::Failure => Duration::ZERO,
             },
             ..Default::default()

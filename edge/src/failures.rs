@@ -87,19 +87,7 @@ use serde::Serialize;
 #[cfg(target_arch = "wasm32")]
 mod d1;
 
-/// Metadata key of a replayed message: the id of the entry it came from.
-pub const REPLAY_OF: &str = "replay_of";
-/// Metadata key of a replayed message: the original message id.
-pub const REPLAY_OF_MESSAGE: &str = "replay_of_message";
-/// Metadata key of a replayed message: when it was replayed, in milliseconds
-/// since the Unix epoch.
-pub const REPLAYED_AT_MS: &str = "replayed_at_ms";
-
-/// The message id a replay of entry `entry_id` gets: derived from the entry,
-/// so every replay of one entry sends the same id.
-pub fn replay_id(entry_id: &str) -> String {
-    format!("replay-{entry_id}")
-}
+pub use jobrail::{replay_id, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE};
 
 /// Where a worker keeps its failure records and how operators reach them.
 /// Build one as a `const` from [`FailureKeeper::DEFAULT`].
@@ -414,7 +402,7 @@ impl KeptFailure {
                 let mut keyed = platform_id.as_bytes().to_vec();
                 keyed.push(0);
                 keyed.extend_from_slice(body);
-                format!("h{:016x}", fnv1a(&keyed))
+                jobrail::failure_entry_id(&keyed, None)
             }
         };
         let mut kept = KeptFailure {
@@ -436,20 +424,7 @@ impl KeptFailure {
 
     /// Why replaying it would not run the job again, if it would not.
     pub fn poison_reason(&self) -> Option<String> {
-        let Some(record) = &self.record else {
-            return Some("the entry is not a failure record".into());
-        };
-        match record.kind {
-            FailureKind::MalformedEnvelope => {
-                Some("poison: the message is not an envelope (malformed)".into())
-            }
-            FailureKind::UndecodablePayload => Some(format!(
-                "poison: the payload did not decode for job `{}`",
-                record.job.as_deref().unwrap_or("?")
-            )),
-            _ if record.envelope.is_none() => Some("the record keeps no envelope".into()),
-            _ => None,
-        }
+        jobrail::poison_reason(self.record.as_ref())
     }
 
     /// The body as stored (the record's JSON, or the message as it came).
@@ -493,32 +468,10 @@ impl KeptFailure {
                 ),
             ));
         }
-        let body = match (poison, &self.record) {
-            (None, Some(record)) => {
-                let mut envelope = record
-                    .envelope
-                    .clone()
-                    .expect("poison_reason checks the envelope");
-                envelope
-                    .metadata
-                    .insert(REPLAY_OF_MESSAGE.into(), envelope.id.clone());
-                envelope.metadata.insert(REPLAY_OF.into(), self.id.clone());
-                envelope
-                    .metadata
-                    .insert(REPLAYED_AT_MS.into(), now_ms.to_string());
-                envelope.id = message_id.clone();
-                envelope.encode()
-            }
-            (Some(_), Some(record)) => match &record.raw_body {
-                Some(raw) => raw.to_bytes(),
-                None => record
-                    .envelope
-                    .as_ref()
-                    .map(|e| e.encode())
-                    .unwrap_or_else(|| self.stored_body()),
-            },
-            (_, None) => self.stored_body(),
-        };
+        let stored = self.stored_body();
+        let replay = jobrail::replay_message(&self.id, self.record.as_ref(), &stored, true, now_ms)
+            .expect("a forced replay is never refused");
+        let body = replay.body;
         Ok(ReplayMessage {
             message_id,
             queue,
@@ -538,13 +491,6 @@ pub struct ReplayMessage {
     pub queue: String,
     /// The body.
     pub text: String,
-}
-
-/// A stable 64-bit FNV-1a hash (ids of entries that have none).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
-        (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 #[cfg(test)]

@@ -10,18 +10,10 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use jobrail::{FailureKind, FailureRecord};
+use jobrail::FailureRecord;
 use std::sync::Arc;
 
 use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
-
-/// Metadata key of a replayed message: the id of the record it came from.
-pub const REPLAY_OF: &str = "replay_of";
-/// Metadata key of a replayed message: the original message id.
-pub const REPLAY_OF_MESSAGE: &str = "replay_of_message";
-/// Metadata key of a replayed message: when it was replayed, in
-/// milliseconds since the Unix epoch.
-pub const REPLAYED_AT_MS: &str = "replayed_at_ms";
 
 /// One entry of a failure destination: a failure record, or a message
 /// there that is not one.
@@ -44,10 +36,7 @@ impl StoredFailure {
     /// The entry stored as `body`: decoded when it is a failure record.
     pub fn from_body(body: Vec<u8>) -> Self {
         let record = FailureRecord::decode(&body).ok();
-        let id = match &record {
-            Some(record) if !record.id.is_empty() => record.id.clone(),
-            _ => format!("h{:016x}", fnv1a(&body)),
-        };
+        let id = jobrail::failure_entry_id(&body, record.as_ref());
         StoredFailure { id, record, body }
     }
 
@@ -71,28 +60,8 @@ impl StoredFailure {
     /// entry is not a record, the message never decoded, or its payload
     /// did not decode for its job. `None`: replayable.
     pub fn poison_reason(&self) -> Option<String> {
-        let Some(record) = &self.record else {
-            return Some("the entry is not a failure record".into());
-        };
-        match record.kind {
-            FailureKind::MalformedEnvelope => {
-                Some("poison: the message is not an envelope (malformed)".into())
-            }
-            FailureKind::UndecodablePayload => Some(format!(
-                "poison: the payload did not decode for job `{}`",
-                record.job.as_deref().unwrap_or("?")
-            )),
-            _ if record.envelope.is_none() => Some("the record keeps no envelope".into()),
-            _ => None,
-        }
+        jobrail::poison_reason(self.record.as_ref())
     }
-}
-
-/// A stable 64-bit FNV-1a hash (ids of entries that have none).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
-        (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// An entry claimed by one operator: no other claim gets it until this one
@@ -217,9 +186,9 @@ pub struct Replayed {
 /// and purge, the same on every backend.
 ///
 /// Replay re-dispatches the record's envelope to its queue as a new message
-/// (so its attempt count starts again) with metadata [`REPLAY_OF`] (the
-/// entry id), [`REPLAY_OF_MESSAGE`] (the original message id) and
-/// [`REPLAYED_AT_MS`], then removes the record: in that order, so a crash
+/// (so its attempt count starts again) with metadata [`REPLAY_OF`](jobrail::REPLAY_OF) (the
+/// entry id), [`REPLAY_OF_MESSAGE`](jobrail::REPLAY_OF_MESSAGE) (the original message id) and
+/// [`REPLAYED_AT_MS`](jobrail::REPLAYED_AT_MS), then removes the record: in that order, so a crash
 /// between the two leaves a duplicate, never a loss. The entry is claimed
 /// first, so concurrent replays of one record send it once; the new
 /// message's id is derived from the entry id, so a backend that
@@ -315,41 +284,20 @@ impl Failures {
             ));
         };
         let entry = claim.entry().clone();
-        let message_id = replay_id(&entry.id);
-        let body = match (entry.poison_reason(), &entry.record) {
-            (None, Some(record)) => {
-                let mut envelope = record
-                    .envelope
-                    .clone()
-                    .expect("poison_reason checks the envelope");
-                envelope
-                    .metadata
-                    .insert(REPLAY_OF_MESSAGE.into(), envelope.id.clone());
-                envelope.metadata.insert(REPLAY_OF.into(), entry.id.clone());
-                envelope
-                    .metadata
-                    .insert(REPLAYED_AT_MS.into(), now_ms().to_string());
-                envelope.id = message_id.clone();
-                envelope.encode()
-            }
-            (Some(reason), _) if !force => {
+        let replay = match jobrail::replay_message(
+            &entry.id,
+            entry.record.as_ref(),
+            &entry.body,
+            force,
+            now_ms(),
+        ) {
+            Ok(replay) => replay,
+            Err(refused) => {
                 claim.release().await?;
-                return Err(DriverError::new(
-                    name,
-                    ErrorKind::NotAccepted,
-                    format!("entry `{}` is not replayed: {reason} (force sends the stored body as it is)", entry.id),
-                ));
+                return Err(DriverError::new(name, ErrorKind::NotAccepted, refused));
             }
-            (Some(_), Some(record)) => match &record.raw_body {
-                Some(raw) => raw.to_bytes(),
-                None => record
-                    .envelope
-                    .as_ref()
-                    .map(|e| e.encode())
-                    .unwrap_or_else(|| entry.body.clone()),
-            },
-            (Some(_), None) | (None, None) => entry.body.clone(),
         };
+        let (message_id, body) = (replay.message_id, replay.body);
         let sent = match self.driver.capabilities().refuse_oversize(name, body.len()) {
             Ok(()) => {
                 self.driver
@@ -414,12 +362,6 @@ impl Failures {
         store.remove_failures(queue, &ids).await
     }
 }
-/// The message id a replay of entry `entry_id` gets: derived, so that every
-/// replay of one entry sends the same id.
-pub fn replay_id(entry_id: &str) -> String {
-    format!("replay-{entry_id}")
-}
-
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -77,8 +77,8 @@ pub use crate::metrics::describe_metrics;
 pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 pub use failures::{
-    replay_id, Admin, ClaimedFailure, FailurePage, FailureStore, Failures, Page, Purge, QueueDepth,
-    Replayed, StoredFailure, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
+    Admin, ClaimedFailure, FailurePage, FailureStore, Failures, Page, Purge, QueueDepth, Replayed,
+    StoredFailure,
 };
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};

@@ -97,6 +97,7 @@ mod policy;
 mod record;
 mod redact;
 mod registry;
+mod replay;
 mod runtime;
 mod settle;
 mod stats;
@@ -122,6 +123,10 @@ pub use policy::{
 };
 pub use record::{FailureRecord, RawBody};
 pub use redact::json_error;
+pub use replay::{
+    failure_entry_id, poison_reason, replay_id, replay_message, Replay, ReplayRefused,
+    REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
+};
 pub use registry::{Incoming, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{

@@ -16,10 +16,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use jobrail::{Envelope, EventKind, FailureKind, Job, JobContext, JobError, RawBody, Registry};
+use jobrail::{
+    replay_id, Envelope, EventKind, FailureKind, Job, JobContext, JobError, RawBody, Registry,
+    REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
+};
 use jobrail_native::{
-    replay_id, ConsumerHandle, DispatchOptions, DriverError, ErrorKind, FailurePage, Failures,
-    Page, Purge, Replayed, StoredFailure, REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
+    ConsumerHandle, DispatchOptions, DriverError, ErrorKind, FailurePage, Failures, Page, Purge,
+    Replayed, StoredFailure,
 };
 
 use crate::harness::{Backend, Harness};

@@ -123,11 +123,11 @@ pub use policy::{
 };
 pub use record::{FailureRecord, RawBody};
 pub use redact::json_error;
+pub use registry::{Incoming, Processed, Registry, RegistryError};
 pub use replay::{
     failure_entry_id, poison_reason, replay_id, replay_message, Replay, ReplayRefused,
     REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
 };
-pub use registry::{Incoming, Processed, Registry, RegistryError};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
     deliveries_needed, exceeds_crash_bound, Failure, FailureKind, Settlement, UnknownNameAttempts,

@@ -57,14 +57,7 @@ impl Scan {
     async fn start(driver: &RabbitDriver, queue: &str) -> Result<Scan, DriverError> {
         driver.inner.lifecycle.check_running()?;
         let Some(failed) = driver.declare_failure_queue(queue).await? else {
-            return Err(error(
-                ErrorKind::Config,
-                format!(
-                    "queue `{queue}` has no failure queue: the driver is configured without one \
-                     (RabbitConfig::failure_queue is None), so terminal failures are rejected and \
-                     nothing keeps them"
-                ),
-            ));
+            return Err(no_failure_queue(queue));
         };
         let turn = {
             let mut turns = lock(&driver.inner.scans);
@@ -345,14 +338,7 @@ impl RabbitDriver {
     /// [`ErrorKind::Config`] when the driver has no failure queue.
     async fn failure_queue_exists(&self, queue: &str) -> Result<bool, DriverError> {
         let Some(failed) = self.failure_queue_name(queue) else {
-            return Err(error(
-                ErrorKind::Config,
-                format!(
-                    "queue `{queue}` has no failure queue: the driver is configured without one \
-                     (RabbitConfig::failure_queue is None), so terminal failures are rejected and \
-                     nothing keeps them"
-                ),
-            ));
+            return Err(no_failure_queue(queue));
         };
         Ok(self.ready_counts(&[failed]).await?[0].is_some())
     }
@@ -446,3 +432,16 @@ impl Admin for RabbitDriver {
 
 /// The turns of the scans of each failure queue.
 pub(super) type ScanTurns = HashMap<String, Arc<tokio::sync::Mutex<()>>>;
+
+/// The error for a failure-store operation on a driver configured without a
+/// failure queue.
+fn no_failure_queue(queue: &str) -> DriverError {
+    error(
+        ErrorKind::Config,
+        format!(
+            "queue `{queue}` has no failure queue: the driver is configured without one \
+             (RabbitConfig::failure_queue is None), so terminal failures are rejected and nothing \
+             keeps them"
+        ),
+    )
+}

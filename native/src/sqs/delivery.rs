@@ -305,20 +305,37 @@ impl Drop for Hold {
         if self.settled || self.driver.inner.life.is_stopped() {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let driver = self.driver.clone();
-        let url = self.url.clone();
-        let receipt = std::mem::take(&mut self.receipt);
-        let stop = self.stop.clone();
-        runtime.spawn(async move {
-            *stop.lock().await = true;
-            if let Err(e) = change_visibility(&driver, &url, &receipt, 0).await {
-                debug!("could not release an unsettled message (it returns when its visibility ends): {e}");
-            }
-        });
+        release_soon(
+            &self.driver,
+            &self.url,
+            std::mem::take(&mut self.receipt),
+            &self.stop,
+            "an unsettled message (it returns when its visibility ends)",
+        );
     }
+}
+
+/// From a `Drop`: makes the message of `receipt` visible again now, in a
+/// task of its own, once the renewal guarded by `stop` has let go; best
+/// effort (failing that, the message returns when its visibility ends).
+/// `what` names it in the debug line of a failure.
+pub(super) fn release_soon(
+    driver: &SqsDriver,
+    url: &Arc<str>,
+    receipt: String,
+    stop: &Arc<tokio::sync::Mutex<bool>>,
+    what: &'static str,
+) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let (driver, url, stop) = (driver.clone(), url.clone(), stop.clone());
+    runtime.spawn(async move {
+        *stop.lock().await = true;
+        if let Err(e) = change_visibility(&driver, &url, &receipt, 0).await {
+            debug!("could not release {what}: {e}");
+        }
+    });
 }
 
 pub(super) async fn change_visibility(

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::connection::bounded;
-use super::delivery::{change_visibility, is_base64};
+use super::delivery::{change_visibility, is_base64, release_soon};
 use super::errors::{config_error, error, is_missing_queue, sdk_error};
 use super::publish::decode_body;
 use super::topology::check_name;
@@ -625,18 +625,12 @@ impl Drop for SqsClaim {
         if self.ended {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let driver = self.driver.clone();
-        let url = self.url.clone();
-        let receipt = std::mem::take(&mut self.receipt);
-        let stop = self.stop.clone();
-        runtime.spawn(async move {
-            *stop.lock().await = true;
-            if let Err(e) = change_visibility(&driver, &url, &receipt, 0).await {
-                debug!("could not release a dropped claim on a failure entry (it returns when its hold lapses): {e}");
-            }
-        });
+        release_soon(
+            &self.driver,
+            &self.url,
+            std::mem::take(&mut self.receipt),
+            &self.stop,
+            "a dropped claim on a failure entry (it returns when its hold lapses)",
+        );
     }
 }

@@ -60,7 +60,7 @@ async fn rules(n: u64) -> (Duration, Duration) {
     let start = Instant::now();
     for b in &bodies {
         let delivery = Incoming {
-            queue: "q",
+            queue: "default",
             body: b,
             attempt: 1,
             shutdown_returns: None,

@@ -277,24 +277,35 @@ impl Hold {
     }
 
     async fn delete(&self) -> Result<(), DriverError> {
-        let what = "DeleteMessage";
-        let limit = self.driver.inner.config.operation_timeout;
-        bounded(
-            limit,
-            what,
-            ErrorKind::Uncertain,
-            self.driver
-                .inner
-                .client
-                .delete_message()
-                .queue_url(&*self.url)
-                .receipt_handle(&self.receipt)
-                .send(),
-        )
-        .await?
-        .map(|_| ())
-        .map_err(|e| sdk_error(what, e, ErrorKind::NotAccepted, ErrorKind::Uncertain))
+        delete_message(&self.driver, &self.url, &self.receipt, "DeleteMessage").await
     }
+}
+
+/// `DeleteMessage` of the message of `receipt` (`what` names the request in
+/// errors): not accepted when SQS refused it, uncertain when the answer was
+/// lost.
+pub(super) async fn delete_message(
+    driver: &SqsDriver,
+    url: &str,
+    receipt: &str,
+    what: &str,
+) -> Result<(), DriverError> {
+    let limit = driver.inner.config.operation_timeout;
+    bounded(
+        limit,
+        what,
+        ErrorKind::Uncertain,
+        driver
+            .inner
+            .client
+            .delete_message()
+            .queue_url(url)
+            .receipt_handle(receipt)
+            .send(),
+    )
+    .await?
+    .map(|_| ())
+    .map_err(|e| sdk_error(what, e, ErrorKind::NotAccepted, ErrorKind::Uncertain))
 }
 
 impl Drop for Hold {

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::connection::bounded;
-use super::delivery::{change_visibility, is_base64, release_soon};
+use super::delivery::{change_visibility, delete_message, is_base64, release_soon};
 use super::errors::{config_error, error, is_missing_queue, sdk_error};
 use super::publish::decode_body;
 use super::topology::check_name;
@@ -589,21 +589,7 @@ impl ClaimedFailure for SqsClaim {
     async fn remove(mut self: Box<Self>) -> Result<(), DriverError> {
         self.stop_renewal().await;
         let what = format!("DeleteMessage from `{}`", self.queue);
-        let limit = self.driver.inner.config.operation_timeout;
-        bounded(
-            limit,
-            &what,
-            ErrorKind::Uncertain,
-            self.driver
-                .inner
-                .client
-                .delete_message()
-                .queue_url(&*self.url)
-                .receipt_handle(&self.receipt)
-                .send(),
-        )
-        .await?
-        .map_err(|e| sdk_error(&what, e, ErrorKind::NotAccepted, ErrorKind::Uncertain))?;
+        delete_message(&self.driver, &self.url, &self.receipt, &what).await?;
         self.ended = true;
         Ok(())
     }

@@ -211,3 +211,19 @@ async fn without_failure_queues_the_store_is_a_config_error() {
     assert_eq!(err.kind(), ErrorKind::Config);
     driver.stop().await.unwrap();
 }
+
+/// An operator who mistypes a queue name must not leave a queue behind:
+/// reading, claiming and purging the failures of a queue never declared
+/// answer "nothing there" and declare nothing.
+#[tokio::test]
+async fn a_queue_never_declared_has_no_failures_and_gets_no_failure_queue() {
+    let driver = RabbitDriver::connect(config()).await.unwrap();
+    let q = queue("typo");
+    assert!(driver.read_failures(&q).await.unwrap().is_empty());
+    assert!(driver.claim_failure(&q, "x").await.unwrap().is_none());
+    assert_eq!(driver.remove_failures(&q, &["x".into()]).await.unwrap(), 0);
+    let failed = driver.failure_queue_name(&q).unwrap();
+    let err = driver.ready_count(&failed).await.unwrap_err();
+    assert!(err.to_string().contains("NOT_FOUND"), "{err}");
+    driver.stop().await.unwrap();
+}

@@ -3,7 +3,8 @@
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`): what a live claim hides and
 //! gives back (released, dropped), removal by ids around a claim, scans one
 //! after another seeing every entry, the depth with hold queues, deleting a
-//! queue twice and using it again, and a driver without failure queues.
+//! queue twice and using it again, a driver without failure queues, and a
+//! queue never declared (its failures are read without declaring anything).
 //!
 //! Run with `cargo test -p jobrail-conformance --features rabbitmq --test rabbitmq_failure_store`.
 #![cfg(feature = "rabbitmq")]

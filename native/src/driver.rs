@@ -117,6 +117,25 @@ pub trait Driver: Send + Sync + 'static {
     /// certainly did not take it ([`ErrorKind::NotAccepted`]) or might have
     /// ([`ErrorKind::Uncertain`]).
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError>;
+
+    /// Stores several messages on `queue`; the answer has one result per
+    /// message, in order, each saying what [`Driver::send`] would
+    /// ([`ErrorKind::NotAccepted`] or [`ErrorKind::Uncertain`] on error).
+    ///
+    /// Drivers override it to keep the batch in flight at once (pipelined
+    /// publisher confirms, PubAcks, `SendMessageBatch`); the default sends
+    /// one message after another.
+    async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        let mut results = Vec::with_capacity(messages.len());
+        for message in messages {
+            results.push(self.send(queue, message).await);
+        }
+        results
+    }
     /// Starts consuming `queue` with at most `prefetch` unsettled deliveries.
     async fn subscribe(
         &self,

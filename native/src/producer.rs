@@ -7,7 +7,7 @@ use std::time::Duration;
 use jobrail::{Envelope, Job};
 use serde::Serialize;
 
-use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
+use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing};
 
 /// Options for one dispatch.
 #[derive(Debug, Clone, Default)]
@@ -73,6 +73,120 @@ impl Producer {
             .await
     }
 
+    /// Dispatches every payload as `job` in one batch, with the backend's
+    /// round trips overlapped (pipelined confirms or PubAcks, or the
+    /// backend's batch call); returns one result per payload, in order: the
+    /// message id, or the error that says whether that message was
+    /// certainly not accepted ([`ErrorKind::NotAccepted`]) or may have been
+    /// ([`ErrorKind::Uncertain`]). A payload that does not serialize fails
+    /// alone, with [`ErrorKind::Encode`].
+    pub async fn dispatch_batch<P: Serialize>(
+        &self,
+        job: &Job<P>,
+        payloads: &[P],
+    ) -> Vec<Result<String, DriverError>> {
+        self.dispatch_batch_with(job, payloads, DispatchOptions::default())
+            .await
+    }
+
+    /// [`Producer::dispatch_batch`] with options (delay, metadata) that apply
+    /// to every message of the batch.
+    pub async fn dispatch_batch_with<P: Serialize>(
+        &self,
+        job: &Job<P>,
+        payloads: &[P],
+        options: DispatchOptions,
+    ) -> Vec<Result<String, DriverError>> {
+        let mut results: Vec<Result<String, DriverError>> = Vec::with_capacity(payloads.len());
+        let mut outgoing = Vec::with_capacity(payloads.len());
+        for payload in payloads {
+            match serde_json::to_value(payload) {
+                Ok(payload) => {
+                    let mut envelope = Envelope::new(job.name(), payload);
+                    envelope.metadata = options.metadata.clone();
+                    let body = envelope.encode();
+                    results.push(Ok(envelope.id.clone()));
+                    outgoing.push(Outgoing {
+                        id: envelope.id,
+                        body,
+                        delay: options.delay,
+                    });
+                }
+                Err(e) => results.push(Err(DriverError::new(
+                    self.driver.name(),
+                    ErrorKind::Encode,
+                    e,
+                ))),
+            }
+        }
+        let mut sent = self.send_batch(job.queue(), outgoing).await.into_iter();
+        for result in &mut results {
+            if result.is_ok() {
+                if let Some(Err(e)) = sent.next() {
+                    *result = Err(e);
+                }
+            }
+        }
+        results
+    }
+
+    /// Sends already-encoded messages to `queue` in one batch (see
+    /// [`Producer::dispatch_batch`]); one result per message, in order. A
+    /// message over the size limit, or delayed on a backend that cannot
+    /// delay, is refused alone before any I/O.
+    pub async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        let capabilities = self.driver.capabilities();
+        let mut results: Vec<Result<(), DriverError>> = Vec::with_capacity(messages.len());
+        let mut accepted = Vec::with_capacity(messages.len());
+        for mut message in messages {
+            message.delay = message.delay.filter(|d| !d.is_zero());
+            match self.refuse(&capabilities, &message) {
+                Ok(()) => {
+                    results.push(Ok(()));
+                    accepted.push(message);
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        if accepted.is_empty() {
+            return results;
+        }
+        let expected = accepted.len();
+        let mut sent = self.driver.send_batch(queue, accepted).await;
+        debug_assert_eq!(sent.len(), expected, "send_batch answers once per message");
+        sent.resize_with(expected, || {
+            Err(DriverError::new(
+                self.driver.name(),
+                ErrorKind::Uncertain,
+                "the driver gave no answer for this message",
+            ))
+        });
+        let mut sent = sent.into_iter();
+        for result in &mut results {
+            if result.is_ok() {
+                if let Some(answer) = sent.next() {
+                    *result = answer;
+                }
+            }
+        }
+        results
+    }
+
+    fn refuse(&self, capabilities: &Capabilities, message: &Outgoing) -> Result<(), DriverError> {
+        if message.delay.is_some() && !capabilities.delayed_dispatch {
+            return Err(DriverError::new(
+                self.driver.name(),
+                ErrorKind::Unsupported,
+                "this backend cannot delay a dispatch",
+            ));
+        }
+        capabilities.refuse_oversize(self.driver.name(), message.body.len())
+    }
+
     /// Sends raw bytes to `queue` (refused before any I/O if longer than
     /// the driver's [`max_message_bytes`](crate::Capabilities::max_message_bytes)) (for tests of malformed input and for
     /// bridging producers written in other languages).
@@ -83,16 +197,12 @@ impl Producer {
         body: Vec<u8>,
         delay: Option<Duration>,
     ) -> Result<(), DriverError> {
-        let delay = delay.filter(|d| !d.is_zero());
-        let capabilities = self.driver.capabilities();
-        if delay.is_some() && !capabilities.delayed_dispatch {
-            return Err(DriverError::new(
-                self.driver.name(),
-                ErrorKind::Unsupported,
-                "this backend cannot delay a dispatch",
-            ));
-        }
-        capabilities.refuse_oversize(self.driver.name(), body.len())?;
-        self.driver.send(queue, Outgoing { id, body, delay }).await
+        let message = Outgoing {
+            id,
+            body,
+            delay: delay.filter(|d| !d.is_zero()),
+        };
+        self.refuse(&self.driver.capabilities(), &message)?;
+        self.driver.send(queue, message).await
     }
 }

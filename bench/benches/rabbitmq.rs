@@ -1,0 +1,2 @@
+//! Placeholder: filled by the throughput work.
+fn main() {}

@@ -206,3 +206,62 @@ impl Producer {
         self.driver.send(queue, message).await
     }
 }
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::MemoryDriver;
+
+    /// A payload that fails to serialize fails alone, with `Encode`; the
+    /// others of the batch are sent, in order, under the returned ids.
+    #[tokio::test]
+    async fn a_payload_that_does_not_encode_fails_alone() {
+        let driver = Arc::new(MemoryDriver::default());
+        let producer = Producer::new(driver.clone());
+        let job = Job::<BTreeMap<(u8, u8), u8>>::builder("pairs")
+            .queue("pairs")
+            .build()
+            .unwrap();
+        let good = BTreeMap::new();
+        let bad = BTreeMap::from([((1, 2), 3)]);
+        let results = producer
+            .dispatch_batch(&job, &[good.clone(), bad, good])
+            .await;
+        assert_eq!(results.len(), 3);
+        assert_eq!(results[1].as_ref().unwrap_err().kind(), ErrorKind::Encode);
+        let ids: Vec<&String> = [&results[0], &results[2]]
+            .into_iter()
+            .map(|r| r.as_ref().unwrap())
+            .collect();
+        assert_ne!(ids[0], ids[1]);
+        assert_eq!(driver.ready("pairs"), 2, "the two good ones are stored");
+    }
+
+    /// A zero delay in a batch is no delay: the messages are ready at once.
+    #[tokio::test]
+    async fn a_zero_delay_in_a_batch_is_no_delay() {
+        let driver = Arc::new(MemoryDriver::default());
+        let producer = Producer::new(driver.clone());
+        let results = producer
+            .send_batch(
+                "q",
+                vec![
+                    Outgoing {
+                        id: "a".into(),
+                        body: b"{}".to_vec(),
+                        delay: Some(Duration::ZERO),
+                    },
+                    Outgoing {
+                        id: "b".into(),
+                        body: b"[]".to_vec(),
+                        delay: None,
+                    },
+                ],
+            )
+            .await;
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+        assert_eq!(driver.ready("q"), 2, "a zero delay is no delay");
+    }
+}

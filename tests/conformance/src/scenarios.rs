@@ -97,6 +97,8 @@ pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
             open_breaker_skips_tier_one,
             validation_failure_costs_no_execution,
             shutdown_during_tier_one_backoff_retries_at_once,
+            batch_dispatch_runs_each_message_once,
+            delayed_batch_dispatch,
         ],
     );
     choice.when(
@@ -104,7 +106,8 @@ pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
         "the driver reports no size limit (max_message_bytes)",
         &scenarios![
             oversize_dispatch_is_refused_before_io,
-            body_at_the_limit_round_trips
+            body_at_the_limit_round_trips,
+            oversize_message_in_a_batch_is_refused_alone
         ],
     );
     choice.when(
@@ -1366,5 +1369,136 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     consumer.shutdown().await.unwrap();
     assert_eq!(events[0].message_id, envelope.id);
     assert_eq!(*seen.lock().unwrap(), [expected]);
+    assert!(backend.failure_records(&h.queue).await.is_empty());
+}
+
+/// `Producer::dispatch_batch` answers once per payload, in order, with
+/// distinct message ids; each message is delivered and succeeds exactly
+/// once, under those ids. 25 messages: more than one backend batch call
+/// where a call is bounded (SQS takes 10 at a time).
+pub async fn batch_dispatch_runs_each_message_once(backend: &dyn Backend) {
+    let h = Harness::new(backend, "batch").await;
+    let job = h.job("batch").build().unwrap();
+    let payloads: Vec<Work> = (0..25).map(|id| Work { id }).collect();
+    let results = h.producer.dispatch_batch(&job, &payloads).await;
+    assert_eq!(results.len(), payloads.len(), "one answer per payload");
+    let ids: Vec<String> = results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("a batch message was not accepted: {e}")))
+        .collect();
+    let distinct: std::collections::BTreeSet<_> = ids.iter().cloned().collect();
+    assert_eq!(distinct.len(), ids.len(), "message ids are distinct");
+
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx, work| {
+            record
+                .lock()
+                .unwrap()
+                .push((work.id, ctx.message_id().to_string()));
+            std::future::ready(Ok(()))
+        }),
+        4,
+    );
+    h.events.wait_count(h.patience * 2, "succeeded", 25).await;
+    // Time for a duplicate to show up.
+    tokio::time::sleep(MS(300)).await;
+    consumer.shutdown().await.unwrap();
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    let expected: Vec<(u32, String)> = (0..25).zip(ids.iter().cloned()).collect();
+    assert_eq!(
+        seen, expected,
+        "each payload ran once, under its returned id"
+    );
+    assert_eq!(h.events.names().len(), 25, "no other outcome");
+    assert!(backend.failure_records(&h.queue).await.is_empty());
+}
+
+/// A batch dispatched with a delay: on a backend that can delay, no message
+/// runs before the delay; on one that cannot, every message is refused with
+/// `Unsupported` and nothing is sent.
+pub async fn delayed_batch_dispatch(backend: &dyn Backend) {
+    let h = Harness::new(backend, "batch-delayed").await;
+    let job = h.job("batch-delayed").build().unwrap();
+    let options = DispatchOptions {
+        delay: Some(MS(400)),
+        ..Default::default()
+    };
+    let payloads: Vec<Work> = (0..3).map(|id| Work { id }).collect();
+    let calls = Calls::default();
+    let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
+    let sent = Instant::now();
+    let results = h
+        .producer
+        .dispatch_batch_with(&job, &payloads, options)
+        .await;
+    assert_eq!(results.len(), 3);
+    if !h.driver.capabilities().delayed_dispatch {
+        for result in results {
+            assert_eq!(result.unwrap_err().kind(), ErrorKind::Unsupported);
+        }
+        tokio::time::sleep(MS(500)).await;
+        consumer.shutdown().await.unwrap();
+        assert!(calls.times().is_empty(), "a refused batch sent nothing");
+        return;
+    }
+    for result in results {
+        result.unwrap();
+    }
+    h.events.wait_count(h.patience, "succeeded", 3).await;
+    consumer.shutdown().await.unwrap();
+    for ran in calls.times() {
+        assert!(ran - sent >= MS(400), "delivered after {:?}", ran - sent);
+    }
+}
+
+/// In a batch, a message over the size limit is refused alone, before any
+/// I/O, with `NotAccepted`; the messages before and after it are sent and
+/// run.
+pub async fn oversize_message_in_a_batch_is_refused_alone(backend: &dyn Backend) {
+    let h = Harness::new(backend, "batch-oversize").await;
+    let limit = size_limit(&h);
+    let job = Job::<Padded>::builder("batch-oversize")
+        .queue(h.queue.clone())
+        .build()
+        .unwrap();
+    let small = |pad: &str| {
+        let envelope = Envelope::new(job.name(), serde_json::json!({ "pad": pad }));
+        jobrail_native::Outgoing {
+            id: envelope.id.clone(),
+            body: envelope.encode(),
+            delay: None,
+        }
+    };
+    let over = envelope_of_size(job.name(), limit + 1);
+    let messages = vec![
+        small("a"),
+        jobrail_native::Outgoing {
+            id: over.id.clone(),
+            body: over.encode(),
+            delay: None,
+        },
+        small("bb"),
+    ];
+    let results = h.producer.send_batch(&h.queue, messages).await;
+    assert_eq!(results.len(), 3, "one answer per message");
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    let err = results[1]
+        .as_ref()
+        .expect_err("the oversize message was accepted");
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+    assert!(err.to_string().contains(&limit.to_string()), "{err}");
+    assert!(results[2].is_ok(), "{:?}", results[2]);
+
+    let (registry, seen) = recording_pads(&job);
+    let consumer = h.start(registry, 2);
+    h.events.wait_count(h.patience, "succeeded", 2).await;
+    tokio::time::sleep(MS(300)).await;
+    consumer.shutdown().await.unwrap();
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, [1, 2], "only the two small messages were stored");
     assert!(backend.failure_records(&h.queue).await.is_empty());
 }

@@ -1,4 +1,14 @@
 //! Subscriptions, deliveries and their leases.
+//!
+//! A subscription keeps `ReceiveMessage` calls in flight for its consumer:
+//! when asked for a delivery it starts calls (each for up to ten messages)
+//! while the messages in hand (handed out unsettled, buffered, and the
+//! capacity of the calls in flight) leave room for ten more within the
+//! prefetch, and always one when it has nothing buffered or in flight. So
+//! at most prefetch + 9 messages are held, never a call for fewer than
+//! `min(prefetch, 10)`, and the next messages are already arriving while
+//! the consumer runs the last ones. Acks go through the subscription's
+//! [`Acker`] (`DeleteMessageBatch`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -6,10 +16,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use jobrail::{FailureRecord, Instant, Settlement};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
 
+use super::acks::Acker;
 use super::connection::bounded;
 use super::errors::{error, is_missing_queue, sdk_error};
 use super::publish::decode_body;
@@ -58,10 +70,13 @@ pub(super) struct SqsSubscription {
     url: Arc<str>,
     failure_url: Option<Arc<str>>,
     max_messages: i32,
+    prefetch: usize,
     /// Received, not yet handed out (their leases run).
     buffer: VecDeque<SqsDelivery>,
-    /// The receive call in flight: kept across dropped `next()` futures.
-    pending: Option<JoinHandle<Batch>>,
+    /// The receive calls in flight: kept across dropped `next()` futures.
+    pending: FuturesUnordered<JoinHandle<Batch>>,
+    /// Its deliveries' acks.
+    acker: Arc<Acker>,
 }
 
 impl SqsSubscription {
@@ -73,15 +88,38 @@ impl SqsSubscription {
         prefetch: usize,
     ) -> Result<Self, DriverError> {
         let (url, failure_url) = driver.resolve_work(queue).await?;
+        let (queue, url): (Arc<str>, Arc<str>) = (queue.into(), url.into());
+        let prefetch = prefetch.max(1);
         Ok(SqsSubscription {
             driver: driver.clone(),
-            queue: queue.into(),
-            url: url.into(),
+            acker: Arc::new(Acker::new(
+                driver.clone(),
+                queue.clone(),
+                url.clone(),
+                prefetch,
+            )),
+            queue,
+            url,
             failure_url: failure_url.map(Into::into),
-            max_messages: prefetch.clamp(1, 10) as i32,
+            max_messages: prefetch.min(10) as i32,
+            prefetch,
             buffer: VecDeque::new(),
-            pending: None,
+            pending: FuturesUnordered::new(),
         })
+    }
+
+    /// Starts receive calls while the messages in hand leave room (see the
+    /// module docs).
+    fn top_up(&mut self) {
+        let max = self.max_messages as usize;
+        loop {
+            let idle = self.buffer.is_empty() && self.pending.is_empty();
+            let held = self.acker.out() + self.buffer.len() + self.pending.len() * max;
+            if !idle && held + max > self.prefetch {
+                return;
+            }
+            self.pending.push(self.start_receive());
+        }
     }
 
     /// Starts a `ReceiveMessage` call in its own task.
@@ -90,6 +128,7 @@ impl SqsSubscription {
         let queue = self.queue.clone();
         let url = self.url.clone();
         let failure_url = self.failure_url.clone();
+        let acker = self.acker.clone();
         let max = self.max_messages;
         tokio::spawn(async move {
             let config = &driver.inner.config;
@@ -141,6 +180,8 @@ impl SqsSubscription {
                 let body = decode_body(message.body().unwrap_or_default(), is_base64(message));
                 let hold = Hold::start(driver.clone(), url.clone(), receipt, received);
                 batch.push(SqsDelivery {
+                    acker: acker.clone(),
+                    out: false,
                     queue: queue.clone(),
                     failure_url: failure_url.clone(),
                     message_id: message.message_id().unwrap_or_default().to_string(),
@@ -158,29 +199,36 @@ impl SqsSubscription {
 #[async_trait]
 impl Subscription for SqsSubscription {
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
-        let life = &self.driver.inner.life;
+        let driver = self.driver.clone();
+        let life = &driver.inner.life;
         loop {
             if life.is_stopped() {
                 self.buffer.clear();
+                self.acker.set_buffered(0);
                 return None;
             }
-            if let Some(delivery) = self.buffer.pop_front() {
+            if let Some(mut delivery) = self.buffer.pop_front() {
+                delivery.out = true;
+                self.acker.handed_out();
+                self.acker.set_buffered(self.buffer.len());
+                self.top_up();
                 return Some(Ok(Box::new(delivery)));
             }
-            if self.pending.is_none() {
-                self.pending = Some(self.start_receive());
-            }
-            let Some(pending) = self.pending.as_mut() else {
-                continue;
-            };
-            // Cancel-safe: if this future is dropped here, `pending` stays.
+            self.top_up();
+            // Cancel-safe: if this future is dropped here, the calls stay
+            // in `pending`.
             let joined = tokio::select! {
                 _ = life.stopped() => continue,
-                joined = pending => joined,
+                joined = self.pending.next() => joined,
             };
-            self.pending = None;
+            let Some(joined) = joined else {
+                continue;
+            };
             match joined {
-                Ok(Ok(batch)) => self.buffer.extend(batch),
+                Ok(Ok(batch)) => {
+                    self.buffer.extend(batch);
+                    self.acker.set_buffered(self.buffer.len());
+                }
                 Ok(Err(e)) => return Some(Err(e)),
                 Err(e) => {
                     return Some(Err(failed(
@@ -207,16 +255,17 @@ impl Subscription for SqsSubscription {
 impl Drop for SqsSubscription {
     fn drop(&mut self) {
         let buffered: Vec<SqsDelivery> = self.buffer.drain(..).collect();
-        let pending = self.pending.take();
-        if buffered.is_empty() && pending.is_none() {
+        let pending = std::mem::take(&mut self.pending);
+        if buffered.is_empty() && pending.is_empty() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        self.acker.set_buffered(0);
         runtime.spawn(async move {
             let mut unseen = buffered;
-            if let Some(pending) = pending {
+            for pending in pending {
                 if let Ok(Ok(batch)) = pending.await {
                     unseen.extend(batch);
                 }
@@ -414,6 +463,10 @@ async fn renew(
 }
 
 pub(super) struct SqsDelivery {
+    /// Its subscription's acks.
+    acker: Arc<Acker>,
+    /// Handed out and not yet settling: counted by the acker.
+    out: bool,
     queue: Arc<str>,
     failure_url: Option<Arc<str>>,
     message_id: String,
@@ -425,6 +478,14 @@ pub(super) struct SqsDelivery {
 }
 
 impl SqsDelivery {
+    /// No longer counted as handed out (settling otherwise than by ack, or
+    /// dropped).
+    fn leave(&mut self) {
+        if std::mem::take(&mut self.out) {
+            self.acker.left();
+        }
+    }
+
     async fn retry(&mut self, delay: Option<Duration>) -> Result<(), DriverError> {
         let Some(delay) = delay else {
             // Driver timing: back when the current visibility ends.
@@ -538,13 +599,20 @@ impl Delivery for SqsDelivery {
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
         self.hold.stop_renewal().await;
         if self.hold.driver.inner.life.is_stopped() {
+            self.leave();
             return Err(error(
                 ErrorKind::Stopped,
                 "the sqs driver has been stopped; the message returns when its visibility ends",
             ));
         }
+        if let Settlement::Ack = settlement {
+            // Coalesced with the subscription's other acks.
+            let out = std::mem::take(&mut self.out);
+            return self.acker.ack(self.hold.receipt.clone(), out).await;
+        }
+        self.leave();
         match settlement {
-            Settlement::Ack => self.hold.delete().await,
+            Settlement::Ack => Ok(()),
             Settlement::Retry { shutdown: true, .. } => self.hand_back().await,
             Settlement::Retry { delay, .. } => self.retry(*delay).await,
             // SQS cannot drop a message without deleting it: leave it to its
@@ -552,6 +620,12 @@ impl Delivery for SqsDelivery {
             Settlement::Reject => Ok(()),
             Settlement::Fail(record) => self.fail(record).await,
         }
+    }
+}
+
+impl Drop for SqsDelivery {
+    fn drop(&mut self) {
+        self.leave();
     }
 }
 

@@ -17,6 +17,7 @@
 //! that text rather than the SDK's, which carries the raw HTTP response.
 
 use std::fmt;
+use std::sync::Arc;
 
 use aws_credential_types::provider::error::CredentialsError;
 use aws_sdk_sqs::error::{ConnectorError, ProvideErrorMetadata, SdkError};
@@ -166,6 +167,47 @@ where
     failed(NAME, kind, what, Sdk(err))
 }
 
+/// `err` as the error of each of `n` messages (a batch call that failed
+/// for all of them): the same kind, and the same cause, shared (an SDK
+/// error cannot be copied), still reached with [`DriverError::find`].
+pub(super) fn fan_out(err: DriverError, n: usize) -> Vec<DriverError> {
+    if n <= 1 {
+        return if n == 1 { vec![err] } else { vec![] };
+    }
+    let kind = err.kind();
+    let shared = Shared(Arc::new(err));
+    (0..n)
+        .map(|_| DriverError::new(NAME, kind, shared.clone()))
+        .collect()
+}
+
+/// The cause of one of several errors [`fan_out`] made from one: its text
+/// and its causes are the original's (without repeating the driver and
+/// kind, which the new error states).
+#[derive(Clone)]
+struct Shared(Arc<DriverError>);
+
+impl fmt::Display for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match std::error::Error::source(&*self.0) {
+            Some(cause) => fmt::Display::fmt(cause, f),
+            None => fmt::Display::fmt(&*self.0, f),
+        }
+    }
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for Shared {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0)?.source()
+    }
+}
+
 /// An SDK error whose text includes its causes; its source is the SDK
 /// error itself.
 struct Sdk<E, R>(SdkError<E, R>);
@@ -249,5 +291,14 @@ mod tests {
             .expect("the SDK error is the cause");
         assert_eq!(code_of(kept), Some("QueueDoesNotExist"));
         assert!(err.find::<SendMessageError>().is_some());
+
+        // Shared by the messages of a batch call: same kind, text and cause.
+        let all = fan_out(err, 3);
+        assert_eq!(all.len(), 3);
+        for each in &all {
+            assert_eq!(each.kind(), ErrorKind::NotAccepted);
+            assert_eq!(each.to_string(), text);
+            assert!(each.find::<SdkError<SendMessageError, ()>>().is_some());
+        }
     }
 }

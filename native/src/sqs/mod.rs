@@ -194,6 +194,7 @@
 //! - `errors`: SDK errors as driver errors, with the SDK's error as cause.
 //! - `testing` (feature `testing`): helpers for the test suites.
 
+mod acks;
 mod config;
 mod connection;
 mod delivery;
@@ -319,6 +320,16 @@ impl Driver for SqsDriver {
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
         self.inner.life.check_running()?;
         self.dispatch(queue, message).await
+    }
+
+    /// `SendMessageBatch`, up to 10 messages and 256 KiB per call, the
+    /// calls in flight together (see the [module documentation](self#dispatch)).
+    async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        self.dispatch_batch(queue, messages).await
     }
 
     async fn subscribe(

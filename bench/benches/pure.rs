@@ -1,2 +1,132 @@
-//! Placeholder: filled by the throughput work.
-fn main() {}
+//! The pure path: what the rules cost for one successful delivery.
+//!
+//! - facade: `Registry::process` (envelope decode, lookup, payload decode,
+//!   tier-one executor, settlement decision, event) and `Registry::settled`
+//!   (counters, metrics, event sink) for each body;
+//! - baseline: one `serde_json::from_slice` of the same body into a struct
+//!   mirroring the envelope with the payload typed, then the same handler
+//!   called with a context made once.
+//!
+//! 50,000 deliveries per round (5,000 under `BENCH_QUICK=1`), both sides on a
+//! tokio worker in interleaved rounds. Target (issue 13): at most 1.5x the
+//! baseline, and below 400 ns per job on the reference machine.
+//!
+//! Run: `cargo bench -p jobrail-bench --bench pure`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use jobrail::{CancelToken, Envelope, Incoming, Job, JobContext, JobError, Registry, Runtime};
+use jobrail_bench::{reset_results, runtime, selected, size, time_on_worker, Comparison};
+use jobrail_native::TokioRuntime;
+use serde::{Deserialize, Serialize};
+
+const BENCH: &str = "pure";
+/// The target per job, on the reference machine.
+const TARGET_NS: f64 = 400.0;
+
+#[derive(Serialize, Deserialize)]
+struct Work {
+    id: u64,
+    name: String,
+}
+
+async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
+    std::hint::black_box(&work);
+    Ok(())
+}
+
+/// The envelope as a hand-written consumer would decode it: one pass, the
+/// payload typed.
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct TypedEnvelope {
+    v: u32,
+    id: String,
+    job: String,
+    payload: Work,
+    dispatched_at_ms: u64,
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
+}
+
+fn bodies(n: u64) -> Arc<Vec<Vec<u8>>> {
+    Arc::new(
+        (0..n)
+            .map(|id| {
+                Envelope::new("work", serde_json::json!({"id": id, "name": "report"})).encode()
+            })
+            .collect(),
+    )
+}
+
+fn main() {
+    reset_results(BENCH);
+    let rt = runtime();
+    let n = size(50_000);
+    let work = format!("`Registry::process` + `settled`, {n} successful deliveries");
+    if !selected(&work) {
+        return;
+    }
+    let bodies = bodies(n);
+
+    let job = Job::<Work>::builder("work").build().unwrap();
+    let mut registry = Registry::new();
+    registry.register(&job, handler).unwrap();
+    let registry = Arc::new(registry);
+    let jobrail_runtime: Arc<dyn Runtime> = Arc::new(TokioRuntime);
+    let cancel = CancelToken::new();
+
+    let comparison = Comparison::new(
+        BENCH,
+        &work,
+        "one-pass typed `serde_json::from_slice` + handler call",
+        n,
+    )
+    .target(1.5)
+    .run(
+        |_| {
+            let bodies = bodies.clone();
+            let ctx = JobContext::detached(jobrail_runtime.clone());
+            time_on_worker(&rt, async move {
+                for body in bodies.iter() {
+                    let envelope: TypedEnvelope = serde_json::from_slice(body).unwrap();
+                    std::hint::black_box((&envelope.id, &envelope.job, &envelope.metadata));
+                    handler(ctx.clone(), envelope.payload).await.unwrap();
+                }
+            })
+        },
+        |_| {
+            let (bodies, registry) = (bodies.clone(), registry.clone());
+            let (runtime, cancel) = (jobrail_runtime.clone(), cancel.clone());
+            time_on_worker(&rt, async move {
+                for body in bodies.iter() {
+                    let delivery = Incoming {
+                        queue: "default",
+                        body,
+                        attempt: 1,
+                        shutdown_returns: None,
+                        deadline: None,
+                    };
+                    let processed = registry.process(delivery, &runtime, &cancel).await;
+                    registry.settled(&processed, Ok(()));
+                }
+            })
+        },
+    );
+    comparison.report();
+    assert_eq!(
+        registry.stats().job("work").first_attempt,
+        n * comparison.facade_secs.len() as u64,
+        "every delivery succeeded"
+    );
+
+    let facade = jobrail_bench::Spread::of(&comparison.facade_secs);
+    let each_ns = facade.median * 1e9 / n as f64;
+    println!(
+        "facade: {each_ns:.0} ns/job (median; range {:.0} to {:.0}); target below {TARGET_NS:.0} ns/job on the reference machine: {}",
+        facade.min * 1e9 / n as f64,
+        facade.max * 1e9 / n as f64,
+        if each_ns < TARGET_NS { "met" } else { "NOT met" }
+    );
+}

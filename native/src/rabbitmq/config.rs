@@ -67,6 +67,14 @@ pub struct RabbitConfig {
     /// so a longer body is refused before anything is sent instead of
     /// closing the publishing channel on the broker.
     pub max_message_bytes: usize,
+    /// How long acks wait behind a delivery still running (lower in the
+    /// channel's tag order) to be merged with it into one
+    /// `basic.ack multiple=true`, counted from when that delivery was
+    /// handed out (default 5 ms). Past it, they are written one by one,
+    /// so a slow handler holds back the others' acks by at most this much;
+    /// closing the subscription or stopping the driver writes them at once.
+    /// See the module documentation, "Ack runs".
+    pub ack_gap_wait: Duration,
     /// The connection name shown by the broker (`rabbitmqctl list_connections name`).
     pub connection_name: String,
     /// Extra certificate authorities to trust for `amqps://`, PEM-encoded
@@ -92,6 +100,7 @@ impl RabbitConfig {
             delivery_limit: None,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             consumer_timeout: Duration::from_secs(30 * 60),
+            ack_gap_wait: super::acks::GAP_WAIT,
             connection_name: "jobrail-native".into(),
             ca_certificates: None,
         }
@@ -219,6 +228,7 @@ impl fmt::Debug for RabbitConfig {
             .field("delivery_limit", &self.delivery_limit)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("consumer_timeout", &self.consumer_timeout)
+            .field("ack_gap_wait", &self.ack_gap_wait)
             .field("connection_name", &self.connection_name)
             .field(
                 "ca_certificates",

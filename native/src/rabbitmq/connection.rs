@@ -2,7 +2,7 @@
 //! the shared publishing channel, channels for everything else, and a
 //! clean stop.
 
-use std::sync::{Arc, MutexGuard};
+use std::sync::{Arc, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
@@ -10,6 +10,7 @@ use lapin::types::LongString;
 use lapin::{Channel, Connection, ConnectionProperties};
 use tracing::{debug, info};
 
+use super::acks::AckRuns;
 use super::errors::{answer, bounded, error};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
@@ -27,7 +28,7 @@ const RELEASED_CHANNELS_WAIT: Duration = Duration::from_secs(2);
 /// The live connection and its publishing channel.
 pub(super) struct Link {
     connection: Arc<Connection>,
-    publisher: Option<Channel>,
+    publisher: Option<Arc<Channel>>,
 }
 
 /// Whether a released channel may still have a close in flight.
@@ -85,7 +86,14 @@ impl RabbitDriver {
     }
 
     /// A channel in confirm mode for publishing, shared by the driver.
-    pub(super) async fn publisher(&self) -> Result<Channel, DriverError> {
+    ///
+    /// While it is live this reads it under a read lock and nothing else:
+    /// concurrent publishes do not wait for each other. Only opening it (or
+    /// reconnecting) takes the connection's async mutex.
+    pub(super) async fn publisher(&self) -> Result<Arc<Channel>, DriverError> {
+        if let Some(channel) = self.live_publisher() {
+            return Ok(channel);
+        }
         let connection = self.connection().await?;
         let mut link = self.inner.link.lock().await;
         let Some(link) = link
@@ -115,8 +123,46 @@ impl RabbitDriver {
             channel.confirm_select(ConfirmSelectOptions::default()),
         )
         .await?;
+        let channel = Arc::new(channel);
         link.publisher = Some(channel.clone());
+        *self
+            .inner
+            .publisher
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some(channel.clone());
         Ok(channel)
+    }
+
+    /// The publishing channel, if it is open.
+    fn live_publisher(&self) -> Option<Arc<Channel>> {
+        self.inner
+            .publisher
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .filter(|c| c.status().connected())
+            .cloned()
+    }
+
+    /// Tracks a consuming channel's ack runs, so that `stop` drains them.
+    pub(super) fn track(&self, runs: &Arc<AckRuns>) {
+        let mut all = lock(&self.inner.ack_runs);
+        all.retain(|r| r.strong_count() > 0);
+        all.push(Arc::downgrade(runs));
+    }
+
+    /// Writes every settlement the ack runs still hold (see
+    /// [`AckRuns::drain`]), waiting up to `limit` in all.
+    async fn drain_ack_runs(&self, limit: Duration) {
+        let runs: Vec<_> = lock(&self.inner.ack_runs)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let deadline = tokio::time::Instant::now() + limit;
+        for runs in runs {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            runs.drain(left).await;
+        }
     }
 
     /// Opens a channel on the (re-established if needed) connection.
@@ -150,7 +196,16 @@ impl RabbitDriver {
     /// connection, then waits for lapin's IO loop to end.
     pub(super) async fn disconnect(&self) -> Result<(), DriverError> {
         self.inner.lifecycle.stop();
+        let limit = self.inner.config.operation_timeout;
+        // Settlements requested before the stop are written before the
+        // connection closes: nothing settled comes back.
+        self.drain_ack_runs(limit.min(RELEASED_CHANNELS_WAIT)).await;
         let link = self.inner.link.lock().await.take();
+        *self
+            .inner
+            .publisher
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = None;
         let Some(Link {
             connection,
             publisher,
@@ -158,7 +213,6 @@ impl RabbitDriver {
         else {
             return Ok(());
         };
-        let limit = self.inner.config.operation_timeout;
         self.await_released_channels(limit.min(RELEASED_CHANNELS_WAIT))
             .await;
         let mut closed = Ok(());

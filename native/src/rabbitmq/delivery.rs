@@ -6,14 +6,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt;
 use jobrail::{FailureRecord, Settlement};
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    BasicRejectOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel};
+use lapin::BasicProperties;
+use std::sync::Arc;
 use tracing::{error, warn};
 
+use super::acks::{AckRuns, Single};
 use super::config::RabbitConfig;
 use super::errors::{bounded, config_error, error};
 use super::{RabbitDriver, ATTEMPTS_HEADER, CONSUMER_TIMEOUT_MARGIN, SHUTDOWNS_HEADER};
@@ -58,7 +57,8 @@ pub(super) struct RabbitSubscription {
     driver: RabbitDriver,
     queue: String,
     prefetch: u16,
-    current: Option<(Channel, lapin::Consumer)>,
+    /// The channel (with its ack runs) and the consumer on it.
+    current: Option<(Arc<AckRuns>, lapin::Consumer)>,
     /// The wait before the next attempt to resume consuming.
     reconnect: Reconnect,
 }
@@ -117,14 +117,16 @@ impl RabbitSubscription {
             ),
         )
         .await?;
-        self.current = Some((channel, consumer));
+        let runs = AckRuns::new(channel, driver.inner.config.ack_gap_wait, limit);
+        driver.track(&runs);
+        self.current = Some((runs, consumer));
         Ok(())
     }
 
     /// Lets go of the current channel (see [`RabbitDriver::release`]).
     fn release(&mut self) {
-        if let Some((channel, _)) = self.current.take() {
-            self.driver.release(&channel);
+        if let Some((runs, _)) = self.current.take() {
+            self.driver.release(runs.channel());
         }
     }
 }
@@ -144,13 +146,18 @@ impl Subscription for RabbitSubscription {
     /// already pushed but the consumer never took return to the queue when
     /// the channel closes, and the broker counts that as a delivery.
     async fn close(&mut self) {
-        if let Some((channel, consumer)) = &self.current {
+        if let Some((runs, consumer)) = &self.current {
             let limit = self.driver.inner.config.operation_timeout;
             let tag = consumer.tag();
-            let cancel = channel.basic_cancel(tag.as_str(), BasicCancelOptions::default());
+            let cancel = runs
+                .channel()
+                .basic_cancel(tag.as_str(), BasicCancelOptions::default());
             if let Err(e) = bounded(limit, "basic.cancel", ErrorKind::Connection, cancel).await {
                 warn!(queue = %self.queue, "could not cancel the consumer: {e}");
             }
+            // Acks waiting behind a running delivery are written now, and
+            // those still to come without waiting.
+            runs.drain(limit).await;
         }
         self.release();
     }
@@ -163,7 +170,7 @@ impl Subscription for RabbitSubscription {
                 self.release();
                 return None;
             }
-            let Some((channel, consumer)) = self.current.as_mut() else {
+            let Some((runs, consumer)) = self.current.as_mut() else {
                 match self.open().await {
                     Ok(()) => {
                         self.reconnect.succeeded();
@@ -194,10 +201,11 @@ impl Subscription for RabbitSubscription {
                 Some(Ok(delivery)) => {
                     let attempt = attempt_of(&delivery.properties);
                     let shutdowns = header_count(&delivery.properties, SHUTDOWNS_HEADER);
+                    runs.handed_out(delivery.delivery_tag);
                     return Some(Ok(Box::new(RabbitDelivery {
                         driver: self.driver.clone(),
                         queue: self.queue.clone(),
-                        channel: channel.clone(),
+                        runs: runs.clone(),
                         tag: delivery.delivery_tag,
                         message_id: delivery
                             .properties
@@ -262,8 +270,9 @@ fn attempt_of(properties: &BasicProperties) -> u32 {
 struct RabbitDelivery {
     driver: RabbitDriver,
     queue: String,
-    /// The channel the delivery came on: its tag means nothing elsewhere.
-    channel: Channel,
+    /// The channel the delivery came on (its tag means nothing elsewhere),
+    /// whose ack runs write its settlement.
+    runs: Arc<AckRuns>,
     tag: u64,
     message_id: Option<String>,
     body: Vec<u8>,
@@ -286,7 +295,7 @@ impl RabbitDelivery {
     }
 
     fn check_channel(&self) -> Result<(), DriverError> {
-        if self.channel.status().connected() {
+        if self.runs.channel().status().connected() {
             Ok(())
         } else {
             Err(self.channel_gone())
@@ -295,48 +304,20 @@ impl RabbitDelivery {
 
     async fn ack(&mut self) -> Result<(), DriverError> {
         self.check_channel()?;
-        let limit = self.driver.inner.config.operation_timeout;
         self.settled = true;
-        bounded(
-            limit,
-            "basic.ack",
-            ErrorKind::Connection,
-            self.channel.basic_ack(self.tag, BasicAckOptions::default()),
-        )
-        .await
+        self.runs.ack(self.tag).await
     }
 
     async fn reject(&mut self) -> Result<(), DriverError> {
         self.check_channel()?;
-        let limit = self.driver.inner.config.operation_timeout;
         self.settled = true;
-        bounded(
-            limit,
-            "basic.reject",
-            ErrorKind::Connection,
-            self.channel
-                .basic_reject(self.tag, BasicRejectOptions { requeue: false }),
-        )
-        .await
+        self.runs.single(self.tag, Single::Reject).await
     }
 
     async fn requeue(&mut self) -> Result<(), DriverError> {
         self.check_channel()?;
-        let limit = self.driver.inner.config.operation_timeout;
         self.settled = true;
-        bounded(
-            limit,
-            "basic.nack",
-            ErrorKind::Connection,
-            self.channel.basic_nack(
-                self.tag,
-                BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                },
-            ),
-        )
-        .await
+        self.runs.single(self.tag, Single::Requeue).await
     }
 
     async fn forward(
@@ -395,26 +376,10 @@ impl Drop for RabbitDelivery {
     /// Unsettled: return the message to the queue now rather than when the
     /// channel closes.
     fn drop(&mut self) {
-        if self.settled || !self.channel.status().connected() {
+        if self.settled || !self.runs.channel().status().connected() {
             return;
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let channel = self.channel.clone();
-            let tag = self.tag;
-            runtime.spawn(async move {
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    channel.basic_nack(
-                        tag,
-                        BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        },
-                    ),
-                )
-                .await;
-            });
-        }
+        self.runs.requeue_later(self.tag);
     }
 }
 

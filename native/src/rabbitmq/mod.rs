@@ -219,6 +219,7 @@
 //! of lapin's errors; `testing.rs` helpers for the test suites (feature
 //! `testing`).
 
+mod acks;
 mod config;
 mod connection;
 mod delivery;
@@ -230,7 +231,7 @@ mod testing;
 mod topology;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -279,7 +280,15 @@ pub const DEFAULT_DELAY_BUCKETS: &[u64] = &[
 
 struct Inner {
     config: RabbitConfig,
+    /// Taken only to connect (or reconnect) and to open the publishing
+    /// channel; a publish on a live channel reads `publisher` instead.
     link: tokio::sync::Mutex<Option<Link>>,
+    /// The live publishing channel, read without waiting by every publish
+    /// (concurrent dispatches share it and take no lock that serialises
+    /// them).
+    publisher: RwLock<Option<Arc<lapin::Channel>>>,
+    /// The ack runs of consuming channels, drained by `stop`.
+    ack_runs: Mutex<Vec<Weak<acks::AckRuns>>>,
     /// Queues declared on the current connection.
     declared: Mutex<HashSet<String>>,
     /// Every queue declared since the driver was made, for the test suites'
@@ -322,6 +331,8 @@ impl RabbitDriver {
             inner: Arc::new(Inner {
                 config,
                 link: tokio::sync::Mutex::new(None),
+                publisher: RwLock::new(None),
+                ack_runs: Mutex::default(),
                 declared: Mutex::default(),
                 #[cfg(feature = "testing")]
                 known: Mutex::default(),
@@ -369,6 +380,16 @@ impl Driver for RabbitDriver {
 
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
         self.dispatch(queue, message).await
+    }
+
+    /// Pipelined: every message published, then every confirm awaited (see
+    /// the module documentation, "Batches").
+    async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        self.dispatch_batch(queue, messages).await
     }
 
     async fn subscribe(

@@ -1,9 +1,14 @@
 //! Sending: a dispatch, a retry's copy and a failure record are each one
 //! persistent, mandatory publish on the driver's confirm channel, waiting
-//! for the broker's confirm.
+//! for the broker's confirm. A batch ([`Driver::send_batch`]) publishes
+//! every message first and then awaits their confirms (pipelined), with one
+//! answer per message.
+
+use std::time::Duration;
 
 use jobrail::FailureRecord;
 use lapin::options::BasicPublishOptions;
+use lapin::publisher_confirm::PublisherConfirm;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 
@@ -48,6 +53,112 @@ impl RabbitDriver {
             .map_err(DriverError::not_sent)?;
         self.publish(&target, &message.body, counted(Some(&message.id), 0, 0))
             .await
+    }
+
+    /// A batch of new messages for `queue` (see [`Driver::send_batch`]):
+    /// each checked as in [`dispatch`](Self::dispatch), then all published
+    /// on the confirm channel one after another without waiting, then their
+    /// confirms awaited (all within one
+    /// [`confirm_timeout`](super::RabbitConfig::confirm_timeout)). One
+    /// answer per message, in order: a message refused before sending, nacked
+    /// or returned is [`ErrorKind::NotAccepted`]; one sent whose confirm was
+    /// lost (the connection ended) or late is [`ErrorKind::Uncertain`].
+    pub(super) async fn dispatch_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        let all_fail = |e: DriverError, n: usize| -> Vec<Result<(), DriverError>> {
+            let text = e.to_string();
+            let kind = e.kind();
+            let mut out = Vec::with_capacity(n);
+            out.push(Err(e));
+            out.extend((1..n).map(|_| Err(error(kind, text.clone()))));
+            out
+        };
+        if messages.is_empty() {
+            return vec![];
+        }
+        let count = messages.len();
+        if let Err(e) = self.inner.lifecycle.check_running() {
+            return all_fail(e, count);
+        }
+        if let Err(e) = self
+            .declare_work(queue)
+            .await
+            .map_err(DriverError::not_sent)
+        {
+            return all_fail(e, count);
+        }
+        // Where each message goes (declaring hold queues first), or why not.
+        let mut targets: Vec<Result<String, DriverError>> = Vec::with_capacity(count);
+        let mut routes: Vec<(Option<Duration>, String)> = vec![];
+        for message in &messages {
+            let target = async {
+                self.capabilities()
+                    .refuse_oversize(NAME, message.body.len())?;
+                let bucket = self.hold_for(message.delay)?;
+                if let Some((_, name)) = routes.iter().find(|(b, _)| *b == bucket) {
+                    return Ok(name.clone());
+                }
+                let name = self
+                    .destination(queue, bucket)
+                    .await
+                    .map_err(DriverError::not_sent)?;
+                routes.push((bucket, name.clone()));
+                Ok(name)
+            }
+            .await;
+            targets.push(target);
+        }
+        let channel = match self.publisher().await.map_err(DriverError::not_sent) {
+            Ok(channel) => channel,
+            Err(e) => return all_fail(e, count),
+        };
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let limit = self.inner.config.operation_timeout;
+        // Publish everything; keep each confirm to await afterwards.
+        let mut pending: Vec<Result<(String, PublisherConfirm), DriverError>> =
+            Vec::with_capacity(count);
+        for (message, target) in messages.iter().zip(targets) {
+            let sent = match target {
+                Err(e) => Err(e),
+                Ok(target) => {
+                    let properties = counted(Some(&message.id), 0, 0).with_delivery_mode(2);
+                    match tokio::time::timeout(
+                        limit,
+                        channel.basic_publish("", &target, options, &message.body, properties),
+                    )
+                    .await
+                    {
+                        Ok(Ok(confirm)) => Ok((target, confirm)),
+                        Ok(Err(e)) => Err(publish_failed(&target, e)),
+                        Err(_) => Err(error(
+                            ErrorKind::Uncertain,
+                            format!("publish to `{target}` did not finish within {limit:?}"),
+                        )),
+                    }
+                }
+            };
+            pending.push(sent);
+        }
+        let limit = self.inner.config.confirm_timeout;
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut results = Vec::with_capacity(count);
+        for sent in pending {
+            results.push(match sent {
+                Err(e) => Err(e),
+                Ok((target, confirm)) => confirmed(
+                    &target,
+                    limit,
+                    tokio::time::timeout_at(deadline, confirm).await,
+                ),
+            });
+        }
+        results
     }
 
     /// A retry's copy of a delivered message, to `target` (the work queue or

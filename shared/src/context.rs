@@ -73,41 +73,35 @@ impl From<DeadlineExceeded> for Interrupted {
 /// ([`Cancelled`], or one wrapping it) hands the delivery back at once,
 /// skipping the cap; a missed deadline ([`DeadlineExceeded`]) is an ordinary
 /// error that follows the job's retry policy.
+///
+/// A context is cheap to clone and to make: what is the same for every
+/// execution of a delivery (names, id, metadata, cancellation, runtime) is
+/// made once per delivery and shared; each execution adds only its attempt
+/// and deadline. The job and queue names are the registered job's own
+/// (shared, not copied) when the delivery comes from the job's queue.
 #[derive(Clone)]
 pub struct JobContext {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    job: String,
-    queue: String,
-    message_id: String,
-    attempt: u32,
+    parts: Arc<ContextParts>,
     in_process_attempt: u32,
-    in_process_limit: u32,
     deadline: Option<Instant>,
-    cancel: CancelToken,
-    runtime: Arc<dyn Runtime>,
-    metadata: BTreeMap<String, String>,
 }
 
 impl fmt::Debug for JobContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("JobContext")
-            .field("job", &self.inner.job)
-            .field("message_id", &self.inner.message_id)
-            .field("attempt", &self.inner.attempt)
-            .field("in_process_attempt", &self.inner.in_process_attempt)
+            .field("job", &self.parts.job)
+            .field("message_id", &self.parts.message_id)
+            .field("attempt", &self.parts.attempt)
+            .field("in_process_attempt", &self.in_process_attempt)
             .finish_non_exhaustive()
     }
 }
 
-/// Everything needed to build a [`JobContext`].
-#[derive(Clone)]
+/// What every execution of one delivery shares, made once per delivery.
 pub(crate) struct ContextParts {
-    pub(crate) job: String,
-    pub(crate) queue: String,
-    pub(crate) message_id: String,
+    pub(crate) job: Arc<str>,
+    pub(crate) queue: Arc<str>,
+    pub(crate) message_id: Box<str>,
     pub(crate) attempt: u32,
     pub(crate) in_process_limit: u32,
     pub(crate) cancel: CancelToken,
@@ -117,78 +111,68 @@ pub(crate) struct ContextParts {
 
 impl JobContext {
     pub(crate) fn new(
-        parts: &ContextParts,
+        parts: &Arc<ContextParts>,
         in_process_attempt: u32,
         deadline: Option<Instant>,
     ) -> Self {
         JobContext {
-            inner: Arc::new(Inner {
-                job: parts.job.clone(),
-                queue: parts.queue.clone(),
-                message_id: parts.message_id.clone(),
-                attempt: parts.attempt,
-                in_process_attempt,
-                in_process_limit: parts.in_process_limit,
-                deadline,
-                cancel: parts.cancel.clone(),
-                runtime: parts.runtime.clone(),
-                metadata: parts.metadata.clone(),
-            }),
+            parts: parts.clone(),
+            in_process_attempt,
+            deadline,
         }
     }
 
     /// A context for calling a handler directly (in unit tests of handlers).
     pub fn detached(runtime: Arc<dyn Runtime>) -> Self {
         let parts = ContextParts {
-            job: String::new(),
-            queue: String::new(),
-            message_id: String::new(),
+            job: Arc::from(""),
+            queue: Arc::from(""),
+            message_id: Box::from(""),
             attempt: 1,
             in_process_limit: 1,
             cancel: CancelToken::new(),
             runtime,
             metadata: BTreeMap::new(),
         };
-        Self::new(&parts, 1, None)
+        Self::new(&Arc::new(parts), 1, None)
     }
 
     /// The job's name.
     pub fn job(&self) -> &str {
-        &self.inner.job
+        &self.parts.job
     }
     /// The queue the message came from.
     pub fn queue(&self) -> &str {
-        &self.inner.queue
+        &self.parts.queue
     }
     /// The message id (fresh per dispatch; not a business identity).
     pub fn message_id(&self) -> &str {
-        &self.inner.message_id
+        &self.parts.message_id
     }
     /// The delivery attempt reported by the driver (first = 1; 0 = unknown).
     pub fn attempt(&self) -> u32 {
-        self.inner.attempt
+        self.parts.attempt
     }
     /// The in-process (tier-one) attempt within this delivery (first = 1).
     pub fn in_process_attempt(&self) -> u32 {
-        self.inner.in_process_attempt
+        self.in_process_attempt
     }
     /// Tier one's limit for this delivery.
     pub fn in_process_limit(&self) -> u32 {
-        self.inner.in_process_limit
+        self.parts.in_process_limit
     }
     /// The envelope's metadata.
     pub fn metadata(&self) -> &BTreeMap<String, String> {
-        &self.inner.metadata
+        &self.parts.metadata
     }
     /// The execution's deadline, if any.
     pub fn deadline(&self) -> Option<Instant> {
-        self.inner.deadline
+        self.deadline
     }
     /// Time left before the deadline (`None`: no deadline).
     pub fn remaining(&self) -> Option<Duration> {
-        self.inner
-            .deadline
-            .map(|d| d.saturating_duration_since(self.inner.runtime.now()))
+        self.deadline
+            .map(|d| d.saturating_duration_since(self.parts.runtime.now()))
     }
     /// `Err(DeadlineExceeded)` once the deadline has passed.
     pub fn check_deadline(&self) -> Result<(), DeadlineExceeded> {
@@ -199,7 +183,7 @@ impl JobContext {
     }
     /// Whether the consumer is shutting down.
     pub fn is_cancelled(&self) -> bool {
-        self.inner.cancel.is_cancelled()
+        self.parts.cancel.is_cancelled()
     }
     /// `Err(Cancelled)` once the consumer is shutting down. Returning that
     /// error (or one wrapping it) settles the delivery as a zero-delay retry.
@@ -212,7 +196,7 @@ impl JobContext {
     }
     /// Completes with [`Cancelled`] when the consumer shuts down.
     pub async fn cancelled(&self) -> Cancelled {
-        self.inner.cancel.cancelled().await;
+        self.parts.cancel.cancelled().await;
         Cancelled::new()
     }
     /// Sleeps on the injected runtime for `duration`, or less: the sleep ends
@@ -246,8 +230,8 @@ impl JobContext {
         if wait.is_zero() {
             return end;
         }
-        let sleep = self.inner.runtime.sleep(wait);
-        let cancelled = self.inner.cancel.cancelled();
+        let sleep = self.parts.runtime.sleep(wait);
+        let cancelled = self.parts.cancel.cancelled();
         match select(sleep, cancelled).await {
             Either::Left(_) => end,
             Either::Right(_) => Err(Cancelled::new().into()),
@@ -255,7 +239,7 @@ impl JobContext {
     }
     /// The runtime's clock.
     pub fn now(&self) -> Instant {
-        self.inner.runtime.now()
+        self.parts.runtime.now()
     }
 }
 
@@ -271,17 +255,17 @@ mod tests {
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
-    fn parts(runtime: Arc<dyn Runtime>, cancel: &CancelToken) -> ContextParts {
-        ContextParts {
-            job: "j".into(),
-            queue: "q".into(),
-            message_id: "m".into(),
+    fn parts(runtime: Arc<dyn Runtime>, cancel: &CancelToken) -> Arc<ContextParts> {
+        Arc::new(ContextParts {
+            job: Arc::from("j"),
+            queue: Arc::from("q"),
+            message_id: Box::from("m"),
             attempt: 1,
             in_process_limit: 1,
             cancel: cancel.clone(),
             runtime,
             metadata: BTreeMap::new(),
-        }
+        })
     }
 
     #[test]

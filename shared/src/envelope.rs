@@ -1,8 +1,10 @@
 //! The wire format every backend carries ([`Envelope`]).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 
 use crate::redact::json_error;
 use crate::runtime::{SystemTime, UNIX_EPOCH};
@@ -73,17 +75,93 @@ impl Envelope {
     }
 
     /// Parses bytes, checking the version.
+    ///
+    /// One parse on success. When the body does not fit the envelope, its
+    /// version is read on its own, so that a message from a newer format is
+    /// reported as [`EnvelopeError::UnsupportedVersion`] even when its other
+    /// fields do not fit this one.
     pub fn decode(body: &[u8]) -> Result<Self, EnvelopeError> {
-        #[derive(Deserialize)]
-        struct Version {
-            v: u32,
+        match serde_json::from_slice::<Envelope>(body) {
+            Ok(envelope) => check_version(envelope.v).map(|()| envelope),
+            Err(e) => Err(not_an_envelope(body, &e)),
         }
-        let version: Version =
-            serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(json_error(&e)))?;
-        if version.v == 0 || version.v > ENVELOPE_VERSION {
-            return Err(EnvelopeError::UnsupportedVersion { found: version.v });
+    }
+}
+
+/// `Ok` for a version this crate reads.
+fn check_version(v: u32) -> Result<(), EnvelopeError> {
+    if v == 0 || v > ENVELOPE_VERSION {
+        Err(EnvelopeError::UnsupportedVersion { found: v })
+    } else {
+        Ok(())
+    }
+}
+
+/// The error for a body that did not decode as an envelope (`error`): an
+/// unsupported version if its `v` says so, whatever the rest holds; else the
+/// version probe's own error (a body that is not JSON, a missing or
+/// mistyped `v`); else `error`. The same answer as reading the version
+/// first and the envelope second, in two parses, on the failure path only.
+fn not_an_envelope(body: &[u8], error: &serde_json::Error) -> EnvelopeError {
+    #[derive(Deserialize)]
+    struct Version {
+        v: u32,
+    }
+    match serde_json::from_slice::<Version>(body) {
+        Err(e) => EnvelopeError::Malformed(json_error(&e)),
+        Ok(Version { v }) => match check_version(v) {
+            Err(unsupported) => unsupported,
+            Ok(()) => EnvelopeError::Malformed(json_error(error)),
+        },
+    }
+}
+
+/// An envelope read in one pass and borrowed from the body: the payload
+/// stays raw JSON (checked, not parsed) until its job's type decodes it, and
+/// the id and job name borrow the body where the JSON has no escapes. What
+/// [`Registry::process`](crate::Registry::process) reads; it decodes exactly
+/// the bodies [`Envelope::decode`] decodes, with the same errors.
+#[derive(Debug, Deserialize)]
+pub(crate) struct EnvelopeView<'a> {
+    pub(crate) v: u32,
+    #[serde(borrow)]
+    pub(crate) id: Cow<'a, str>,
+    #[serde(borrow)]
+    pub(crate) job: Cow<'a, str>,
+    #[serde(borrow)]
+    pub(crate) payload: &'a RawValue,
+    pub(crate) dispatched_at_ms: u64,
+    #[serde(default)]
+    pub(crate) metadata: BTreeMap<String, String>,
+}
+
+impl<'a> EnvelopeView<'a> {
+    /// Reads `body` in one pass, checking the version as [`Envelope::decode`] does.
+    pub(crate) fn decode(body: &'a [u8]) -> Result<Self, EnvelopeError> {
+        match serde_json::from_slice::<EnvelopeView<'a>>(body) {
+            Ok(view) => check_version(view.v).map(|()| view),
+            Err(e) => Err(not_an_envelope(body, &e)),
         }
-        serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(json_error(&e)))
+    }
+
+    /// The payload as a JSON value (for events that include payloads, and
+    /// failure records).
+    pub(crate) fn payload_value(&self) -> serde_json::Value {
+        // The raw payload is JSON the parser has checked; a value too deep
+        // for serde_json's recursion limit reads as null.
+        serde_json::from_str(self.payload.get()).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The owned envelope.
+    pub(crate) fn to_envelope(&self) -> Envelope {
+        Envelope {
+            v: self.v,
+            id: self.id.to_string(),
+            job: self.job.to_string(),
+            payload: self.payload_value(),
+            dispatched_at_ms: self.dispatched_at_ms,
+            metadata: self.metadata.clone(),
+        }
     }
 }
 
@@ -122,5 +200,212 @@ mod tests {
             Envelope::decode(future),
             Err(EnvelopeError::UnsupportedVersion { found: 2 })
         );
+    }
+
+    /// The decode before the one-pass read: the version on its own, then
+    /// the whole envelope, payload as a JSON value.
+    fn two_pass(body: &[u8]) -> Result<Envelope, EnvelopeError> {
+        #[derive(Deserialize)]
+        struct Version {
+            v: u32,
+        }
+        let version: Version =
+            serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(json_error(&e)))?;
+        if version.v == 0 || version.v > ENVELOPE_VERSION {
+            return Err(EnvelopeError::UnsupportedVersion { found: version.v });
+        }
+        serde_json::from_slice(body).map_err(|e| EnvelopeError::Malformed(json_error(&e)))
+    }
+
+    fn view(body: &[u8]) -> Result<Envelope, EnvelopeError> {
+        EnvelopeView::decode(body).map(|view| view.to_envelope())
+    }
+
+    #[test]
+    fn the_version_is_read_before_the_other_fields() {
+        // A newer format whose other fields do not fit this one.
+        for body in [
+            &br#"{"v":2}"#[..],
+            br#"{"job":7,"v":3,"payload":{}}"#,
+            br#"{"id":"a","job":"j","payload":null,"dispatched_at_ms":"soon","v":9}"#,
+        ] {
+            assert_eq!(
+                view(body).unwrap_err(),
+                EnvelopeError::UnsupportedVersion {
+                    found: serde_json::from_slice::<serde_json::Value>(body).unwrap()["v"]
+                        .as_u64()
+                        .unwrap() as u32
+                }
+            );
+            assert_eq!(view(body), two_pass(body));
+            assert_eq!(Envelope::decode(body), two_pass(body));
+        }
+        let zero = br#"{"v":0,"id":"a","job":"j","payload":null,"dispatched_at_ms":0}"#;
+        assert_eq!(
+            view(zero),
+            Err(EnvelopeError::UnsupportedVersion { found: 0 })
+        );
+        // Malformed: the version probe's error, then the envelope's.
+        for body in [
+            &b"not json"[..],
+            br#"{"v":"1","id":"a"}"#,
+            br#"{"id":"a"}"#,
+            br#"{"v":1,"id":"a","job":"j","dispatched_at_ms":0}"#,
+            br#"{"v":1,"id":"4111 1111","job":5,"payload":null,"dispatched_at_ms":0}"#,
+            br#"{"v":1,"id":"a","job":"j","payload":[1,,"dispatched_at_ms":0}"#,
+        ] {
+            let err = view(body).unwrap_err();
+            assert!(matches!(err, EnvelopeError::Malformed(_)), "{err}");
+            assert!(!err.to_string().contains("4111"), "redacted: {err}");
+            assert_eq!(Err(err), two_pass(body));
+            assert_eq!(Envelope::decode(body), two_pass(body));
+        }
+    }
+
+    #[test]
+    fn escaped_strings_metadata_and_unknown_fields() {
+        let body = br#"{"v":1,"id":"a\"b","job":"caf\u00e9","payload":{"x":"\n"},
+            "dispatched_at_ms":5,"metadata":{"t\u0041":"v\/w"},"later":{"field":[1]}}"#;
+        let view = EnvelopeView::decode(body).unwrap();
+        assert_eq!(view.id, "a\"b");
+        assert_eq!(view.job, "café");
+        assert!(
+            matches!(view.id, Cow::Owned(_)),
+            "escaped: unescaped into a copy"
+        );
+        assert_eq!(view.payload.get(), r#"{"x":"\n"}"#);
+        assert_eq!(view.metadata["tA"], "v/w");
+        assert_eq!(Ok(view.to_envelope()), two_pass(body));
+
+        let plain = br#"{"v":1,"id":"m-1","job":"j","payload":7,"dispatched_at_ms":0}"#;
+        let view = EnvelopeView::decode(plain).unwrap();
+        assert!(
+            matches!(view.id, Cow::Borrowed("m-1")),
+            "no escapes: borrowed"
+        );
+        assert!(matches!(view.job, Cow::Borrowed("j")));
+        assert!(view.metadata.is_empty());
+    }
+
+    #[test]
+    fn the_view_round_trips_with_encode() {
+        let mut env = Envelope::new(
+            "build-report",
+            serde_json::json!({"report_id": 7, "note": "a \"quoted\" line\n", "list": [1.5, null]}),
+        );
+        env.metadata.insert("tenant".into(), "ä/\\".into());
+        env.metadata.insert("trace".into(), "t-1".into());
+        let body = env.encode();
+        let view = EnvelopeView::decode(&body).unwrap();
+        assert_eq!(view.to_envelope(), env);
+        assert_eq!(view.payload_value(), env.payload);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(view.payload.get()).unwrap(),
+            env.payload
+        );
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod agreement {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A JSON value of some kind, with escapes in its strings.
+        fn value() -> impl Strategy<Value = serde_json::Value> {
+            use serde_json::{json, Value};
+            let text = prop_oneof![
+                Just("plain".to_string()),
+                Just("quote \" back \\ slash / tab\t".to_string()),
+                Just("é ☃ \u{1F600}".to_string()),
+                Just(String::new()),
+                "[a-z0-9 \"\\\\]{0,8}",
+            ];
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                (0u64..4).prop_map(|n| json!(n)),
+                any::<u64>().prop_map(|n| json!(n)),
+                any::<i64>().prop_map(|n| json!(n)),
+                (-1e6f64..1e6).prop_map(|f| json!(f)),
+                text.prop_map(Value::String),
+            ];
+            leaf.prop_recursive(3, 12, 3, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..3).prop_map(Value::Array),
+                    prop::collection::btree_map("[a-c\"]{1,2}", inner, 0..3)
+                        .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// A field's value: mostly one that fits, sometimes anything.
+        fn field(fits: BoxedStrategy<serde_json::Value>) -> impl Strategy<Value = Option<String>> {
+            prop_oneof![
+                6 => fits.prop_map(|v| Some(v.to_string())),
+                1 => value().prop_map(|v| Some(v.to_string())),
+                1 => Just(None),
+            ]
+        }
+
+        fn body() -> impl Strategy<Value = Vec<u8>> {
+            use serde_json::json;
+            let text = "[a-z0-9\"\\\\é-]{0,6}".prop_map(|t: String| json!(t)).boxed();
+            let fields = (
+                field((0u32..4).prop_map(|v| json!(v)).boxed()),
+                field(text.clone()),
+                field(text.clone()),
+                field(value().boxed()),
+                field(any::<u64>().prop_map(|n| json!(n)).boxed()),
+                field(
+                    prop::collection::btree_map("[a-z\"]{0,3}", "[a-z\\\\]{0,3}", 0..3)
+                        .prop_map(|m| json!(m))
+                        .boxed(),
+                ),
+                field(value().boxed()),
+            );
+            (
+                fields,
+                any::<prop::sample::Index>(),
+                0usize..64,
+                any::<bool>(),
+            )
+                .prop_map(
+                    |((v, id, job, payload, at, metadata, extra), order, cut, truncate)| {
+                        let mut pairs: Vec<String> = [
+                            ("v", v),
+                            ("id", id),
+                            ("job", job),
+                            ("payload", payload),
+                            ("dispatched_at_ms", at),
+                            ("metadata", metadata),
+                            ("later", extra),
+                        ]
+                        .into_iter()
+                        .filter_map(|(name, value)| {
+                            value.map(|value| format!("\"{name}\":{value}"))
+                        })
+                        .collect();
+                        let turn = order.index(pairs.len().max(1));
+                        let len = pairs.len();
+                        pairs.rotate_left(turn.min(len));
+                        let mut body = format!("{{{}}}", pairs.join(",")).into_bytes();
+                        if truncate {
+                            body.truncate(body.len().saturating_sub(cut));
+                        }
+                        body
+                    },
+                )
+        }
+
+        proptest! {
+            /// The one-pass view decodes exactly what the two-pass decode
+            /// decoded, into the same envelope, and fails with the same error.
+            #[test]
+            fn the_view_agrees_with_the_two_pass_decode(body in body()) {
+                let old = two_pass(&body);
+                prop_assert_eq!(&view(&body), &old);
+                prop_assert_eq!(&Envelope::decode(&body), &old);
+            }
+        }
     }
 }

@@ -12,6 +12,7 @@
 //! the broker wait instead), when the next wait would pass the delivery's
 //! deadline, and when the consumer shuts down.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::{select, Either};
@@ -43,8 +44,8 @@ fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
 
 pub(crate) async fn run_tiers(
     spec: &JobSpec,
-    run: impl Fn(JobContext) -> BoxFuture<'static, Result<(), JobError>>,
-    parts: &ContextParts,
+    mut run: impl FnMut(JobContext) -> BoxFuture<'static, Result<(), JobError>>,
+    parts: &Arc<ContextParts>,
     meter: &Meter<'_>,
     delivery_deadline: Option<Instant>,
 ) -> TierRun {
@@ -52,16 +53,27 @@ pub(crate) async fn run_tiers(
     let limit = spec.tier_one.attempts.max(1);
     let mut executions = 0;
     let mut attempt = 1;
+    // The clock is read only for a timeout, or for the duration metric
+    // when a recorder takes it.
+    let timed = crate::metrics::recording();
     loop {
-        let now = runtime.now();
-        let timeout_deadline = spec.timeout.and_then(|t| now.checked_add(t));
+        let now = (timed || spec.timeout.is_some()).then(|| runtime.now());
+        let timeout_deadline = spec
+            .timeout
+            .zip(now)
+            .and_then(|(t, now)| now.checked_add(t));
         let ctx = JobContext::new(
             parts,
             attempt,
             earliest(timeout_deadline, delivery_deadline),
         );
         let result = catch_panics(|| run(ctx)).await;
-        meter.executed(result.is_ok(), runtime.now().saturating_duration_since(now));
+        if let Some(started) = now.filter(|_| timed) {
+            meter.executed(
+                result.is_ok(),
+                runtime.now().saturating_duration_since(started),
+            );
+        }
         executions += 1;
         feed_breaker(spec, &result);
         let err = match result {

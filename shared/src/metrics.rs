@@ -7,8 +7,14 @@
 //! ([`Registry::settled`](crate::Registry::settled)), an execution where
 //! tier one runs the handler, a settlement's latency where the pipeline waits
 //! for the backend, a breaker's state where it changes. Nothing here does
-//! I/O, so the crate still builds for wasm32; without a recorder each
-//! recording is a call into the facade's no-op recorder.
+//! I/O, so the crate still builds for wasm32.
+//!
+//! Without a recorder the hooks cost next to nothing: each asks the facade
+//! once which recorder is current ([`recording`]) and, when it is the no-op
+//! one, registers no handle and reads no clock (the handler and settlement
+//! durations are timed only when a recorder will take them). The question
+//! is asked at each hook, not cached, because a recorder can be installed
+//! later or set for one thread (`metrics::set_default_local_recorder`).
 //!
 //! Labels are job and queue names, plus a few closed sets of words
 //! (`outcome`, `kind`, `tier`, `settlement`, `error`, `result`). Job names
@@ -209,6 +215,15 @@ fn labelled(
     Key::from_parts(name, labels)
 }
 
+/// Whether a recorder other than the facade's no-op one is current (a
+/// thread-local one, else the global one). The facade's no-op recorder, used
+/// while none is installed, is a unit struct: the current recorder is taken
+/// for it when it has no state at all, which no exporter is (every one holds
+/// its registry or its connection).
+pub(crate) fn recording() -> bool {
+    ::metrics::with_recorder(|recorder| std::mem::size_of_val(recorder) != 0)
+}
+
 fn counter(key: &Key) -> Counter {
     ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
 }
@@ -226,6 +241,9 @@ impl JobMeter {
         settlement: &Settlement,
         outcome: Result<(), &SettlementError>,
     ) {
+        if !recording() {
+            return;
+        }
         counter(&self.deliveries).increment(1);
         let error = match outcome {
             Ok(()) => {
@@ -253,12 +271,14 @@ impl JobMeter {
         counter(&Key::from_parts(SETTLEMENT_ERRORS, labels)).increment(1);
     }
 
-    /// The backend answered a `settlement` request after `took`.
+    /// The backend answered a `settlement` request after `took` (the caller
+    /// times it only when [`recording`]).
     pub(crate) fn settlement_took(&self, settlement: &Settlement, took: Duration) {
         histogram(&self.settlement[settlement_index(settlement)]).record(took.as_secs_f64());
     }
 
-    /// One handler execution ended after `took`.
+    /// One handler execution ended after `took` (the caller times it only
+    /// when [`recording`]).
     pub(crate) fn executed(&self, ok: bool, took: Duration) {
         let i = usize::from(!ok);
         counter(&self.executions[i]).increment(1);
@@ -268,6 +288,9 @@ impl JobMeter {
     /// One handler execution brought its host down (a panic where panics
     /// abort): counted as an error; its duration is unknown.
     pub(crate) fn crashed_execution(&self) {
+        if !recording() {
+            return;
+        }
         counter(&self.executions[1]).increment(1);
     }
 }

@@ -195,15 +195,18 @@ impl Registry {
         processed: Processed,
         runtime: &Arc<dyn Runtime>,
     ) -> Delivered {
-        let started = runtime.now();
+        // Timed only when a recorder takes the duration.
+        let started = crate::metrics::recording().then(|| runtime.now());
         let settling = settle_within_budget(handle, &processed.settlement, runtime);
         let outcome = match guarded(settling).await {
             Ok(outcome) => outcome,
             Err(panicked) => Err(SettlementError::new(ErrorKind::Uncertain, panicked)),
         };
         let meter = self.meter(&processed.event.job, &processed.event.queue);
-        let took = runtime.now().saturating_duration_since(started);
-        meter.settlement_took(&processed.settlement, took);
+        if let Some(started) = started {
+            let took = runtime.now().saturating_duration_since(started);
+            meter.settlement_took(&processed.settlement, took);
+        }
         self.report(&processed, outcome.as_ref().map(|_| ()), &meter);
         Delivered { processed, outcome }
     }

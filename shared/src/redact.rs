@@ -58,6 +58,17 @@ const KINDS: &[&str] = &[
 ///
 /// [`Registry::events_include_payload`]: crate::Registry::events_include_payload
 pub fn json_error(err: &serde_json::Error) -> String {
+    redacted(err, true)
+}
+
+/// [`json_error`] without the position: a payload decoded from its raw
+/// JSON reports the text it reported when it was decoded from a parsed
+/// value (which has no position), so failure reasons stay as they were.
+pub(crate) fn json_error_unplaced(err: &serde_json::Error) -> String {
+    redacted(err, false)
+}
+
+fn redacted(err: &serde_json::Error, placed: bool) -> String {
     let full = err.to_string();
     let message = if err.line() == 0 {
         full.as_str()
@@ -70,7 +81,7 @@ pub fn json_error(err: &serde_json::Error) -> String {
         Category::Data => data_error(message),
         Category::Io => "I/O error".to_string(),
     };
-    if err.line() == 0 {
+    if err.line() == 0 || !placed {
         text
     } else {
         format!("{text} at line {} column {}", err.line(), err.column())

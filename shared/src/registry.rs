@@ -1,5 +1,7 @@
 //! The registry of handlers and the processing of one delivery ([`Registry`]).
 
+use std::any::Any;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
@@ -10,7 +12,7 @@ use serde::de::DeserializeOwned;
 
 use crate::cancel::CancelToken;
 use crate::context::{ContextParts, JobContext};
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, EnvelopeError, EnvelopeView};
 use crate::error::JobError;
 use crate::error::Panicked;
 use crate::event::{Event, EventKind, EventSink};
@@ -28,7 +30,15 @@ use crate::settle::{
     exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind,
     Settlement, UnknownNameAttempts, SHUTDOWN_GRACE, UNKNOWN_NAME_RETRY_DELAY,
 };
-use crate::stats::{Resolution, Stats, UNREGISTERED_JOBS};
+use crate::stats::{Count, Counters, Resolution, Stats, UNREGISTERED_JOBS};
+
+/// A payload decoded for its job's handler, its type erased: decoded once,
+/// when the delivery is prepared, and handed to the first execution.
+#[cfg(not(target_arch = "wasm32"))]
+type AnyPayload = Box<dyn Any + Send>;
+/// A payload decoded for its job's handler, its type erased.
+#[cfg(target_arch = "wasm32")]
+type AnyPayload = Box<dyn Any>;
 
 /// A job whose payload type has been erased, so handlers of different types
 /// can live in one registry.
@@ -37,18 +47,29 @@ trait ErasedJob: MaybeSend + MaybeSync {
     fn spec_mut(&mut self) -> &mut JobSpec;
     /// The keys of its metrics on its queue.
     fn meter(&self) -> &JobMeter;
-    /// Decodes and validates the payload without running anything.
-    fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure>;
+    /// Its counters in the registry's [`Stats`].
+    fn counters(&self) -> &Counters;
+    /// Its name and queue, shared with the contexts of its deliveries.
+    fn names(&self) -> (&Arc<str>, &Arc<str>);
+    /// Decodes the raw JSON payload (once) and validates it, without
+    /// running anything.
+    fn prepare(&self, payload: &str) -> Result<AnyPayload, Failure>;
+    /// Starts one execution: with the payload `prepare` decoded (the first
+    /// execution), or decoding `payload` again (a tier-one retry).
     fn run(
         &self,
         ctx: JobContext,
-        payload: &serde_json::Value,
+        prepared: Option<AnyPayload>,
+        payload: &str,
     ) -> BoxFuture<'static, Result<(), JobError>>;
 }
 
 struct TypedJob<P, H> {
     spec: JobSpec,
     meter: JobMeter,
+    counters: Arc<Counters>,
+    name: Arc<str>,
+    queue: Arc<str>,
     job: Job<P>,
     handler: H,
 }
@@ -71,27 +92,40 @@ where
         &self.meter
     }
 
-    fn prepare(&self, payload: &serde_json::Value) -> Result<(), Failure> {
-        let typed = P::deserialize(payload).map_err(|e| Failure {
+    fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn names(&self) -> (&Arc<str>, &Arc<str>) {
+        (&self.name, &self.queue)
+    }
+
+    fn prepare(&self, payload: &str) -> Result<AnyPayload, Failure> {
+        let typed: P = serde_json::from_str(payload).map_err(|e| Failure {
             kind: FailureKind::UndecodablePayload,
             message: format!(
                 "payload does not decode as job `{}`: {}",
                 self.spec.name,
-                crate::redact::json_error(&e)
+                crate::redact::json_error_unplaced(&e)
             ),
         })?;
         self.job.validate_payload(&typed).map_err(|e| Failure {
             kind: FailureKind::InvalidPayload,
             message: format!("payload failed validation: {e}"),
-        })
+        })?;
+        Ok(Box::new(typed))
     }
 
     fn run(
         &self,
         ctx: JobContext,
-        payload: &serde_json::Value,
+        prepared: Option<AnyPayload>,
+        payload: &str,
     ) -> BoxFuture<'static, Result<(), JobError>> {
-        match P::deserialize(payload) {
+        if let Some(typed) = prepared.and_then(|p| p.downcast::<P>().ok()) {
+            return Box::pin((self.handler)(ctx, *typed));
+        }
+        match serde_json::from_str::<P>(payload) {
             Ok(typed) => Box::pin((self.handler)(ctx, typed)),
             Err(e) => Box::pin(std::future::ready(Err(JobError::permanent(e)))),
         }
@@ -134,6 +168,8 @@ pub struct Registry {
     sink: Option<Arc<dyn EventSink>>,
     include_payload: bool,
     stats: Arc<Stats>,
+    /// The counters of deliveries of names no handler is registered for.
+    unregistered: Arc<Counters>,
     /// Metric keys of deliveries no registered job's keys fit, by queue
     /// and counted job name: a registered name or [`UNREGISTERED_JOBS`], on
     /// a queue the host consumes, so the map stays small.
@@ -197,13 +233,15 @@ impl Processed {
 impl Registry {
     /// An empty registry.
     pub fn new() -> Self {
+        let stats = Arc::<Stats>::default();
         Registry {
             jobs: BTreeMap::new(),
             unknown_name_attempts: UnknownNameAttempts::default(),
             unknown_name_delay: UNKNOWN_NAME_RETRY_DELAY,
             sink: None,
             include_payload: false,
-            stats: Arc::default(),
+            unregistered: stats.counters(UNREGISTERED_JOBS),
+            stats,
             other_meters: Mutex::default(),
         }
     }
@@ -241,6 +279,9 @@ impl Registry {
         let entry = TypedJob {
             spec: job.spec().clone(),
             meter: JobMeter::new(job.name(), job.queue()),
+            counters: self.stats.counters(job.name()),
+            name: Arc::from(job.name()),
+            queue: Arc::from(job.queue()),
             job: job.clone(),
             handler,
         };
@@ -322,18 +363,11 @@ impl Registry {
         runtime: &Arc<dyn Runtime>,
         cancel: &CancelToken,
     ) -> Processed {
-        let envelope = match Envelope::decode(delivery.body) {
+        let envelope = match EnvelopeView::decode(delivery.body) {
             Ok(envelope) => envelope,
-            Err(e) => {
-                let failure = Failure {
-                    kind: FailureKind::MalformedEnvelope,
-                    message: e.to_string(),
-                };
-                let known = Known::from_body(delivery.body);
-                return self.fail_early(delivery, known, None, failure);
-            }
+            Err(e) => return self.malformed(delivery, e),
         };
-        let Some(job) = self.jobs.get(&envelope.job) else {
+        let Some(job) = self.jobs.get(&*envelope.job) else {
             let settlement = settle_unknown_name(
                 &envelope.job,
                 delivery.attempt,
@@ -343,9 +377,19 @@ impl Registry {
             return self.finish(delivery, &envelope, settlement, RunSummary::default());
         };
         let spec = job.spec();
-        match guard(|| job.prepare(&envelope.payload)) {
-            Ok(Ok(())) => {}
+        let payload = envelope.payload.get();
+        let prepared = match guard(|| job.prepare(payload)) {
+            Ok(Ok(prepared)) => prepared,
             Ok(Err(failure)) => {
+                // A payload nested deeper than the JSON parser's limit is a
+                // malformed envelope, as `Envelope::decode` reads it (the
+                // one-pass view only checks the payload's syntax).
+                if failure.kind == FailureKind::UndecodablePayload {
+                    if let Err(e) = Envelope::decode(delivery.body) {
+                        return self.malformed(delivery, e);
+                    }
+                }
+                let envelope = envelope.to_envelope();
                 let known = Known::from_envelope(&envelope);
                 return self.fail_early(delivery, known, Some(&envelope), failure);
             }
@@ -360,7 +404,7 @@ impl Registry {
                 };
                 return self.finish(delivery, &envelope, decision, summary);
             }
-        }
+        };
 
         if exceeds_crash_bound(
             spec.retry.attempts,
@@ -389,27 +433,33 @@ impl Registry {
                 RunSummary::default(),
             );
         }
-        let parts = ContextParts {
-            job: envelope.job.clone(),
-            queue: delivery.queue.to_string(),
-            message_id: envelope.id.clone(),
+        let (name, queue) = job.names();
+        let parts = Arc::new(ContextParts {
+            job: name.clone(),
+            queue: if &**queue == delivery.queue {
+                queue.clone()
+            } else {
+                Arc::from(delivery.queue)
+            },
+            message_id: Box::from(&*envelope.id),
             attempt: delivery.attempt,
             in_process_limit: spec.tier_one.attempts,
             cancel: cancel.clone(),
             runtime: runtime.clone(),
             metadata: envelope.metadata.clone(),
-        };
+        });
         let meter = self.meter(&envelope.job, delivery.queue);
+        let mut prepared = Some(prepared);
         let run = run_tiers(
             spec,
-            |ctx| job.run(ctx, &envelope.payload),
+            |ctx| job.run(ctx, prepared.take(), payload),
             &parts,
             &meter,
             delivery.deadline,
         )
         .await;
-        self.stats
-            .update(&envelope.job, |s| s.executions += u64::from(run.executions));
+        job.counters()
+            .add(Count::Executions, u64::from(run.executions));
         let settlement = settle(
             &spec.retry,
             delivery.attempt,
@@ -479,7 +529,7 @@ impl Registry {
         // panic does.
         crate::executor::feed_breaker(spec, &result);
         let decision = settle(&spec.retry, delivery.attempt, &result, false);
-        self.stats.update(&envelope.job, |s| s.executions += 1);
+        job.counters().add(Count::Executions, 1);
         self.meter(&envelope.job, delivery.queue)
             .crashed_execution();
         let summary = RunSummary {
@@ -491,6 +541,17 @@ impl Registry {
         self.finish(delivery, &envelope, decision, summary)
     }
 
+    /// A body that is not an envelope (or one of a newer format): a terminal
+    /// failure at once, keeping whatever identity the body shows.
+    fn malformed(&self, delivery: Incoming<'_>, error: EnvelopeError) -> Processed {
+        let failure = Failure {
+            kind: FailureKind::MalformedEnvelope,
+            message: error.to_string(),
+        };
+        let known = Known::from_body(delivery.body);
+        self.fail_early(delivery, known, None, failure)
+    }
+
     /// The settlement of a delivery whose processing panicked outside the
     /// handler (a defect of the facade): a retry after
     /// [`PANICKED_BACKOFF_DELAY`], never at once.
@@ -499,7 +560,7 @@ impl Registry {
         let delay = Some(PANICKED_BACKOFF_DELAY);
         let mut event = self.event(
             delivery,
-            None,
+            None::<&Envelope>,
             0,
             EventKind::Retried {
                 delay,
@@ -554,7 +615,7 @@ impl Registry {
     fn finish(
         &self,
         delivery: Incoming<'_>,
-        envelope: &Envelope,
+        envelope: &impl Message,
         decision: Decision,
         run: RunSummary,
     ) -> Processed {
@@ -564,7 +625,9 @@ impl Registry {
             error,
             shutdown,
         } = run;
-        let error = error.unwrap_or_else(|| format!("unknown job name `{}`", envelope.job));
+        // Made only for the outcomes that carry it.
+        let error =
+            move || error.unwrap_or_else(|| format!("unknown job name `{}`", envelope.job()));
         let (kind, settlement) = match decision {
             Decision::Ack => (
                 EventKind::Succeeded {
@@ -575,19 +638,19 @@ impl Registry {
             Decision::Retry { delay, .. } => (
                 EventKind::Retried {
                     delay,
-                    error,
+                    error: error(),
                     shutdown,
                 },
                 Settlement::Retry { delay, shutdown },
             ),
-            Decision::Reject => (EventKind::Rejected { error }, Settlement::Reject),
+            Decision::Reject => (EventKind::Rejected { error: error() }, Settlement::Reject),
             Decision::Fail(failure) => {
                 let record = FailureRecord::build(
                     delivery.queue,
                     &failure,
                     delivery.attempt,
                     executions,
-                    Some(envelope),
+                    Some(&envelope.owned()),
                     delivery.body,
                 );
                 (
@@ -605,20 +668,20 @@ impl Registry {
     fn event(
         &self,
         delivery: Incoming<'_>,
-        envelope: Option<&Envelope>,
+        envelope: Option<&impl Message>,
         executions: u32,
         kind: EventKind,
     ) -> Event {
         Event {
-            job: envelope.map(|e| e.job.clone()).unwrap_or_default(),
-            message_id: envelope.map(|e| e.id.clone()).unwrap_or_default(),
+            job: envelope.map(|e| e.job().to_string()).unwrap_or_default(),
+            message_id: envelope.map(|e| e.id().to_string()).unwrap_or_default(),
             queue: delivery.queue.to_string(),
             attempt: delivery.attempt,
             executions,
             kind,
             payload: envelope
                 .filter(|_| self.include_payload)
-                .map(|e| e.payload.clone()),
+                .map(|e| e.payload_value()),
         }
     }
 
@@ -673,26 +736,30 @@ impl Registry {
         meter: &Meter<'_>,
     ) {
         let event = &processed.event;
-        let counted_as = self.counted_as(&event.job);
+        let counters = match self.jobs.get(&event.job) {
+            Some(job) => job.counters(),
+            None => &self.unregistered,
+        };
         meter.settled(&event.kind, &processed.settlement, outcome);
         match outcome {
             Ok(()) => {
-                self.stats.update(counted_as, |s| match &event.kind {
+                let count = match &event.kind {
                     EventKind::Succeeded { resolution } => match resolution {
-                        Resolution::FirstAttempt => s.first_attempt += 1,
-                        Resolution::TierOne { .. } => s.tier_one += 1,
-                        Resolution::TierTwo { .. } => s.tier_two += 1,
+                        Resolution::FirstAttempt => Count::FirstAttempt,
+                        Resolution::TierOne { .. } => Count::TierOne,
+                        Resolution::TierTwo { .. } => Count::TierTwo,
                     },
-                    EventKind::Retried { .. } => s.retried += 1,
-                    EventKind::Rejected { .. } => s.rejected += 1,
-                    EventKind::Failed { .. } => s.failed += 1,
-                });
+                    EventKind::Retried { .. } => Count::Retried,
+                    EventKind::Rejected { .. } => Count::Rejected,
+                    EventKind::Failed { .. } => Count::Failed,
+                };
+                counters.add(count, 1);
                 if let Some(sink) = &self.sink {
                     sink.emit(event);
                 }
             }
             Err(error) => {
-                self.stats.update(counted_as, |s| s.settlement_errors += 1);
+                counters.add(Count::SettlementErrors, 1);
                 if let Some(sink) = &self.sink {
                     sink.settlement_failed(event, error);
                 }
@@ -716,6 +783,48 @@ impl std::ops::Deref for Meter<'_> {
             Meter::Borrowed(meter) => meter,
             Meter::Shared(meter) => meter,
         }
+    }
+}
+
+/// An envelope as the registry reads it: owned ([`Envelope::decode`]) or
+/// borrowed from the body ([`EnvelopeView`], the one-pass read of
+/// [`Registry::process`]).
+trait Message {
+    fn job(&self) -> &str;
+    fn id(&self) -> &str;
+    /// The payload as a JSON value (events that include payloads).
+    fn payload_value(&self) -> serde_json::Value;
+    /// The owned envelope (failure records).
+    fn owned(&self) -> Cow<'_, Envelope>;
+}
+
+impl Message for Envelope {
+    fn job(&self) -> &str {
+        &self.job
+    }
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn payload_value(&self) -> serde_json::Value {
+        self.payload.clone()
+    }
+    fn owned(&self) -> Cow<'_, Envelope> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl Message for EnvelopeView<'_> {
+    fn job(&self) -> &str {
+        &self.job
+    }
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn payload_value(&self) -> serde_json::Value {
+        EnvelopeView::payload_value(self)
+    }
+    fn owned(&self) -> Cow<'_, Envelope> {
+        Cow::Owned(self.to_envelope())
     }
 }
 

@@ -1,7 +1,8 @@
 //! Resolution telemetry ([`Stats`], [`Resolution`]).
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
@@ -91,24 +92,135 @@ pub const UNREGISTERED_JOBS: &str = "(unregistered)";
 /// different problems with different owners, and the counters here tell them
 /// apart. They also count executions, so the real cost of the failure path
 /// can be compared with the budget.
+///
+/// Each job's counters are made once, when its handler is registered (the
+/// unregistered entry at its first delivery), and counting is an atomic add:
+/// a delivery allocates nothing and takes no lock for them. A job appears in
+/// [`Stats::snapshot`] once one of its counters has moved.
 #[derive(Debug, Default)]
 pub struct Stats {
-    jobs: Mutex<BTreeMap<String, JobStats>>,
+    jobs: Mutex<BTreeMap<String, Arc<Counters>>>,
+}
+
+/// One job's counters, shared by the registry's entry for the job and
+/// [`Stats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    first_attempt: AtomicU64,
+    tier_one: AtomicU64,
+    tier_two: AtomicU64,
+    retried: AtomicU64,
+    rejected: AtomicU64,
+    failed: AtomicU64,
+    settlement_errors: AtomicU64,
+    executions: AtomicU64,
+}
+
+/// What a counter counts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Count {
+    FirstAttempt,
+    TierOne,
+    TierTwo,
+    Retried,
+    Rejected,
+    Failed,
+    SettlementErrors,
+    Executions,
+}
+
+impl Counters {
+    /// Adds `n` to one counter.
+    pub(crate) fn add(&self, count: Count, n: u64) {
+        let counter = match count {
+            Count::FirstAttempt => &self.first_attempt,
+            Count::TierOne => &self.tier_one,
+            Count::TierTwo => &self.tier_two,
+            Count::Retried => &self.retried,
+            Count::Rejected => &self.rejected,
+            Count::Failed => &self.failed,
+            Count::SettlementErrors => &self.settlement_errors,
+            Count::Executions => &self.executions,
+        };
+        // Release: a snapshot that sees an outcome also sees the executions
+        // counted before it (they are read after the outcomes).
+        counter.fetch_add(n, Ordering::Release);
+    }
+
+    /// The counters' values: the outcomes first, then the executions, so
+    /// that a delivery's outcome is never seen without its executions.
+    fn read(&self) -> JobStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Acquire);
+        let mut stats = JobStats {
+            first_attempt: get(&self.first_attempt),
+            tier_one: get(&self.tier_one),
+            tier_two: get(&self.tier_two),
+            retried: get(&self.retried),
+            rejected: get(&self.rejected),
+            failed: get(&self.failed),
+            settlement_errors: get(&self.settlement_errors),
+            executions: 0,
+        };
+        stats.executions = get(&self.executions);
+        stats
+    }
 }
 
 impl Stats {
-    pub(crate) fn update(&self, job: &str, f: impl FnOnce(&mut JobStats)) {
+    /// The counters of `job`, made at the first call for that name.
+    pub(crate) fn counters(&self, job: &str) -> Arc<Counters> {
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
-        f(jobs.entry(job.to_string()).or_default());
+        if let Some(counters) = jobs.get(job) {
+            return counters.clone();
+        }
+        let counters = Arc::<Counters>::default();
+        jobs.insert(job.to_string(), counters.clone());
+        counters
     }
 
-    /// A copy of every job's counters.
+    /// A copy of every job's counters (the jobs whose counters have moved).
     pub fn snapshot(&self) -> BTreeMap<String, JobStats> {
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        jobs.iter()
+            .map(|(name, counters)| (name, counters.read()))
+            .filter(|(_, stats)| *stats != JobStats::default())
+            .map(|(name, stats)| (name.clone(), stats))
+            .collect()
     }
 
     /// A copy of one job's counters.
     pub fn job(&self, name: &str) -> JobStats {
-        self.snapshot().remove(name).unwrap_or_default()
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        jobs.get(name).map(|c| c.read()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn counters_are_made_once_and_listed_once_they_move() {
+        let stats = Stats::default();
+        let counters = stats.counters("a");
+        assert!(Arc::ptr_eq(&counters, &stats.counters("a")));
+        let _ = stats.counters("b");
+        assert!(stats.snapshot().is_empty(), "no counter has moved");
+        counters.add(Count::Executions, 2);
+        counters.add(Count::FirstAttempt, 1);
+        let expected = JobStats {
+            first_attempt: 1,
+            executions: 2,
+            ..JobStats::default()
+        };
+        assert_eq!(
+            stats.snapshot(),
+            BTreeMap::from([("a".to_string(), expected.clone())])
+        );
+        assert_eq!(stats.job("a"), expected);
+        assert_eq!(stats.job("b"), JobStats::default());
+        assert_eq!(stats.job("c"), JobStats::default());
     }
 }

@@ -8,6 +8,7 @@
 //! subscription can tell a pull request sent on a lost connection from one
 //! sent on the current one.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -17,9 +18,9 @@ use tracing::{info, warn};
 
 use super::config::Auth;
 use super::errors::{self, error};
-use super::NatsDriver;
+use super::{read, write, NatsDriver};
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::{lock, Reconnect};
+use crate::support::Reconnect;
 
 /// The first wait before a reconnection attempt; the waits double from
 /// there up to [`max_reconnect_backoff`](super::NatsConfig::max_reconnect_backoff).
@@ -29,8 +30,8 @@ const FIRST_RECONNECT: Duration = Duration::from_millis(100);
 /// client's state.
 const STATE_POLL: Duration = Duration::from_millis(100);
 
-/// The connection and its JetStream context.
-#[derive(Clone)]
+/// The connection and its JetStream context, shared (in an `Arc`) by every
+/// operation and delivery.
 pub(super) struct Link {
     pub(super) client: Client,
     pub(super) js: jetstream::Context,
@@ -43,12 +44,23 @@ impl NatsDriver {
         Reconnect::new(FIRST_RECONNECT, self.inner.config.max_reconnect_backoff)
     }
 
-    /// The connection (async-nats keeps it up by itself once made).
-    pub(super) async fn link(&self) -> Result<Link, DriverError> {
-        let mut link = self.inner.link.lock().await;
+    /// The connection, if made (and not closed).
+    pub(super) fn current_link(&self) -> Option<Arc<Link>> {
+        read(&self.inner.link).clone()
+    }
+
+    /// The connection (async-nats keeps it up by itself once made). Once
+    /// made, this is a shared read of the cached `Arc`: concurrent
+    /// operations never wait for one another here.
+    pub(super) async fn link(&self) -> Result<Arc<Link>, DriverError> {
         self.inner.life.check_running()?;
-        if let Some(link) = link.as_ref() {
-            return Ok(link.clone());
+        if let Some(link) = self.current_link() {
+            return Ok(link);
+        }
+        let _connecting = self.inner.connecting.lock().await;
+        self.inner.life.check_running()?;
+        if let Some(link) = self.current_link() {
+            return Ok(link);
         }
         let config = &self.inner.config;
         let endpoint = &self.inner.endpoint;
@@ -108,9 +120,13 @@ impl NatsDriver {
         let js = jetstream::ContextBuilder::new()
             .timeout(config.operation_timeout)
             .build(client.clone());
-        *lock(&self.inner.client) = Some(client.clone());
-        let fresh = Link { client, js };
-        *link = Some(fresh.clone());
+        // Known from the greeting: kept for a driver stopped later.
+        let max_payload = client.server_info().max_payload;
+        self.inner
+            .max_payload
+            .store(max_payload, std::sync::atomic::Ordering::Release);
+        let fresh = Arc::new(Link { client, js });
+        *write(&self.inner.link) = Some(fresh.clone());
         Ok(fresh)
     }
 
@@ -118,7 +134,7 @@ impl NatsDriver {
     /// every request would wait in its queue until the server is back or the
     /// operation timeout ends, so a publish to `subject` fails at once as not
     /// accepted instead.
-    pub(super) async fn connected_link(&self, subject: &str) -> Result<Link, DriverError> {
+    pub(super) async fn connected_link(&self, subject: &str) -> Result<Arc<Link>, DriverError> {
         let link = self.link().await.map_err(DriverError::not_sent)?;
         if link.client.connection_state() != State::Connected {
             return Err(error(
@@ -154,7 +170,10 @@ impl NatsDriver {
     /// (within the operation timeout) and closed.
     pub(super) async fn close(&self) -> Result<(), DriverError> {
         self.inner.life.stop();
-        let link = self.inner.link.lock().await.take();
+        let link = {
+            let _connecting = self.inner.connecting.lock().await;
+            write(&self.inner.link).take()
+        };
         if let Some(link) = link {
             let limit = self.inner.config.operation_timeout;
             match tokio::time::timeout(limit, link.client.drain()).await {

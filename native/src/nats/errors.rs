@@ -217,12 +217,12 @@ pub(super) fn message_delete(
     (!missing).then(|| connection(format!("deleting `{stream}` sequence {sequence}"), e))
 }
 
-/// A settlement (`what`) of a delivery from `queue` whose double ack was not
-/// confirmed: uncertain if it timed out, a connection error otherwise.
-pub(super) fn settlement(what: &str, queue: &str, e: async_nats::Error) -> DriverError {
-    let timed_out = e
-        .downcast_ref::<std::io::Error>()
-        .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut);
+/// A settlement (`what`) of a delivery from `queue` that was not sent or
+/// not confirmed: uncertain if it `timed_out`, a connection error otherwise.
+pub(super) fn settlement<E>(what: &str, queue: &str, e: E, timed_out: bool) -> DriverError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
     failed(
         NAME,
         if timed_out {
@@ -234,7 +234,7 @@ pub(super) fn settlement(what: &str, queue: &str, e: async_nats::Error) -> Drive
             "{what} of a delivery from `{queue}` not confirmed (if the server did not get it, \
              the message is redelivered after AckWait)"
         ),
-        Boxed(e),
+        e,
     )
 }
 
@@ -262,7 +262,7 @@ mod tests {
         assert_eq!(err.kind(), ErrorKind::NotAccepted);
 
         let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer");
-        let err = settlement("ack", "q", Box::new(timed_out));
+        let err = settlement("ack", "q", timed_out, true);
         assert_eq!(err.kind(), ErrorKind::Uncertain);
         assert!(
             err.to_string()
@@ -272,9 +272,9 @@ mod tests {
         assert_eq!(
             err.find::<std::io::Error>().map(|e| e.kind()),
             Some(std::io::ErrorKind::TimedOut),
-            "the boxed client error is seen through"
+            "the client error is seen through"
         );
-        let err = settlement("nak", "q", "broken pipe".into());
+        let err = settlement("nak", "q", std::io::Error::other("broken pipe"), false);
         assert_eq!(err.kind(), ErrorKind::Connection);
     }
 

@@ -244,10 +244,11 @@ mod topology;
 use std::collections::HashMap;
 #[cfg(feature = "testing")]
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+#[cfg(feature = "testing")]
+use std::sync::Mutex;
+use std::sync::{Arc, RwLock};
 
-use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::Client;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
@@ -257,7 +258,7 @@ use connection::Link;
 
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
 use crate::failures::{Admin, FailureStore};
-use crate::support::{lock, Lifecycle};
+use crate::support::Lifecycle;
 
 const NAME: &str = "nats";
 
@@ -278,18 +279,43 @@ pub const HEADER_ROOM: usize = 256;
 struct Inner {
     config: NatsConfig,
     endpoint: Endpoint,
-    link: tokio::sync::Mutex<Option<Link>>,
-    /// Queues whose topology this driver declared, with their consumer.
-    consumers: Mutex<HashMap<String, PullConsumer>>,
+    /// Held while the connection is being made (once per driver).
+    connecting: tokio::sync::Mutex<()>,
+    /// The connection once made: every operation reads it here, sharing
+    /// the lock, and clones only the `Arc`.
+    link: RwLock<Option<Arc<Link>>>,
+    /// Queues whose topology this driver declared, with their consumer's
+    /// `MaxAckPending`.
+    declared: RwLock<HashMap<String, i64>>,
     /// Every stream this driver declared (for the test suites' clean-up).
     #[cfg(feature = "testing")]
     known: Mutex<HashSet<String>>,
+    /// Pull requests sent by this driver's subscriptions (for the tests).
+    #[cfg(feature = "testing")]
+    pulls_sent: AtomicU64,
     life: Lifecycle,
     /// Bumped on every (re)connection of the client.
     connections: Arc<watch::Sender<u64>>,
-    /// The client once connected, to read the server's `max_payload`
-    /// without waiting for the link's lock.
-    client: Mutex<Option<Client>>,
+    /// The server's `max_payload` (0 before the first connection), read
+    /// again from the client once per connection generation rather than
+    /// copying its whole server info on every dispatch.
+    max_payload: AtomicUsize,
+    /// The connection generation `max_payload` was read on (`u64::MAX`:
+    /// never).
+    max_payload_generation: AtomicU64,
+}
+
+/// Reads `lock`, whatever a panicking writer left (the guarded values are
+/// caches, consistent at every step).
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Writes `lock` (see [`read`]).
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The NATS JetStream driver. Clones share one connection.
@@ -319,13 +345,17 @@ impl NatsDriver {
             inner: Arc::new(Inner {
                 config,
                 endpoint,
-                link: tokio::sync::Mutex::new(None),
-                consumers: Mutex::default(),
+                connecting: tokio::sync::Mutex::new(()),
+                link: RwLock::default(),
+                declared: RwLock::default(),
                 #[cfg(feature = "testing")]
                 known: Mutex::default(),
+                #[cfg(feature = "testing")]
+                pulls_sent: AtomicU64::new(0),
                 life: Lifecycle::new(NAME),
                 connections: Arc::new(connections),
-                client: Mutex::default(),
+                max_payload: AtomicUsize::new(0),
+                max_payload_generation: AtomicU64::new(u64::MAX),
             }),
         })
     }
@@ -344,11 +374,24 @@ impl NatsDriver {
     }
 
     /// The largest dispatch body the connected server stores: its
-    /// `max_payload` minus [`HEADER_ROOM`]. `None` before the first
-    /// connection.
+    /// `max_payload` minus [`HEADER_ROOM`] (the last one known once the
+    /// driver is stopped). `None` before the first connection.
     pub fn max_message_bytes(&self) -> Option<usize> {
-        let client = lock(&self.inner.client);
-        let max_payload = client.as_ref()?.server_info().max_payload;
+        let generation = *self.inner.connections.borrow();
+        let max_payload = if self.inner.max_payload_generation.load(Ordering::Acquire) == generation
+        {
+            self.inner.max_payload.load(Ordering::Acquire)
+        } else if let Some(link) = self.current_link() {
+            let max_payload = link.client.server_info().max_payload;
+            self.inner.max_payload.store(max_payload, Ordering::Release);
+            self.inner
+                .max_payload_generation
+                .store(generation, Ordering::Release);
+            max_payload
+        } else {
+            // Stopped: the last server's limit still holds.
+            self.inner.max_payload.load(Ordering::Acquire)
+        };
         (max_payload > 0).then(|| max_payload.saturating_sub(HEADER_ROOM))
     }
 }
@@ -375,6 +418,15 @@ impl Driver for NatsDriver {
     /// See `publish.rs`.
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
         self.dispatch(queue, message).await
+    }
+
+    /// See `publish.rs`: the whole batch in flight, then its `PubAck`s.
+    async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        self.dispatch_batch(queue, messages).await
     }
 
     /// See `delivery.rs`.

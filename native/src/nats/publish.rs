@@ -1,8 +1,19 @@
-//! Sending: a dispatch, and the two messages a settlement publishes on a
-//! delivery's behalf (a failure record, a graceful shutdown's copy). Every
-//! one is a JetStream publish that waits for the server's `PubAck`, with a
-//! `Nats-Msg-Id` so the duplicate window drops a repeated one.
+//! Sending: a dispatch, a batch of them, and the two messages a settlement
+//! publishes on a delivery's behalf (a failure record, a graceful
+//! shutdown's copy). Every one is a JetStream publish that waits for the
+//! server's `PubAck`, with a `Nats-Msg-Id` so the duplicate window drops a
+//! repeated one.
+//!
+//! A dispatch reads the shared connection and the set of declared queues
+//! under read locks and clones only an `Arc`: concurrent dispatches never
+//! wait for one another in the driver. A batch publishes every message
+//! before awaiting any `PubAck` (at most [`BATCH_IN_FLIGHT`] unanswered at
+//! a time), so it costs about one round trip, not one per message; each
+//! message still gets its own result.
 
+use std::collections::VecDeque;
+
+use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use jobrail::FailureRecord;
@@ -10,6 +21,11 @@ use jobrail::FailureRecord;
 use super::errors::{self, error};
 use super::{NatsDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};
 use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
+
+/// The most `PubAck`s a batch waits for at once: below async-nats' own
+/// limit of unanswered publishes per context (5,000, shared by every
+/// dispatch), which would otherwise make the batch wait for itself.
+pub(super) const BATCH_IN_FLIGHT: usize = 1024;
 
 /// Where a delivered message is stored: the ids of what the driver publishes
 /// on its behalf are derived from it, so a repeated publish is a duplicate.
@@ -51,6 +67,98 @@ impl NatsDriver {
             }
         }
         result.map(|_| ())
+    }
+
+    /// Stores `messages` on `queue`, all in flight at once: each is checked
+    /// as [`dispatch`](Self::dispatch) checks it (a delayed or oversize one
+    /// is refused alone), the others are published one after another
+    /// without waiting, then their `PubAck`s are awaited. One result per
+    /// message, in order: a publish not sent or refused is
+    /// [`ErrorKind::NotAccepted`], one whose `PubAck` did not come is
+    /// [`ErrorKind::Uncertain`].
+    pub(super) async fn dispatch_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        let count = messages.len();
+        if let Err(e) = self.inner.life.check_running() {
+            return each_refused(e, count);
+        }
+        // Refused alone, before any I/O: a delayed message.
+        let mut results: Vec<Option<Result<(), DriverError>>> = Vec::with_capacity(count);
+        let mut sendable = Vec::with_capacity(count);
+        for (index, message) in messages.into_iter().enumerate() {
+            match message.delay.filter(|d| !d.is_zero()) {
+                Some(delay) => results.push(Some(Err(error(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "delayed dispatch ({delay:?}) is not supported: JetStream 2.9 has no scheduled messages"
+                    ),
+                )))),
+                None => {
+                    results.push(None);
+                    sendable.push((index, message));
+                }
+            }
+        }
+        if sendable.is_empty() {
+            return results.into_iter().flatten().collect();
+        }
+        let subject = self.subject(queue);
+        // What every other message needs: a connection and the queue's
+        // topology. If one is missing, each message says so.
+        let ready = async {
+            let link = self.connected_link(&subject).await?;
+            self.declare(queue).await.map_err(DriverError::not_sent)?;
+            Ok::<_, DriverError>(link)
+        };
+        let link = match ready.await {
+            Ok(link) => link,
+            Err(e) => {
+                let mut refused = each_refused(e, sendable.len()).into_iter();
+                for (index, _) in &sendable {
+                    results[*index] = refused.next();
+                }
+                return results.into_iter().flatten().collect();
+            }
+        };
+        // The limit is the server's: known once connected.
+        let capabilities = self.capabilities();
+        let mut waiting: VecDeque<(usize, PublishAckFuture)> = VecDeque::new();
+        for (index, message) in sendable {
+            if let Err(e) = capabilities.refuse_oversize(NAME, message.body.len()) {
+                results[index] = Some(Err(e));
+                continue;
+            }
+            if waiting.len() >= BATCH_IN_FLIGHT {
+                if let Some((at, ack)) = waiting.pop_front() {
+                    results[at] = Some(confirmed(&subject, ack).await);
+                }
+            }
+            let publish = PublishMessage::build()
+                .payload(message.body.into())
+                .message_id(&message.id);
+            match link.js.send_publish(subject.clone(), publish).await {
+                Ok(ack) => waiting.push_back((index, ack)),
+                Err(e) => results[index] = Some(Err(errors::publish_not_sent(&subject, e))),
+            }
+        }
+        for (at, ack) in waiting {
+            results[at] = Some(confirmed(&subject, ack).await);
+        }
+        let results: Vec<Result<(), DriverError>> = results
+            .into_iter()
+            .map(|r| r.expect("every message has a result once its PubAck is awaited"))
+            .collect();
+        if results
+            .iter()
+            .any(|r| matches!(r, Err(e) if e.kind() == ErrorKind::NotAccepted))
+        {
+            // The stream may have been deleted: declare again next time.
+            self.forget(queue);
+        }
+        results
     }
 
     /// Publishes `record` for the message `stored` from `queue` to the
@@ -128,4 +236,21 @@ impl NatsDriver {
         ack.await
             .map_err(|e| errors::publish_unconfirmed(subject, e))
     }
+}
+
+/// The outcome of one publish of a batch, once its `PubAck` came or not.
+async fn confirmed(subject: &str, ack: PublishAckFuture) -> Result<(), DriverError> {
+    ack.await
+        .map(|_| ())
+        .map_err(|e| errors::publish_unconfirmed(subject, e))
+}
+
+/// `e` for the first of `count` messages, and the same description and
+/// kind for each of the others.
+fn each_refused(e: DriverError, count: usize) -> Vec<Result<(), DriverError>> {
+    let (kind, description) = (e.kind(), e.to_string());
+    let mut results = Vec::with_capacity(count);
+    results.push(Err(e));
+    results.extend((1..count).map(|_| Err(error(kind, description.clone()))));
+    results
 }

@@ -28,6 +28,41 @@ impl NatsDriver {
         Ok(info.state.messages)
     }
 
+    /// Pull requests this driver's subscriptions have sent so far.
+    pub fn pull_requests_sent(&self) -> u64 {
+        self.inner.pulls_sent.load(Ordering::Relaxed)
+    }
+
+    /// Sets `queue`'s work stream's `max_msg_size` (declaring it first): a
+    /// larger message is then refused by the server itself, after the
+    /// driver's own size check, as a server-side refusal in a batch.
+    pub async fn limit_stored_message_size(
+        &self,
+        queue: &str,
+        bytes: i32,
+    ) -> Result<(), DriverError> {
+        self.declare(queue).await?;
+        let link = self.link().await?;
+        let name = self.stream_name(queue);
+        let mut stream = link
+            .js
+            .get_stream(&name)
+            .await
+            .map_err(|e| errors::connection(format!("stream `{name}`"), e))?;
+        let mut config = stream
+            .info()
+            .await
+            .map_err(|e| errors::connection(format!("stream `{name}`"), e))?
+            .config
+            .clone();
+        config.max_message_size = bytes;
+        link.js
+            .update_stream(config)
+            .await
+            .map_err(|e| errors::connection(format!("updating stream `{name}`"), e))?;
+        Ok(())
+    }
+
     /// Every stream this driver has declared (work and failure streams).
     pub fn declared_streams(&self) -> Vec<String> {
         let mut names: Vec<String> = lock(&self.inner.known).iter().cloned().collect();
@@ -47,7 +82,7 @@ impl NatsDriver {
             }
             lock(&self.inner.known).remove(name);
         }
-        lock(&self.inner.consumers).clear();
+        super::write(&self.inner.declared).clear();
         Ok(())
     }
 

@@ -6,14 +6,15 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
-use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
 use tracing::info;
 
 use super::config::valid_subject;
 use super::errors::{self, config_error, error};
-use super::NatsDriver;
+use super::{read, write, NatsDriver};
 use crate::driver::{DriverError, ErrorKind};
+#[cfg(feature = "testing")]
 use crate::support::lock;
 
 /// Which stream a name is, for its configuration.
@@ -212,20 +213,19 @@ impl NatsDriver {
     /// Makes sure the durable pull consumer exists on `stream` as configured.
     async fn ensure_consumer(
         &self,
-        js: &jetstream::Context,
         stream: &stream::Stream,
         subject: &str,
-    ) -> Result<PullConsumer, DriverError> {
+    ) -> Result<consumer::Info, DriverError> {
         let name = &self.inner.config.consumer_name;
         let stream_name = &stream.cached_info().config.name;
         let check = |info: consumer::Info| {
             let conflicts = self.consumer_conflicts(&info.config, subject);
             if conflicts.is_empty() {
-                let config = <pull::Config as consumer::FromConsumer>::try_from_consumer_config(
+                <pull::Config as consumer::FromConsumer>::try_from_consumer_config(
                     info.config.clone(),
                 )
                 .map_err(|e| errors::not_a_pull_consumer(name, e))?;
-                Ok(PullConsumer::new(config, info, js.clone()))
+                Ok(info)
             } else {
                 let wanted = self.wanted_consumer();
                 Err(config_error(format!(
@@ -270,18 +270,20 @@ impl NatsDriver {
     }
 
     /// Declares `queue`'s work stream, consumer and failure stream (once per
-    /// driver, again after [`forget`](Self::forget)); returns the consumer.
-    pub(super) async fn declare(&self, queue: &str) -> Result<PullConsumer, DriverError> {
-        self.check_queue(queue)?;
-        if let Some(consumer) = lock(&self.inner.consumers).get(queue) {
-            return Ok(consumer.clone());
+    /// driver, again after [`forget`](Self::forget)); returns the consumer's
+    /// `MaxAckPending`. Once declared, this is a shared read of the map of
+    /// declared queues.
+    pub(super) async fn declare(&self, queue: &str) -> Result<i64, DriverError> {
+        if let Some(max_ack_pending) = read(&self.inner.declared).get(queue) {
+            return Ok(*max_ack_pending);
         }
+        self.check_queue(queue)?;
         let link = self.link().await?;
         let subject = self.subject(queue);
         let stream = self
             .ensure_stream(&link.js, &self.stream_name(queue), &subject, Role::Work)
             .await?;
-        let consumer = self.ensure_consumer(&link.js, &stream, &subject).await?;
+        let info = self.ensure_consumer(&stream, &subject).await?;
         if let Some(failed) = self.failure_subject(queue) {
             self.ensure_stream(
                 &link.js,
@@ -291,12 +293,13 @@ impl NatsDriver {
             )
             .await?;
         }
-        lock(&self.inner.consumers).insert(queue.to_string(), consumer.clone());
-        Ok(consumer)
+        let max_ack_pending = info.config.max_ack_pending;
+        write(&self.inner.declared).insert(queue.to_string(), max_ack_pending);
+        Ok(max_ack_pending)
     }
 
     /// Forgets that `queue` was declared, so the next use declares it again.
     pub(super) fn forget(&self, queue: &str) {
-        lock(&self.inner.consumers).remove(queue);
+        write(&self.inner.declared).remove(queue);
     }
 }

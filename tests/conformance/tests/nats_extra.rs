@@ -280,3 +280,102 @@ async fn dispatch_fails_fast_while_the_server_is_down() {
         0
     );
 }
+
+/// Under load, pull requests stay large: with a backlog already stored and
+/// 64 handlers, each pull asks for at least half the window (32), so the
+/// requests for N messages stay near N / 32 (the old one-request-at-a-time
+/// subscription sent one per handful of free slots). Every message runs
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_requests_stay_large_under_load() {
+    const N: usize = 2000;
+    let backend = nats(Duration::from_secs(30));
+    let driver = backend.driver().await;
+    let h = Harness::on(
+        &backend,
+        std::sync::Arc::new(driver.clone()),
+        Harness::queue_name("nats-pulls"),
+    );
+    let job = h.job("pulls").build().unwrap();
+    let payloads: Vec<Work> = (0..N as u32).map(|id| Work { id }).collect();
+    for result in h.producer.dispatch_batch(&job, &payloads).await {
+        result.unwrap();
+    }
+    let before = driver.pull_requests_sent();
+    let calls = jobrail_conformance::Calls::default();
+    let mut registry = jobrail::Registry::new();
+    registry
+        .register(&job, calls.handler(|_, _| Ok(())))
+        .unwrap();
+    let consumer = h.start(registry, 64);
+    h.events.wait_count(h.patience * 4, "succeeded", N).await;
+    let pulls = driver.pull_requests_sent() - before;
+    consumer.shutdown().await.unwrap();
+    assert_eq!(calls.count(), N, "each message ran once");
+    assert!(
+        pulls <= (N / 32 + 5) as u64,
+        "{pulls} pull requests for {N} messages at 64 in flight"
+    );
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), 0);
+}
+
+/// A batch whose middle message the server itself refuses (over the
+/// stream's `max_msg_size`, below the driver's own limit) answers
+/// `NotAccepted` for that one alone; the others are stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_refusal_in_a_batch_is_that_message_alone() {
+    let backend = nats(Duration::from_secs(30));
+    let driver = backend.driver().await;
+    let queue = Harness::queue_name("nats-batch-refused");
+    driver.limit_stored_message_size(&queue, 512).await.unwrap();
+    let mut big = outgoing("big", None);
+    big.body = vec![b'x'; 2048];
+    let results = driver
+        .send_batch(
+            &queue,
+            vec![outgoing("first", None), big, outgoing("last", None)],
+        )
+        .await;
+    assert_eq!(results.len(), 3, "one answer per message");
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    let err = results[1].as_ref().expect_err("the server stored it");
+    assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
+    assert!(results[2].is_ok(), "{:?}", results[2]);
+    assert_eq!(driver.stored_count(&queue).await.unwrap(), 2);
+}
+
+/// One lease ticker renews every delivery a subscription holds: four
+/// handlers, started a third of AckWait apart, each run three AckWaits, and
+/// none of their messages is redelivered (each ran once, at attempt 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lease_ticker_keeps_every_long_handler() {
+    let hold = Duration::from_secs(1);
+    let backend = nats(hold);
+    let h = Harness::new(&backend, "nats-leases").await;
+    let job = h.job("leases").retry(5).build().unwrap();
+    let calls = jobrail_conformance::Calls::default();
+    let c = calls.clone();
+    let mut registry = jobrail::Registry::new();
+    registry
+        .register(&job, move |ctx, _: Work| {
+            c.record(&ctx);
+            async move {
+                tokio::time::sleep(hold * 3).await;
+                Ok(())
+            }
+        })
+        .unwrap();
+    // Spare slots: a redelivery would be taken while the first runs.
+    let consumer = h.start(registry, 8);
+    for id in 0..4 {
+        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+        tokio::time::sleep(hold / 3).await;
+    }
+    h.events
+        .wait_count(hold * 4 + h.patience, "succeeded", 4)
+        .await;
+    tokio::time::sleep(hold * 2).await;
+    consumer.shutdown().await.unwrap();
+    assert_eq!(calls.attempts(), [1, 1, 1, 1], "each executed exactly once");
+    assert_eq!(h.events.names().len(), 4);
+}

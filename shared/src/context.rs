@@ -101,7 +101,7 @@ impl fmt::Debug for JobContext {
 pub(crate) struct ContextParts {
     pub(crate) job: Arc<str>,
     pub(crate) queue: Arc<str>,
-    pub(crate) message_id: Box<str>,
+    pub(crate) message_id: String,
     pub(crate) attempt: u32,
     pub(crate) in_process_limit: u32,
     pub(crate) cancel: CancelToken,
@@ -127,7 +127,7 @@ impl JobContext {
         let parts = ContextParts {
             job: Arc::from(""),
             queue: Arc::from(""),
-            message_id: Box::from(""),
+            message_id: String::new(),
             attempt: 1,
             in_process_limit: 1,
             cancel: CancelToken::new(),
@@ -259,7 +259,7 @@ mod tests {
         Arc::new(ContextParts {
             job: Arc::from("j"),
             queue: Arc::from("q"),
-            message_id: Box::from("m"),
+            message_id: "m".to_string(),
             attempt: 1,
             in_process_limit: 1,
             cancel: cancel.clone(),

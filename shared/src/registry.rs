@@ -42,7 +42,7 @@ type AnyPayload = Box<dyn Any>;
 
 /// A job whose payload type has been erased, so handlers of different types
 /// can live in one registry.
-trait ErasedJob: MaybeSend + MaybeSync {
+pub(crate) trait ErasedJob: MaybeSend + MaybeSync {
     fn spec(&self) -> &JobSpec;
     fn spec_mut(&mut self) -> &mut JobSpec;
     /// The keys of its metrics on its queue.
@@ -151,6 +151,8 @@ struct RunSummary {
     resolution: Option<Resolution>,
     error: Option<String>,
     shutdown: bool,
+    /// An owned copy of the message id, for the event to take.
+    message_id: Option<String>,
 }
 
 /// Handlers by job name, plus consumer-wide settings and counters.
@@ -381,14 +383,6 @@ impl Registry {
         let prepared = match guard(|| job.prepare(payload)) {
             Ok(Ok(prepared)) => prepared,
             Ok(Err(failure)) => {
-                // A payload nested deeper than the JSON parser's limit is a
-                // malformed envelope, as `Envelope::decode` reads it (the
-                // one-pass view only checks the payload's syntax).
-                if failure.kind == FailureKind::UndecodablePayload {
-                    if let Err(e) = Envelope::decode(delivery.body) {
-                        return self.malformed(delivery, e);
-                    }
-                }
                 let envelope = envelope.to_envelope();
                 let known = Known::from_envelope(&envelope);
                 return self.fail_early(delivery, known, Some(&envelope), failure);
@@ -441,7 +435,7 @@ impl Registry {
             } else {
                 Arc::from(delivery.queue)
             },
-            message_id: Box::from(&*envelope.id),
+            message_id: envelope.id.to_string(),
             attempt: delivery.attempt,
             in_process_limit: spec.tier_one.attempts,
             cancel: cancel.clone(),
@@ -460,6 +454,9 @@ impl Registry {
         .await;
         job.counters()
             .add(Count::Executions, u64::from(run.executions));
+        // The event takes the context's copy of the id when no handler kept
+        // a context (the usual case), instead of copying it again.
+        let message_id = Arc::try_unwrap(parts).ok().map(|parts| parts.message_id);
         let settlement = settle(
             &spec.retry,
             delivery.attempt,
@@ -477,6 +474,7 @@ impl Registry {
             resolution: Some(resolution),
             error: run.result.as_ref().err().map(JobError::chain_text),
             shutdown: is_shutdown(&run.result, cancel.is_cancelled()),
+            message_id,
         };
         self.finish(delivery, &envelope, settlement, summary)
     }
@@ -537,6 +535,7 @@ impl Registry {
             resolution: None,
             error: result.as_ref().err().map(JobError::chain_text),
             shutdown: false,
+            message_id: None,
         };
         self.finish(delivery, &envelope, decision, summary)
     }
@@ -624,6 +623,7 @@ impl Registry {
             resolution,
             error,
             shutdown,
+            message_id,
         } = run;
         // Made only for the outcomes that carry it.
         let error =
@@ -659,10 +659,11 @@ impl Registry {
                 )
             }
         };
-        Processed {
-            event: self.event(delivery, Some(envelope), executions, kind),
-            settlement,
-        }
+        let mut event = self.event(delivery, None::<&Envelope>, executions, kind);
+        event.job = envelope.job().to_string();
+        event.message_id = message_id.unwrap_or_else(|| envelope.id().to_string());
+        event.payload = self.include_payload.then(|| envelope.payload_value());
+        Processed { event, settlement }
     }
 
     fn event(
@@ -712,7 +713,7 @@ impl Registry {
     pub(crate) fn meter(&self, job: &str, queue: &str) -> Meter<'_> {
         if let Some(registered) = self.jobs.get(job) {
             if registered.meter().is_for(queue) {
-                return Meter::Borrowed(registered.meter());
+                return Meter::Registered(registered.as_ref());
             }
         }
         let job = self.counted_as(job);
@@ -736,9 +737,12 @@ impl Registry {
         meter: &Meter<'_>,
     ) {
         let event = &processed.event;
-        let counters = match self.jobs.get(&event.job) {
-            Some(job) => job.counters(),
-            None => &self.unregistered,
+        let counters = match meter {
+            Meter::Registered(job) => job.counters(),
+            Meter::Shared(_) => match self.jobs.get(&event.job) {
+                Some(job) => job.counters(),
+                None => &self.unregistered,
+            },
         };
         meter.settled(&event.kind, &processed.settlement, outcome);
         match outcome {
@@ -771,7 +775,8 @@ impl Registry {
 /// The metric keys of one delivery: its registered job's, or shared ones
 /// made at the first delivery of another job and queue.
 pub(crate) enum Meter<'a> {
-    Borrowed(&'a JobMeter),
+    /// The registered job's own (its counters come with it).
+    Registered(&'a dyn ErasedJob),
     Shared(Arc<JobMeter>),
 }
 
@@ -780,7 +785,7 @@ impl std::ops::Deref for Meter<'_> {
 
     fn deref(&self) -> &JobMeter {
         match self {
-            Meter::Borrowed(meter) => meter,
+            Meter::Registered(job) => job.meter(),
             Meter::Shared(meter) => meter,
         }
     }

@@ -191,55 +191,57 @@ impl<'a> EnvelopeView<'a> {
 fn may_not_be_a_value(raw: &[u8]) -> bool {
     const DEEP: u32 = 100;
     const LONG: usize = 300;
-    let at = |i: usize| raw.get(i).copied().unwrap_or(b'"');
+    let n = raw.len();
     let mut depth = 0u32;
     let mut i = 0;
-    while i < raw.len() {
-        match raw[i] {
+    while i < n {
+        let b = raw[i];
+        i += 1;
+        match b {
             b'"' => {
-                i += 1;
-                loop {
-                    match at(i) {
-                        b'"' => break,
-                        b'\\' if at(i + 1) == b'u' => {
-                            if matches!(at(i + 2), b'd' | b'D')
-                                && matches!(at(i + 3), b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
-                            {
-                                return true;
-                            }
-                            i += 6;
+                // To the closing quote; only escapes need a look.
+                while i < n {
+                    let c = raw[i];
+                    i += 1;
+                    if c == b'"' {
+                        break;
+                    }
+                    if c == b'\\' {
+                        if raw.get(i) == Some(&b'u')
+                            && matches!(raw.get(i + 1), Some(b'd' | b'D'))
+                            && matches!(
+                                raw.get(i + 2),
+                                Some(b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
+                            )
+                        {
+                            return true;
                         }
-                        b'\\' => i += 2,
-                        _ => i += 1,
+                        i += 1;
                     }
                 }
-                i += 1;
             }
             b'[' | b'{' => {
                 depth += 1;
                 if depth >= DEEP {
                     return true;
                 }
-                i += 1;
             }
-            b']' | b'}' => {
-                depth = depth.saturating_sub(1);
-                i += 1;
-            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
             b'-' | b'0'..=b'9' => {
-                let start = i;
-                while matches!(at(i), b'-' | b'+' | b'.' | b'0'..=b'9' | b'e' | b'E') {
-                    if matches!(at(i), b'e' | b'E') {
-                        return true;
+                let start = i - 1;
+                while i < n {
+                    match raw[i] {
+                        b'-' | b'+' | b'.' | b'0'..=b'9' => i += 1,
+                        b'e' | b'E' => return true,
+                        _ => break,
                     }
-                    i += 1;
                 }
                 if i - start >= LONG {
                     return true;
                 }
             }
             // `true`, `false`, `null`, commas, colons, whitespace.
-            _ => i += 1,
+            _ => {}
         }
     }
     false

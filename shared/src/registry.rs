@@ -365,7 +365,7 @@ impl Registry {
         runtime: &Arc<dyn Runtime>,
         cancel: &CancelToken,
     ) -> Processed {
-        let envelope = match EnvelopeView::decode(delivery.body) {
+        let mut envelope = match EnvelopeView::decode(delivery.body) {
             Ok(envelope) => envelope,
             Err(e) => return self.malformed(delivery, e),
         };
@@ -440,7 +440,8 @@ impl Registry {
             in_process_limit: spec.tier_one.attempts,
             cancel: cancel.clone(),
             runtime: runtime.clone(),
-            metadata: envelope.metadata.clone(),
+            // Lent to the context, and given back below.
+            metadata: std::mem::take(&mut envelope.metadata),
         });
         let meter = self.meter(&envelope.job, delivery.queue);
         let mut prepared = Some(prepared);
@@ -454,9 +455,19 @@ impl Registry {
         .await;
         job.counters()
             .add(Count::Executions, u64::from(run.executions));
-        // The event takes the context's copy of the id when no handler kept
-        // a context (the usual case), instead of copying it again.
-        let message_id = Arc::try_unwrap(parts).ok().map(|parts| parts.message_id);
+        // The event takes the context's copy of the id, and the envelope
+        // its metadata back, when no handler kept a context (the usual
+        // case); else they are copied.
+        let message_id = match Arc::try_unwrap(parts) {
+            Ok(parts) => {
+                envelope.metadata = parts.metadata;
+                Some(parts.message_id)
+            }
+            Err(parts) => {
+                envelope.metadata.clone_from(&parts.metadata);
+                None
+            }
+        };
         let settlement = settle(
             &spec.retry,
             delivery.attempt,

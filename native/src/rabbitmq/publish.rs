@@ -4,6 +4,8 @@
 //! every message first and then awaits their confirms (pipelined), with one
 //! answer per message.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use jobrail::FailureRecord;
@@ -33,6 +35,16 @@ fn counted(id: Option<&str>, attempts: u32, shutdowns: u32) -> BasicProperties {
         Some(id) => properties.with_message_id(ShortString::from(id.to_string())),
         None => properties,
     }
+}
+
+/// One publish of a batch.
+enum Sending<'a> {
+    /// Refused before sending (its error is kept apart, in order).
+    Refused,
+    /// Started: its frames are queued, not yet written.
+    Started(Pin<Box<dyn Future<Output = lapin::Result<PublisherConfirm>> + Send + 'a>>),
+    /// Written (or failed) on its first poll.
+    Written(lapin::Result<PublisherConfirm>),
 }
 
 impl RabbitDriver {
@@ -120,30 +132,69 @@ impl RabbitDriver {
             ..BasicPublishOptions::default()
         };
         let limit = self.inner.config.operation_timeout;
-        // Publish everything; keep each confirm to await afterwards.
-        let mut pending: Vec<Result<(String, PublisherConfirm), DriverError>> =
-            Vec::with_capacity(count);
-        for (message, target) in messages.iter().zip(targets) {
-            let sent = match target {
-                Err(e) => Err(e),
-                Ok(target) => {
-                    let properties = counted(Some(&message.id), 0, 0).with_delivery_mode(2);
-                    match tokio::time::timeout(
-                        limit,
-                        channel.basic_publish("", &target, options, &message.body, properties),
-                    )
-                    .await
-                    {
-                        Ok(Ok(confirm)) => Ok((target, confirm)),
-                        Ok(Err(e)) => Err(publish_failed(&target, e)),
-                        Err(_) => Err(error(
-                            ErrorKind::Uncertain,
-                            format!("publish to `{target}` did not finish within {limit:?}"),
-                        )),
+        // Every publish is started (polled once, in order: lapin queues its
+        // frames for the socket on that first poll and takes its confirm
+        // number), then each awaited until written: the frames of the whole
+        // batch go out together instead of one write per message.
+        let properties: Vec<BasicProperties> = messages
+            .iter()
+            .map(|m| counted(Some(&m.id), 0, 0).with_delivery_mode(2))
+            .collect();
+        let (names, refusals): (Vec<Option<String>>, Vec<Option<DriverError>>) = targets
+            .into_iter()
+            .map(|target| match target {
+                Ok(name) => (Some(name), None),
+                Err(e) => (None, Some(e)),
+            })
+            .unzip();
+        let mut publishes: Vec<Sending<'_>> = messages
+            .iter()
+            .zip(&names)
+            .zip(properties)
+            .map(|((message, target), properties)| match target {
+                None => Sending::Refused,
+                Some(target) => Sending::Started(Box::pin(channel.basic_publish(
+                    "",
+                    target,
+                    options,
+                    &message.body,
+                    properties,
+                ))),
+            })
+            .collect();
+        std::future::poll_fn(|cx| {
+            for sending in publishes.iter_mut() {
+                if let Sending::Started(publish) = sending {
+                    if let std::task::Poll::Ready(outcome) = publish.as_mut().poll(cx) {
+                        *sending = Sending::Written(outcome);
                     }
                 }
+            }
+            std::task::Poll::Ready(())
+        })
+        .await;
+        let written_by = tokio::time::Instant::now() + limit;
+        let mut pending: Vec<Result<(&str, PublisherConfirm), DriverError>> =
+            Vec::with_capacity(count);
+        for ((sending, target), refusal) in publishes.into_iter().zip(&names).zip(refusals) {
+            let target = target.as_deref().unwrap_or_default();
+            let outcome = match sending {
+                Sending::Refused => None,
+                Sending::Written(outcome) => Some(Ok(outcome)),
+                Sending::Started(publish) => {
+                    Some(tokio::time::timeout_at(written_by, publish).await)
+                }
             };
-            pending.push(sent);
+            pending.push(match (outcome, refusal) {
+                (_, Some(refusal)) => Err(refusal),
+                (None, None) => Err(error(ErrorKind::NotAccepted, "not sent")),
+                (Some(Ok(Ok(confirm))), None) => Ok((target, confirm)),
+                (Some(Ok(Err(e))), None) => Err(publish_failed(target, e)),
+                (Some(Err(_)), None) => Err(error(
+                    ErrorKind::Uncertain,
+                    format!("publish to `{target}` did not finish within {limit:?}"),
+                )),
+            });
         }
         let limit = self.inner.config.confirm_timeout;
         let deadline = tokio::time::Instant::now() + limit;
@@ -152,7 +203,7 @@ impl RabbitDriver {
             results.push(match sent {
                 Err(e) => Err(e),
                 Ok((target, confirm)) => confirmed(
-                    &target,
+                    target,
                     limit,
                     tokio::time::timeout_at(deadline, confirm).await,
                 ),

@@ -191,6 +191,23 @@ impl<'a> EnvelopeView<'a> {
 fn may_not_be_a_value(raw: &[u8]) -> bool {
     const DEEP: u32 = 100;
     const LONG: usize = 300;
+    // A short payload cannot nest 100 deep or hold a 300-digit number: with
+    // no escape and no digit or `.` before an `e`, it holds none of them.
+    // (A loop without an early exit, which the compiler vectorizes.)
+    if raw.len() < DEEP as usize {
+        let after_first = raw.get(1..).unwrap_or_default();
+        let suspect =
+            raw.iter()
+                .zip(after_first)
+                .fold(raw.first() == Some(&b'\\'), |seen, (&before, &b)| {
+                    let exponent = (b | 0x20) == b'e';
+                    let after_digit = before.is_ascii_digit() | (before == b'.');
+                    seen | (b == b'\\') | (exponent & after_digit)
+                });
+        if !suspect {
+            return false;
+        }
+    }
     let n = raw.len();
     let mut depth = 0u32;
     let mut i = 0;
@@ -385,6 +402,36 @@ mod tests {
             serde_json::from_str::<serde_json::Value>(view.payload.get()).unwrap(),
             env.payload
         );
+    }
+
+    #[test]
+    fn the_payload_look_flags_what_only_a_full_parse_refuses() {
+        let deep = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n));
+        let long_plain = format!(r#"{{"list":[{}]}}"#, vec!["1"; 80].join(","));
+        for clean in [
+            r#"{"id":1,"name":"report"}"#,
+            r#"{"note":"1e400 in a string","x":-0.5}"#,
+            "[true,false,null]",
+            long_plain.as_str(),
+            &deep(99),
+        ] {
+            assert!(!may_not_be_a_value(clean.as_bytes()), "{clean}");
+        }
+        let digits = "9".repeat(300);
+        for suspect in [
+            "1e400",
+            "[1.5E3]",
+            r#""\ud800""#,
+            r#"{"k":"\uDBFF\uDFFF"}"#,
+            &digits,
+            &deep(100),
+            &format!(r#"{{"pad":"{}","n":2e9}}"#, "x".repeat(120)),
+        ] {
+            assert!(may_not_be_a_value(suspect.as_bytes()), "{suspect}");
+        }
+        // An escape in a short payload takes the precise look, which clears
+        // what is not a surrogate.
+        assert!(!may_not_be_a_value(br#"{"k":"a\"b\u00e9"}"#));
     }
 
     #[cfg(not(target_arch = "wasm32"))]

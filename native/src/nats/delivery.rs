@@ -85,14 +85,6 @@ impl Window {
         id
     }
 
-    /// Stops leasing message `id`; it still counts as held.
-    fn stop_lease(&self, id: u64) {
-        if let Some(lease) = lock(&self.held).leases.get_mut(&id) {
-            // Never due again.
-            lease.renewed = Instant::now() + Duration::from_secs(365 * 24 * 3600);
-        }
-    }
-
     /// Message `id` is settled or dropped: its slot is free.
     fn release(&self, id: u64) {
         lock(&self.held).leases.remove(&id);
@@ -660,20 +652,18 @@ struct NatsDelivery {
 }
 
 impl NatsDelivery {
-    fn stop_lease(&mut self) {
-        if let Some(id) = self.lease {
-            self.window.stop_lease(id);
-        }
-    }
-
-    /// Sends the final `kind`, confirmed as `confirm` says.
+    /// Sends the final `kind`, confirmed as `confirm` says. Its slot in the
+    /// window is freed as it is sent: the message is no longer this
+    /// subscription's to hold.
     async fn reply(
         &mut self,
         kind: AckKind,
         confirm: Confirm,
         what: &str,
     ) -> Result<(), DriverError> {
-        self.stop_lease();
+        if let Some(id) = self.lease.take() {
+            self.window.release(id);
+        }
         self.settled = true;
         let Some(reply) = self.message.reply.clone() else {
             return Err(error(

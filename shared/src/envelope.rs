@@ -1,4 +1,15 @@
 //! The wire format every backend carries ([`Envelope`]).
+//!
+//! A consumer reads each body once: [`Registry::process`](crate::Registry::process)
+//! parses it in one pass into a view borrowed from the body, whose payload
+//! stays raw JSON until its job's type decodes it (once, straight into the
+//! handler's argument). The view reads exactly the bodies
+//! [`Envelope::decode`] reads and fails with the same errors: a newer
+//! version is [`EnvelopeError::UnsupportedVersion`] whatever its other
+//! fields hold, and a malformed body keeps its redacted error text. Reading
+//! the version on its own, and parsing the payload into a JSON value, happen
+//! only on the rare paths that need them (a body that does not decode, a
+//! payload that might hold what only a full parse refuses).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -264,7 +275,9 @@ fn may_not_be_a_value(raw: &[u8]) -> bool {
     false
 }
 
-/// A new random message id (UUID v4; uses the JS crypto source on wasm32).
+/// A new random message id (UUID v4). Natively it comes from a thread-local
+/// generator the OS seeds (uuid's `fast-rng`): no system call per id. On
+/// wasm32 it comes from the JS crypto source.
 pub fn new_message_id() -> String {
     uuid::Uuid::new_v4().to_string()
 }

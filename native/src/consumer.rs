@@ -3,7 +3,10 @@ use std::time::Duration;
 
 use futures_util::future::select_all;
 use jobrail::{failure_budget, CancelToken, Registry, Runtime};
-use tokio::sync::Semaphore;
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
 
@@ -71,8 +74,15 @@ const MIN_DEPTH_INTERVAL: Duration = Duration::from_millis(100);
 ///
 /// One intake loop takes deliveries from every queue under one concurrency
 /// limit (a slot is taken only once a queue has a delivery for it, so an
-/// idle queue never starves the others) and spawns one task per delivery,
-/// which runs [`jobrail::Registry::deliver`]. Shutdown follows the rules' order:
+/// idle queue never starves the others) and hands each to a free worker,
+/// which runs [`jobrail::Registry::deliver`]. The workers are at most
+/// `concurrency` long-lived tasks, started as the load first needs them: a
+/// delivery costs no task, no allocation of the pipeline's state and no
+/// join of its own, only two channel hand-offs (to the worker, and the
+/// worker back to the free list). A panic that escapes the pipeline (a
+/// driver's or an event sink's) is logged and drops the delivery
+/// unsettled, so the backend keeps the message; the worker goes on.
+/// [`ConsumerHandle::abort`] drops the workers with their deliveries. Shutdown follows the rules' order:
 /// stop taking new deliveries and close the subscriptions (what was not taken
 /// stays with the backend, and a broker that pushes stops pushing before any
 /// settlement frees a prefetch slot), cancel the handlers' contexts, then join
@@ -187,10 +197,11 @@ impl Consumer {
             .and_then(|every| DepthPoller::start(&self.driver, self.registry.queues(), every));
         let intake = Intake {
             driver: self.driver,
-            registry: self.registry,
-            runtime: self.runtime,
-            handlers: CancelToken::new(),
-            permits: Arc::new(Semaphore::new(self.concurrency)),
+            shared: Arc::new(Shared {
+                registry: self.registry,
+                runtime: self.runtime,
+                handlers: CancelToken::new(),
+            }),
             prefetch: self.concurrency,
         };
         intake.run(sources, &cancel).await;
@@ -210,80 +221,174 @@ impl Consumer {
 /// concurrency of at least 1.
 struct Intake {
     driver: Arc<dyn Driver>,
+    /// What every delivery task needs, behind one reference count.
+    shared: Arc<Shared>,
+    /// The concurrency limit, and the prefetch asked of each subscription.
+    prefetch: usize,
+}
+
+/// The registry, runtime and handlers' cancellation every delivery task
+/// shares.
+struct Shared {
     registry: Arc<Registry>,
     runtime: Arc<dyn Runtime>,
     /// Cancels the handlers' contexts (after intake has stopped).
     handlers: CancelToken,
-    permits: Arc<Semaphore>,
-    prefetch: usize,
+}
+
+/// A delivery handed to a worker, with its queue.
+type Work = (Arc<str>, Box<dyn Delivery>);
+
+/// The delivery workers: at most `concurrency` long-lived tasks, started as
+/// the load first needs them. A worker runs one delivery at a time and
+/// then offers itself again on `idle`; a free slot of the limit is an idle
+/// worker. A delivery costs no task of its own: the worker's state (the
+/// pipeline's future included) is allocated once, not per delivery.
+struct Workers {
+    /// Each started worker's inbox (room for the one delivery it runs).
+    inboxes: Vec<mpsc::Sender<Work>>,
+    /// Numbers of the workers that are free (never-started ones included).
+    idle: mpsc::UnboundedReceiver<usize>,
+    idle_tx: mpsc::UnboundedSender<usize>,
+    tasks: JoinSet<()>,
+}
+
+impl Workers {
+    fn new(concurrency: usize) -> Self {
+        let (idle_tx, idle) = mpsc::unbounded_channel();
+        for number in 0..concurrency {
+            let _ = idle_tx.send(number);
+        }
+        Workers {
+            inboxes: Vec::with_capacity(concurrency),
+            idle,
+            idle_tx,
+            tasks: JoinSet::new(),
+        }
+    }
+
+    /// Hands `work` to the free worker `number`, starting it if needed.
+    fn hand(&mut self, number: usize, work: Work, shared: &Arc<Shared>) {
+        if number == self.inboxes.len() {
+            let (inbox, mut mailbox) = mpsc::channel::<Work>(1);
+            let (shared, idle) = (shared.clone(), self.idle_tx.clone());
+            self.tasks.spawn(async move {
+                while let Some((queue, delivery)) = mailbox.recv().await {
+                    let handled = AssertUnwindSafe(handle(&shared, &queue, delivery));
+                    if let Err(panic) = handled.catch_unwind().await {
+                        report_panic(&panic_text(panic.as_ref()));
+                    }
+                    if idle.send(number).is_err() {
+                        break;
+                    }
+                }
+            });
+            self.inboxes.push(inbox);
+        }
+        // A free worker's inbox is empty: this never waits or fails while
+        // the worker runs (a worker that died is reported when joined, and
+        // its delivery dropped, which leaves the message with the backend).
+        let _ = self.inboxes[number].try_send(work);
+    }
+
+    /// Lets every worker finish its delivery and waits for all of them.
+    async fn join(mut self) {
+        self.inboxes.clear();
+        drop(self.idle_tx);
+        while let Some(joined) = self.tasks.join_next().await {
+            report_task_end(joined);
+        }
+    }
 }
 
 impl Intake {
     async fn run(self, mut sources: Vec<Source>, stop: &CancelToken) {
-        let mut active = JoinSet::new();
+        let mut workers = Workers::new(self.prefetch);
         let mut turn = 0usize;
+        // One cancellation future for the whole run, polled before each
+        // slot and each delivery is taken (`biased`), so a stop is seen
+        // before anything more is taken even when slots and deliveries are
+        // ready at once.
+        let mut stopping = std::pin::pin!(stop.cancelled());
         loop {
-            let permit = tokio::select! {
+            let worker = tokio::select! {
                 biased;
-                _ = stop.cancelled() => break,
-                permit = self.permits.clone().acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
+                _ = &mut stopping => break,
+                worker = workers.idle.recv() => match worker {
+                    Some(worker) => worker,
+                    None => break,
                 },
             };
-            let mut waits: Vec<_> = sources
-                .iter_mut()
-                .filter(|source| !source.ended)
-                .map(|source| Box::pin(source.next(&self.driver, self.prefetch)))
-                .collect();
-            if waits.is_empty() {
-                break;
-            }
-            let first = turn % waits.len();
-            waits.rotate_left(first);
-            turn = turn.wrapping_add(1);
-            let next = tokio::select! {
-                biased;
-                _ = stop.cancelled() => break,
-                (next, _, _) = select_all(waits) => next,
+            let live = sources.iter().filter(|source| !source.ended).count();
+            let next = if live == 1 {
+                // One queue (the usual case): no fan-in to build.
+                let Some(source) = sources.iter_mut().find(|source| !source.ended) else {
+                    break;
+                };
+                tokio::select! {
+                    biased;
+                    _ = &mut stopping => break,
+                    next = source.next(&self.driver, self.prefetch) => next,
+                }
+            } else {
+                let mut waits: Vec<_> = sources
+                    .iter_mut()
+                    .filter(|source| !source.ended)
+                    .map(|source| Box::pin(source.next(&self.driver, self.prefetch)))
+                    .collect();
+                if waits.is_empty() {
+                    break;
+                }
+                let first = turn % waits.len();
+                waits.rotate_left(first);
+                turn = turn.wrapping_add(1);
+                tokio::select! {
+                    biased;
+                    _ = &mut stopping => break,
+                    (next, _, _) = select_all(waits) => next,
+                }
             };
-            if let Some((queue, delivery)) = next {
-                let registry = self.registry.clone();
-                let runtime = self.runtime.clone();
-                let cancel = self.handlers.clone();
-                active.spawn(async move {
-                    handle(&registry, &runtime, &cancel, &queue, delivery).await;
-                    drop(permit);
-                });
+            match next {
+                Some(work) => workers.hand(worker, work, &self.shared),
+                // Not used: free again.
+                None => {
+                    let _ = workers.idle_tx.send(worker);
+                }
             }
-            reap(&mut active);
         }
         for source in &mut sources {
             if let Some(subscription) = source.subscription.as_mut() {
                 subscription.close().await;
             }
         }
-        self.handlers.cancel();
-        while let Some(joined) = active.join_next().await {
-            report_task_end(joined);
-        }
+        self.shared.handlers.cancel();
+        workers.join().await;
         drop(sources);
     }
 }
 
-fn reap(active: &mut JoinSet<()>) {
-    while let Some(joined) = active.try_join_next() {
-        report_task_end(joined);
-    }
+/// A delivery whose pipeline panicked outside the handler (the pipeline
+/// catches handler and processing panics, so this is a driver's or an
+/// event sink's panic): logged; the delivery was dropped unsettled, and the
+/// backend redelivers the message by its own rules. The worker goes on.
+fn report_panic(text: &str) {
+    error!("a delivery task panicked; the backend keeps its message: {text}");
 }
 
-/// A delivery task that died (the pipeline catches handler and processing
-/// panics, so this is a driver's or an event sink's panic): logged; the
-/// backend redelivers the message by its own rules.
+/// A panic's message, when it is text.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// A worker that died (a panic that escaped): logged.
 fn report_task_end(joined: Result<(), tokio::task::JoinError>) {
     if let Err(e) = joined {
         if e.is_panic() {
-            error!("a delivery task panicked; the backend keeps its message: {e}");
+            report_panic(&e.to_string());
         }
     }
 }
@@ -293,7 +398,8 @@ const MAX_RESUBSCRIBE_WAIT: Duration = Duration::from_secs(30);
 
 /// One queue's subscription, resubscribed with a growing wait when it fails.
 struct Source {
-    queue: String,
+    /// Shared with each delivery task (no copy of the name per delivery).
+    queue: Arc<str>,
     /// `None` while waiting to resubscribe.
     subscription: Option<Box<dyn Subscription>>,
     resubscribe_at: Option<tokio::time::Instant>,
@@ -305,7 +411,7 @@ struct Source {
 impl Source {
     fn new(queue: String, subscription: Box<dyn Subscription>) -> Self {
         Source {
-            queue,
+            queue: queue.into(),
             subscription: Some(subscription),
             resubscribe_at: None,
             wait: Reconnect::new(FIRST_RESUBSCRIBE_WAIT, MAX_RESUBSCRIBE_WAIT),
@@ -320,7 +426,7 @@ impl Source {
         &mut self,
         driver: &Arc<dyn Driver>,
         prefetch: usize,
-    ) -> Option<(String, Box<dyn Delivery>)> {
+    ) -> Option<(Arc<str>, Box<dyn Delivery>)> {
         loop {
             if self.subscription.is_none() {
                 if let Some(at) = self.resubscribe_at {
@@ -362,13 +468,7 @@ impl Source {
     }
 }
 
-async fn handle(
-    registry: &Registry,
-    runtime: &Arc<dyn Runtime>,
-    cancel: &CancelToken,
-    queue: &str,
-    delivery: Box<dyn Delivery>,
-) {
+async fn handle(shared: &Shared, queue: &str, delivery: Box<dyn Delivery>) {
     let attempt = delivery.attempt();
     let span = tracing::info_span!(
         "delivery",
@@ -378,7 +478,10 @@ async fn handle(
         message_id = tracing::field::Empty
     );
     async move {
-        let delivered = registry.deliver(queue, delivery, runtime, cancel).await;
+        let delivered = shared
+            .registry
+            .deliver(queue, delivery, &shared.runtime, &shared.handlers)
+            .await;
         let processed = &delivered.processed;
         let span = tracing::Span::current();
         span.record("job", processed.event.job.as_str());

@@ -36,9 +36,30 @@ struct Stored {
 #[derive(Default)]
 struct QueueState {
     ready: VecDeque<Stored>,
-    notify: Arc<Notify>,
     delayed: usize,
     in_flight: usize,
+}
+
+/// One queue: its own lock, so deliveries and settlements of a queue never
+/// touch the driver-wide map (they hold the queue itself, not its name).
+struct Queue {
+    name: String,
+    state: Mutex<QueueState>,
+    notify: Notify,
+}
+
+impl Queue {
+    fn new(name: &str) -> Self {
+        Queue {
+            name: name.to_string(),
+            state: Mutex::default(),
+            notify: Notify::new(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, QueueState> {
+        lock(&self.state)
+    }
 }
 
 /// A failure entry and whether a claim holds it.
@@ -52,16 +73,16 @@ struct MemoryFailure {
 #[derive(Default)]
 struct State {
     claims: u64,
-    queues: HashMap<String, QueueState>,
+    queues: HashMap<String, Arc<Queue>>,
     failures: HashMap<String, Vec<MemoryFailure>>,
     timers: Vec<AbortHandle>,
 }
 
 struct Inner {
     config: MemoryConfig,
-    /// Set before `stop` clears the queues under the state lock, and read
-    /// under that lock wherever work is added, so nothing is queued after a
-    /// stop.
+    /// Set before `stop` clears each queue under that queue's lock, and
+    /// read under the queue's lock wherever work is added, so nothing is
+    /// queued after a stop.
     lifecycle: Lifecycle,
     state: Mutex<State>,
 }
@@ -123,57 +144,97 @@ impl MemoryDriver {
             .unwrap_or_default()
     }
 
+    /// `queue`, created on first use.
+    fn queue(&self, name: &str) -> Arc<Queue> {
+        let mut state = self.state();
+        if let Some(queue) = state.queues.get(name) {
+            return queue.clone();
+        }
+        let queue = Arc::new(Queue::new(name));
+        state.queues.insert(name.to_string(), queue.clone());
+        queue
+    }
+
+    /// `queue` if it has been used.
+    fn existing(&self, name: &str) -> Option<Arc<Queue>> {
+        self.state().queues.get(name).cloned()
+    }
+
     /// Messages on `queue` that are ready, delayed or being handled.
     pub fn depth(&self, queue: &str) -> usize {
-        self.state()
-            .queues
-            .get(queue)
-            .map_or(0, |q| q.ready.len() + q.delayed + q.in_flight)
+        self.existing(queue).map_or(0, |q| {
+            let q = q.state();
+            q.ready.len() + q.delayed + q.in_flight
+        })
     }
 
     /// Messages on `queue` ready for delivery now.
     pub fn ready(&self, queue: &str) -> usize {
-        self.state().queues.get(queue).map_or(0, |q| q.ready.len())
+        self.existing(queue).map_or(0, |q| q.state().ready.len())
     }
 
-    fn enqueue(&self, queue: &str, stored: Stored, front: bool) -> Result<(), DriverError> {
-        let mut state = self.state();
-        self.inner.lifecycle.check_running()?;
-        let q = state.queues.entry(queue.to_string()).or_default();
-        if front {
-            q.ready.push_front(stored);
-        } else {
-            q.ready.push_back(stored);
+    fn enqueue(&self, queue: &Queue, stored: Stored, front: bool) -> Result<(), DriverError> {
+        {
+            let mut q = queue.state();
+            self.inner.lifecycle.check_running()?;
+            if front {
+                q.ready.push_front(stored);
+            } else {
+                q.ready.push_back(stored);
+            }
         }
-        q.notify.notify_one();
+        queue.notify.notify_one();
         Ok(())
     }
 
     fn enqueue_later(
         &self,
-        queue: &str,
+        queue: &Arc<Queue>,
         stored: Stored,
         delay: Duration,
     ) -> Result<(), DriverError> {
         let mut state = self.state();
-        self.inner.lifecycle.check_running()?;
-        state.queues.entry(queue.to_string()).or_default().delayed += 1;
+        {
+            let mut q = queue.state();
+            self.inner.lifecycle.check_running()?;
+            q.delayed += 1;
+        }
         let driver = self.clone();
-        let queue = queue.to_string();
+        let queue = queue.clone();
         let timer = tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            let mut state = driver.state();
-            if driver.inner.lifecycle.is_stopped() {
-                return;
+            {
+                let mut q = queue.state();
+                if driver.inner.lifecycle.is_stopped() {
+                    return;
+                }
+                q.delayed -= 1;
+                q.ready.push_back(stored);
             }
-            let q = state.queues.entry(queue).or_default();
-            q.delayed -= 1;
-            q.ready.push_back(stored);
-            q.notify.notify_one();
+            queue.notify.notify_one();
         });
         state.timers.retain(|t| !t.is_finished());
         state.timers.push(timer.abort_handle());
         Ok(())
+    }
+
+    /// Sends one message to `queue` (now, or after its delay).
+    fn send_to(&self, queue: &Arc<Queue>, message: Outgoing) -> Result<(), DriverError> {
+        let stored = Stored::new(message.body);
+        match message.delay {
+            Some(delay) if !delay.is_zero() => self.enqueue_later(queue, stored, delay),
+            _ => self.enqueue(queue, stored, false),
+        }
+    }
+}
+
+impl Stored {
+    fn new(body: Vec<u8>) -> Self {
+        Stored {
+            body,
+            deliveries: 0,
+            shutdown_returns: 0,
+        }
     }
 }
 
@@ -211,15 +272,48 @@ impl Driver for MemoryDriver {
     }
 
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
-        let stored = Stored {
-            body: message.body,
-            deliveries: 0,
-            shutdown_returns: 0,
-        };
-        match message.delay {
-            Some(delay) if !delay.is_zero() => self.enqueue_later(queue, stored, delay),
-            _ => self.enqueue(queue, stored, false),
+        self.send_to(&self.queue(queue), message)
+    }
+
+    /// The messages without a delay go in under one lock of the queue, in
+    /// order, behind one wake-up; each delayed one gets its own timer, as
+    /// [`send`](Driver::send) gives it. A stopped driver refuses every
+    /// message ([`ErrorKind::Stopped`]).
+    async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        let target = self.queue(queue);
+        let mut results = Vec::with_capacity(messages.len());
+        let mut delayed = Vec::new();
+        let mut added = false;
+        {
+            let mut q = target.state();
+            for message in messages {
+                let result = match self.inner.lifecycle.check_running() {
+                    Err(stopped) => Err(stopped),
+                    Ok(()) if message.delay.is_some_and(|d| !d.is_zero()) => {
+                        // Its timer starts once the queue's lock is let go.
+                        delayed.push((results.len(), message));
+                        Ok(())
+                    }
+                    Ok(()) => {
+                        q.ready.push_back(Stored::new(message.body));
+                        added = true;
+                        Ok(())
+                    }
+                };
+                results.push(result);
+            }
         }
+        if added {
+            target.notify.notify_one();
+        }
+        for (i, message) in delayed {
+            results[i] = self.send_to(&target, message);
+        }
+        results
     }
 
     async fn subscribe(
@@ -227,18 +321,10 @@ impl Driver for MemoryDriver {
         queue: &str,
         _prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
-        let mut state = self.state();
         self.inner.lifecycle.check_running()?;
-        let notify = state
-            .queues
-            .entry(queue.to_string())
-            .or_default()
-            .notify
-            .clone();
         Ok(Box::new(MemorySubscription {
             driver: self.clone(),
-            queue: queue.to_string(),
-            notify,
+            queue: self.queue(queue),
         }))
     }
 
@@ -256,10 +342,13 @@ impl Driver for MemoryDriver {
         for timer in state.timers.drain(..) {
             timer.abort();
         }
-        for q in state.queues.values_mut() {
-            q.ready.clear();
-            q.delayed = 0;
-            q.notify.notify_waiters();
+        for queue in state.queues.values() {
+            {
+                let mut q = queue.state();
+                q.ready.clear();
+                q.delayed = 0;
+            }
+            queue.notify.notify_waiters();
         }
         Ok(())
     }
@@ -317,23 +406,20 @@ impl FailureStore for MemoryDriver {
 #[async_trait]
 impl Admin for MemoryDriver {
     async fn depth(&self, queue: &str) -> Result<QueueDepth, DriverError> {
-        let state = self.state();
-        Ok(state
-            .queues
-            .get(queue)
-            .map_or_else(QueueDepth::default, |q| {
-                QueueDepth::new(
-                    q.ready.len() as u64,
-                    Some(q.in_flight as u64),
-                    Some(q.delayed as u64),
-                )
-            }))
+        Ok(self.existing(queue).map_or_else(QueueDepth::default, |q| {
+            let q = q.state();
+            QueueDepth::new(
+                q.ready.len() as u64,
+                Some(q.in_flight as u64),
+                Some(q.delayed as u64),
+            )
+        }))
     }
 
     async fn delete_queue(&self, queue: &str) -> Result<(), DriverError> {
         let mut state = self.state();
-        if let Some(q) = state.queues.get_mut(queue) {
-            q.ready.clear();
+        if let Some(q) = state.queues.get(queue) {
+            q.state().ready.clear();
         }
         state.failures.remove(queue);
         Ok(())
@@ -393,35 +479,38 @@ impl ClaimedFailure for MemoryClaim {
 
 struct MemorySubscription {
     driver: MemoryDriver,
-    queue: String,
-    notify: Arc<Notify>,
+    queue: Arc<Queue>,
 }
 
 #[async_trait]
 impl Subscription for MemorySubscription {
     async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
         loop {
-            let notified = self.notify.notified();
-            {
-                let mut state = self.driver.state();
+            let notified = self.queue.notify.notified();
+            let taken = {
+                let mut q = self.queue.state();
                 if self.driver.inner.lifecycle.is_stopped() {
                     return None;
                 }
-                let q = state.queues.entry(self.queue.clone()).or_default();
-                if let Some(mut stored) = q.ready.pop_front() {
+                q.ready.pop_front().map(|mut stored| {
                     stored.deliveries = stored.deliveries.saturating_add(1);
                     q.in_flight += 1;
-                    if !q.ready.is_empty() {
-                        q.notify.notify_one();
-                    }
-                    let attempt = stored.deliveries;
-                    return Some(Ok(Box::new(MemoryDelivery {
-                        driver: self.driver.clone(),
-                        queue: self.queue.clone(),
-                        stored: Some(stored),
-                        attempt,
-                    })));
+                    (stored, !q.ready.is_empty())
+                })
+            };
+            if let Some((stored, more)) = taken {
+                if more {
+                    // Another subscription of the queue may be waiting on
+                    // the wake-up this one took.
+                    self.queue.notify.notify_one();
                 }
+                let attempt = stored.deliveries;
+                return Some(Ok(Box::new(MemoryDelivery {
+                    driver: self.driver.clone(),
+                    queue: self.queue.clone(),
+                    stored: Some(stored),
+                    attempt,
+                })));
             }
             notified.await;
         }
@@ -430,17 +519,36 @@ impl Subscription for MemorySubscription {
 
 struct MemoryDelivery {
     driver: MemoryDriver,
-    queue: String,
+    queue: Arc<Queue>,
     stored: Option<Stored>,
     attempt: u32,
 }
 
 impl MemoryDelivery {
-    fn release(&mut self) {
-        let mut state = self.driver.state();
-        if let Some(q) = state.queues.get_mut(&self.queue) {
+    /// No longer in flight; `requeue` goes back to the front (a dropped
+    /// delivery) or the back (an immediate retry) of the queue, under the
+    /// same lock, unless the driver has stopped.
+    fn release(&mut self, requeue: Option<(Stored, bool)>) -> Result<(), DriverError> {
+        let added = {
+            let mut q = self.queue.state();
             q.in_flight = q.in_flight.saturating_sub(1);
+            match requeue {
+                None => false,
+                Some((stored, front)) => {
+                    self.driver.inner.lifecycle.check_running()?;
+                    if front {
+                        q.ready.push_front(stored);
+                    } else {
+                        q.ready.push_back(stored);
+                    }
+                    true
+                }
+            }
+        };
+        if added {
+            self.queue.notify.notify_one();
         }
+        Ok(())
     }
 }
 
@@ -448,8 +556,7 @@ impl Drop for MemoryDelivery {
     /// Unsettled: back to the front of the queue, count kept.
     fn drop(&mut self) {
         if let Some(stored) = self.stored.take() {
-            self.release();
-            let _ = self.driver.enqueue(&self.queue, stored, true);
+            let _ = self.release(Some((stored, true)));
         }
     }
 }
@@ -472,7 +579,7 @@ impl Delivery for MemoryDelivery {
         if let Err(stopped) = self.driver.inner.lifecycle.check_running() {
             // Dropping would try to requeue; a stopped driver keeps nothing.
             self.stored = None;
-            self.release();
+            let _ = self.release(None);
             return Err(stopped);
         }
         match settlement {
@@ -496,10 +603,10 @@ impl Delivery for MemoryDelivery {
                 if *shutdown {
                     stored.shutdown_returns = stored.shutdown_returns.saturating_add(1);
                 }
-                self.release();
                 return if delay.is_zero() {
-                    self.driver.enqueue(&self.queue, stored, false)
+                    self.release(Some((stored, false)))
                 } else {
+                    let _ = self.release(None);
                     self.driver.enqueue_later(&self.queue, stored, delay)
                 };
             }
@@ -507,7 +614,7 @@ impl Delivery for MemoryDelivery {
                 self.driver
                     .state()
                     .failures
-                    .entry(self.queue.clone())
+                    .entry(self.queue.name.clone())
                     .or_default()
                     .push(MemoryFailure {
                         entry: StoredFailure::from_body(record.encode()),
@@ -516,7 +623,104 @@ impl Delivery for MemoryDelivery {
             }
         }
         self.stored = None;
-        self.release();
-        Ok(())
+        self.release(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outgoing(body: &str, delay: Option<Duration>) -> Outgoing {
+        Outgoing {
+            id: body.into(),
+            body: body.as_bytes().to_vec(),
+            delay,
+        }
+    }
+
+    async fn take(subscription: &mut Box<dyn Subscription>) -> Box<dyn Delivery> {
+        subscription.next().await.unwrap().unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_keeps_order_and_each_messages_delay() {
+        let driver = MemoryDriver::default();
+        let results = driver
+            .send_batch(
+                "q",
+                vec![
+                    outgoing("a", None),
+                    outgoing("later", Some(Duration::from_secs(5))),
+                    outgoing("b", Some(Duration::ZERO)),
+                    outgoing("c", None),
+                ],
+            )
+            .await;
+        assert_eq!(results.len(), 4);
+        assert!(results.iter().all(Result::is_ok));
+        assert_eq!((driver.ready("q"), driver.depth("q")), (3, 4));
+
+        let mut subscription = driver.subscribe("q", 8).await.unwrap();
+        for expected in ["a", "b", "c"] {
+            let delivery = take(&mut subscription).await;
+            assert_eq!(delivery.body(), expected.as_bytes());
+            assert_eq!(delivery.attempt(), 1);
+            delivery.settle(&Settlement::Ack).await.unwrap();
+        }
+        assert_eq!((driver.ready("q"), driver.depth("q")), (0, 1));
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let delivery = take(&mut subscription).await;
+        assert_eq!(delivery.body(), b"later");
+        delivery.settle(&Settlement::Ack).await.unwrap();
+        assert_eq!(driver.depth("q"), 0);
+    }
+
+    #[tokio::test]
+    async fn a_batch_wakes_a_waiting_subscription_and_a_stopped_driver_refuses_each_message() {
+        let driver = MemoryDriver::default();
+        let mut subscription = driver.subscribe("q", 8).await.unwrap();
+        let waiting = tokio::spawn(async move {
+            let delivery = take(&mut subscription).await;
+            let body = delivery.body().to_vec();
+            delivery.settle(&Settlement::Ack).await.unwrap();
+            body
+        });
+        tokio::task::yield_now().await;
+        let results = driver
+            .send_batch("q", vec![outgoing("x", None), outgoing("y", None)])
+            .await;
+        assert!(results.iter().all(Result::is_ok));
+        assert_eq!(waiting.await.unwrap(), b"x");
+        assert_eq!(driver.ready("q"), 1);
+
+        driver.stop().await.unwrap();
+        let results = driver
+            .send_batch(
+                "q",
+                vec![
+                    outgoing("z", None),
+                    outgoing("w", Some(Duration::from_secs(1))),
+                ],
+            )
+            .await;
+        assert_eq!(results.len(), 2);
+        for result in results {
+            assert_eq!(result.unwrap_err().kind(), ErrorKind::Stopped);
+        }
+        assert_eq!(driver.depth("q"), 0);
+    }
+
+    #[tokio::test]
+    async fn an_unsettled_delivery_goes_back_to_the_front_with_its_count() {
+        let driver = MemoryDriver::default();
+        driver
+            .send_batch("q", vec![outgoing("a", None), outgoing("b", None)])
+            .await;
+        let mut subscription = driver.subscribe("q", 8).await.unwrap();
+        drop(take(&mut subscription).await);
+        assert_eq!((driver.ready("q"), driver.depth("q")), (2, 2));
+        let again = take(&mut subscription).await;
+        assert_eq!((again.body(), again.attempt()), (&b"a"[..], 2));
     }
 }

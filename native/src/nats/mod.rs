@@ -47,6 +47,17 @@
 //! scheduled messages: a dispatch with a delay is refused with
 //! [`ErrorKind::Unsupported`] and `delayed_dispatch` is `false`.
 //!
+//! A batch ([`Driver::send_batch`]) publishes every message before
+//! awaiting any `PubAck` (at most 1,024 unanswered at once, below
+//! async-nats' own limit per connection), so it costs about one round trip
+//! rather than one per message; each message gets its own result, with
+//! the same kinds as a single dispatch (a delayed one is refused alone,
+//! an oversize one before anything is sent, one the server refuses is
+//! [`ErrorKind::NotAccepted`] while the others are stored). A dispatch
+//! reads the connection and the set of declared queues under shared read
+//! locks and clones only an `Arc`: concurrent dispatches do not wait for
+//! one another in the driver.
+//!
 //! A dispatch body may be at most the server's `max_payload` (1 MiB by
 //! default; from the server's greeting, re-read after every reconnection)
 //! less [`HEADER_ROOM`] bytes, since the server counts a message's headers
@@ -83,18 +94,29 @@
 //!
 //! # Settlements
 //!
-//! Every settlement is sent as a *double ack* (an ack request the server
-//! answers), so `Ok` means the server processed it; no answer within
-//! `operation_timeout` is [`ErrorKind::Uncertain`].
+//! A settlement's final acknowledgement is sent either as a *double ack*
+//! (a request the server answers once it has processed it, on the
+//! client's shared request inbox: `Ok` means the server processed it, no
+//! answer within `operation_timeout` is [`ErrorKind::Uncertain`]) or as a
+//! *plain ack* (a publish: `Ok` means it was handed to the connection). A
+//! plain ack can be lost with the connection, and then the server
+//! redelivers the message after AckWait. Each settlement uses a plain ack
+//! only where that loss costs nothing the guarantees do not already allow:
 //!
-//! | settlement | JetStream |
-//! |---|---|
-//! | Ack | `+ACK` |
-//! | Retry, no delay or zero | `-NAK` (redelivered at once) |
-//! | Retry with a delay | `-NAK {"delay": ...}` (no sooner than the delay) |
-//! | Retry from a graceful shutdown | publish a copy to `<subject_prefix>.Q` with `Queue-Attempts` = this delivery's attempt and `Queue-Shutdowns` incremented, wait for its `PubAck`, then `+ACK` the original |
-//! | Reject | `+TERM` (never redelivered) |
-//! | Fail | publish [`FailureRecord::encode`] to the failure subject and wait for its `PubAck`, then `+ACK`; with no failure subject: `+ACK` and an error-level log line |
+//! | settlement | JetStream | ack | what a lost plain ack would cost |
+//! |---|---|---|---|
+//! | Ack | `+ACK` | double | a second execution *and* a `succeeded` event for a message the server still holds: the event would no longer mean the message is gone |
+//! | Retry, no delay or zero | `-NAK` (redelivered at once) | double | a redelivery after AckWait instead of at once, reported as accepted |
+//! | Retry with a delay | `-NAK {"delay": ...}` (no sooner than the delay) | double | a redelivery after AckWait, *sooner* than a delay longer than AckWait: the delay would not be a lower bound |
+//! | Retry from a graceful shutdown | publish a copy to `<subject_prefix>.Q` with `Queue-Attempts` = this delivery's attempt and `Queue-Shutdowns` incremented, wait for its `PubAck`, then `+ACK` the original | plain | the original comes back after AckWait beside its stored copy: the duplicate a crash between the copy and the ack already makes (see below), never a loss |
+//! | Reject | `+TERM` (never redelivered) | double | a rejected job redelivered and run again |
+//! | Fail | publish [`FailureRecord::encode`] to the failure subject and wait for its `PubAck`, then `+ACK`; with no failure subject: `+ACK` and an error-level log line | plain after the record; double without one | after the record: a redelivery whose record the duplicate window drops (its id is derived from the message), as after a crash between the record and the ack; never a lost record. Without a record the log line is all there is, so the ack is confirmed |
+//!
+//! So the success path keeps its double ack: the facade's events and
+//! counters say the server took the settlement. It costs one reply per
+//! message, which the consumer's concurrency keeps in flight (a
+//! subscription's window frees a slot as the ack is sent, not when it is
+//! answered).
 //!
 //! The failure record carries `Nats-Msg-Id` derived from the failed
 //! message's stream, sequence and store time, so a transfer repeated after a
@@ -119,12 +141,19 @@
 //!
 //! # Leases
 //!
-//! From the moment a delivery is handed out until its final ack is sent, a
-//! background task sends `+WPI` (`Progress`) every half AckWait, so a
-//! handler may run for any time without its message being redelivered. The
-//! task stops when the delivery is settled or dropped. A delivery dropped
-//! without settlement is `-NAK`ed at once (redelivered with a higher count);
-//! if even that cannot be sent, AckWait redelivers it.
+//! From the moment a subscription reads a message until its final ack is
+//! sent, the message is leased: one ticker task per subscription wakes
+//! every quarter AckWait and sends `+WPI` (`Progress`) for each message it
+//! holds whose AckWait was last restarted at least a quarter AckWait ago,
+//! so no held message goes more than half AckWait without one and a
+//! handler may run for any time without its message being redelivered.
+//! (One ticker for all, rather than a task per delivery: a delivery costs
+//! an entry in the subscription's table, not a spawned task and a timer.)
+//! The ticker keeps running for deliveries settled after their
+//! subscription was closed, and ends once the subscription and all its
+//! deliveries are gone, or the driver is stopped. A delivery dropped
+//! without settlement is `-NAK`ed at once (redelivered with a higher
+//! count); if even that cannot be sent, AckWait redelivers it.
 //!
 //! # The server's MaxDeliver
 //!
@@ -141,16 +170,48 @@
 //!
 //! # Consumption and reconnection
 //!
-//! A subscription sends pull requests for up to `prefetch` messages minus
-//! those it has handed out and not yet seen settled, each waiting at most
-//! [`fetch_expiry`](NatsConfig::fetch_expiry) on the server, so at most
-//! `prefetch` deliveries are outstanding, as with RabbitMQ's `basic.qos`.
-//! `next()` is cancel-safe: an open pull request and a request being sent
-//! live in the subscription, not in the future. async-nats re-establishes a
-//! lost connection by itself (backoff up to
+//! A subscription keeps its pull requests outstanding rather than sending
+//! one after another: it subscribes once to an inbox of its own and sends
+//! each pull request (a publish to
+//! `$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>` answered on that inbox)
+//! while earlier ones are still open, each waiting at most
+//! [`fetch_expiry`](NatsConfig::fetch_expiry) on the server. Its window is
+//! `prefetch` (the consumer's concurrency): the messages it holds (read,
+//! final ack not yet sent) plus those it has asked for and not received
+//! never exceed `prefetch`, and it asks for the free slots once they are
+//! at least half the window (one slot with a prefetch of 1), so requests
+//! stay large: about `N / (prefetch / 2)` of them for `N` messages under
+//! load. The server's `408` (and `409`) ending a request says how many it
+//! did not deliver; a request is no longer counted past its expiry (and a
+//! second of grace) even without one.
+//!
+//! The bound, and what it means for AckWait and MaxAckPending: a
+//! subscription holds at most `prefetch` unacknowledged messages on the
+//! server, plus the acks it has sent that the server has not processed
+//! yet. A message is read as soon as the consumer has a free slot for it
+//! (the window never asks for more than the consumer holds slots for; a
+//! slot held by a delivery whose ack is sent frees once the ack is
+//! answered, within the operation timeout), and leased from then on, so
+//! no message waits out AckWait in a buffer. A
+//! consumer serving several queues under one concurrency limit has a
+//! window per queue; a message of one queue can then wait for a slot taken
+//! by another queue's deliveries, unleased, and comes back after AckWait
+//! with a higher count if the wait is longer (keep AckWait above the
+//! longest handler of the other queues, or give such queues consumers of
+//! their own). The consumer's MaxAckPending (the server's default, 1,000,
+//! unless the consumer was made otherwise) caps what all workers of a
+//! queue hold together: with `W` workers the server holds back deliveries
+//! once `W x prefetch` reaches it (slower, never an error); a subscription
+//! whose `prefetch` alone is above it warns at start.
+//!
+//! `next()` is cancel-safe: the open pull requests and a request being
+//! sent live in the subscription, not in the future. Closing the
+//! subscription unsubscribes the inbox, so the server ends its open
+//! requests (no interest) and sends nothing more. async-nats
+//! re-establishes a lost connection by itself (backoff up to
 //! [`max_reconnect_backoff`](NatsConfig::max_reconnect_backoff)); the
-//! subscription then abandons pull requests sent on the old connection and
-//! sends fresh ones. When a pull fails (the consumer or stream was deleted,
+//! subscription then hands out what already arrived, abandons the old
+//! inbox with its pull requests and pulls afresh on a new one. When a pull fails (the consumer or stream was deleted,
 //! the server is unavailable) the subscription re-declares the topology and
 //! retries with exponential backoff; its `next()` returns `None` only once
 //! the driver is stopped. Unlike an AMQP channel, a JetStream ack is not
@@ -219,7 +280,8 @@
 //!   consumer, reading failure records;
 //! - `publish.rs`: dispatch, and the failure record and shutdown copy a
 //!   settlement publishes;
-//! - `delivery.rs`: subscriptions, deliveries, leases and settlements;
+//! - `delivery.rs`: subscriptions (the inbox, the window of pull
+//!   requests), deliveries, the lease ticker and settlements;
 //! - `failures.rs`: the failure store (reading, claiming and removing
 //!   failure records) and the admin interface (depth, deletion);
 //! - `errors.rs`: async-nats' errors as [`DriverError`]s;

@@ -56,6 +56,8 @@ pub(super) fn check_hold(
 pub(super) struct RabbitSubscription {
     driver: RabbitDriver,
     queue: String,
+    /// The queue's name, shared by its deliveries.
+    shared_queue: Arc<str>,
     prefetch: u16,
     /// The channel (with its ack runs) and the consumer on it.
     current: Option<(Arc<AckRuns>, lapin::Consumer)>,
@@ -80,6 +82,7 @@ impl RabbitSubscription {
         let mut subscription = RabbitSubscription {
             driver,
             queue: queue.to_string(),
+            shared_queue: Arc::from(queue),
             prefetch: prefetch.clamp(1, usize::from(u16::MAX)) as u16,
             current: None,
             reconnect,
@@ -204,7 +207,7 @@ impl Subscription for RabbitSubscription {
                     runs.handed_out(delivery.delivery_tag);
                     return Some(Ok(Box::new(RabbitDelivery {
                         driver: self.driver.clone(),
-                        queue: self.queue.clone(),
+                        queue: self.shared_queue.clone(),
                         runs: runs.clone(),
                         tag: delivery.delivery_tag,
                         message_id: delivery
@@ -269,7 +272,7 @@ fn attempt_of(properties: &BasicProperties) -> u32 {
 
 struct RabbitDelivery {
     driver: RabbitDriver,
-    queue: String,
+    queue: Arc<str>,
     /// The channel the delivery came on (its tag means nothing elsewhere),
     /// whose ack runs write its settlement.
     runs: Arc<AckRuns>,

@@ -77,7 +77,8 @@
 //!
 //! # Attempts
 //!
-//! Each republish carries the header [`ATTEMPTS_HEADER`] (`x-queue-attempts`):
+//! A dispatch carries no count headers (absent, they read as 0). Each
+//! republish carries the header [`ATTEMPTS_HEADER`] (`x-queue-attempts`):
 //! the number of deliveries the message consumed before that publish. The
 //! broker adds `x-delivery-count` (quorum queues; absent on a first delivery)
 //! for returns since the publish, including those caused by a crashed worker

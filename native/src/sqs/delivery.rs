@@ -1,14 +1,17 @@
 //! Subscriptions, deliveries and their leases.
 //!
 //! A subscription keeps `ReceiveMessage` calls in flight for its consumer:
-//! when asked for a delivery it starts calls (each for up to ten messages)
-//! while the messages in hand (handed out unsettled, buffered, and the
-//! capacity of the calls in flight) leave room for ten more within the
-//! prefetch, and always one when it has nothing buffered or in flight. So
-//! at most prefetch + 9 messages are held, never a call for fewer than
-//! `min(prefetch, 10)`, and the next messages are already arriving while
-//! the consumer runs the last ones. Acks go through the subscription's
-//! [`Acker`] (`DeleteMessageBatch`).
+//! when asked for a delivery it starts calls (each for `min(prefetch, 10)`
+//! messages) while the messages in hand (handed out unsettled, buffered,
+//! and the capacity of the calls in flight) leave room for one more call
+//! within the prefetch, or when it has nothing buffered or in flight and
+//! fewer than the prefetch handed out; and, whatever it holds, one call
+//! when asked with nothing buffered or in flight (a consumer asks only
+//! with a free slot). So the next messages are already arriving while the
+//! consumer runs the last ones, a call never asks for fewer messages than
+//! that, and what is held stays within about the prefetch (at most one
+//! call's worth over). Acks go through the subscription's [`Acker`]
+//! (`DeleteMessageBatch`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -112,10 +115,11 @@ impl SqsSubscription {
     /// module docs).
     fn top_up(&mut self) {
         let max = self.max_messages as usize;
+        let out = self.acker.out();
         loop {
             let idle = self.buffer.is_empty() && self.pending.is_empty();
-            let held = self.acker.out() + self.buffer.len() + self.pending.len() * max;
-            if !idle && held + max > self.prefetch {
+            let held = out + self.buffer.len() + self.pending.len() * max;
+            if !(idle && out < self.prefetch) && held + max > self.prefetch {
                 return;
             }
             self.pending.push(self.start_receive());
@@ -215,6 +219,10 @@ impl Subscription for SqsSubscription {
                 return Some(Ok(Box::new(delivery)));
             }
             self.top_up();
+            if self.pending.is_empty() {
+                // Asked with nothing in hand: receive whatever is held.
+                self.pending.push(self.start_receive());
+            }
             // Cancel-safe: if this future is dropped here, the calls stay
             // in `pending`.
             let joined = tokio::select! {

@@ -1,7 +1,11 @@
 //! SQS-specific behaviour beyond the shared suite, against the emulator at
 //! `SQS_ENDPOINT` (start it with `tests/sqs-emulator`): the 900 s dispatch
 //! limit, queue names, what a dispatch error says SQS may have, an endpoint
-//! that goes down, credentials and payloads in the SDK's own log lines.
+//! that goes down, credentials and payloads in the SDK's own log lines;
+//! batch dispatch (`SendMessageBatch`: calls of ten, each message's own
+//! result) and acks coalesced into `DeleteMessageBatch` (one entry refused
+//! fails only its own settlement), on the emulator and on a fake endpoint
+//! that counts the calls.
 //! Delays rounded up, the 12-hour retry cap, reject, visibility renewal,
 //! redrive policies, released deliveries and hidden credentials are
 //! scenarios of the suite (`tests/sqs.rs`).
@@ -412,4 +416,304 @@ async fn credentials_and_payloads_stay_out_of_logs_and_errors() {
         logs.lines().count(),
         errors.len()
     );
+}
+
+/// What the batch fake saw: each request's `X-Amz-Target` (lower case,
+/// without the `amazonsqs.` prefix) and JSON body.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, serde_json::Value)>>>;
+
+/// A fake SQS endpoint for the batch calls: queues resolve to themselves;
+/// the first `ReceiveMessage` answers ten messages (receipts `r0`..`r9`),
+/// later ones nothing after 200 ms; `DeleteMessageBatch` refuses receipt
+/// `r3` (`ReceiptHandleIsInvalid`, the sender's fault) and deletes the
+/// rest; `SendMessageBatch` refuses bodies containing `refuse` (sender's
+/// fault), fails those containing `server` on its own side (`SenderFault`
+/// false) and stores the rest. Stops accepting after 30 s.
+fn batch_fake() -> (String, Seen) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    listener.set_nonblocking(true).unwrap();
+    let seen: Seen = Arc::default();
+    let received = Arc::new(AtomicBool::new(false));
+    let (kept, base) = (seen.clone(), endpoint.clone());
+    std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            let Ok((stream, _)) = listener.accept() else {
+                std::thread::sleep(MS(5));
+                continue;
+            };
+            let (seen, received, base) = (kept.clone(), received.clone(), base.clone());
+            std::thread::spawn(move || {
+                stream.set_nonblocking(false).unwrap();
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut writer = stream;
+                loop {
+                    let (mut target, mut length) = (String::new(), 0usize);
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let line = line.trim_end();
+                        if line.is_empty() {
+                            break;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("x-amz-target:") {
+                            target = v.trim().trim_start_matches("amazonsqs.").to_string();
+                        } else if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let request: serde_json::Value =
+                        serde_json::from_slice(&body).unwrap_or_default();
+                    seen.lock().unwrap().push((target.clone(), request.clone()));
+                    let entries = || request["Entries"].as_array().cloned().unwrap_or_default();
+                    let answer = match target.as_str() {
+                        "getqueueurl" | "createqueue" => serde_json::json!({
+                            "QueueUrl": format!("{base}/000000000000/{}", request["QueueName"].as_str().unwrap_or("q"))
+                        }),
+                        "getqueueattributes" => serde_json::json!({"Attributes": {}}),
+                        "receivemessage" => {
+                            if received.swap(true, Ordering::SeqCst) {
+                                std::thread::sleep(MS(200));
+                                serde_json::json!({"Messages": []})
+                            } else {
+                                let messages: Vec<_> = (0..10)
+                                    .map(|i| {
+                                        serde_json::json!({
+                                            "MessageId": format!("m{i}"),
+                                            "ReceiptHandle": format!("r{i}"),
+                                            "MD5OfBody": "0",
+                                            "Body": "{}",
+                                            "Attributes": {"ApproximateReceiveCount": "1"},
+                                        })
+                                    })
+                                    .collect();
+                                serde_json::json!({"Messages": messages})
+                            }
+                        }
+                        "deletemessagebatch" => {
+                            let (mut ok, mut failed) = (vec![], vec![]);
+                            for entry in entries() {
+                                if entry["ReceiptHandle"] == "r3" {
+                                    failed.push(serde_json::json!({
+                                        "Id": entry["Id"], "SenderFault": true,
+                                        "Code": "ReceiptHandleIsInvalid",
+                                        "Message": "The input receipt handle is not a valid receipt handle.",
+                                    }));
+                                } else {
+                                    ok.push(serde_json::json!({"Id": entry["Id"]}));
+                                }
+                            }
+                            serde_json::json!({"Successful": ok, "Failed": failed})
+                        }
+                        "sendmessagebatch" => {
+                            let (mut ok, mut failed) = (vec![], vec![]);
+                            for entry in entries() {
+                                let body = entry["MessageBody"].as_str().unwrap_or_default();
+                                if body.contains("refuse") || body.contains("server") {
+                                    failed.push(serde_json::json!({
+                                        "Id": entry["Id"], "SenderFault": body.contains("refuse"),
+                                        "Code": if body.contains("refuse") { "InvalidParameterValue" } else { "InternalError" },
+                                    }));
+                                } else {
+                                    ok.push(serde_json::json!({
+                                        "Id": entry["Id"], "MessageId": "m", "MD5OfMessageBody": "0",
+                                    }));
+                                }
+                            }
+                            serde_json::json!({"Successful": ok, "Failed": failed})
+                        }
+                        "sendmessage" => {
+                            serde_json::json!({"MessageId": "m", "MD5OfMessageBody": "0"})
+                        }
+                        _ => serde_json::json!({}),
+                    };
+                    let answer = answer.to_string();
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/x-amz-json-1.0\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if writer.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (endpoint, seen)
+}
+
+/// How many requests of `target` the fake saw.
+fn calls(seen: &Seen, target: &str) -> usize {
+    seen.lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| t == target)
+        .count()
+}
+
+fn fake_driver(endpoint: String) -> SqsDriver {
+    let mut config = config();
+    config.endpoint = Some(endpoint);
+    config.operation_timeout = Duration::from_secs(5);
+    SqsDriver::new(config).unwrap()
+}
+
+/// Acks are coalesced: ten deliveries acked together make one
+/// `DeleteMessageBatch` call (no `DeleteMessage`), and the one entry SQS
+/// refuses fails only its own settlement, as not accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_share_a_delete_batch_and_a_refused_entry_fails_alone() {
+    let (endpoint, seen) = batch_fake();
+    let driver = fake_driver(endpoint);
+    let mut subscription = driver.subscribe("acks", 10).await.unwrap();
+    let mut deliveries = Vec::new();
+    for _ in 0..10 {
+        deliveries.push(subscription.next().await.unwrap().unwrap());
+    }
+    let settled = futures_join(deliveries).await;
+    for (i, result) in settled.iter().enumerate() {
+        match (i, result) {
+            (3, Err(e)) => {
+                assert_eq!(e.kind(), ErrorKind::NotAccepted, "{e}");
+                assert!(e.to_string().contains("ReceiptHandleIsInvalid"), "{e}");
+            }
+            (3, Ok(())) => panic!("the refused entry's ack succeeded"),
+            (_, Err(e)) => panic!("ack {i} failed with its neighbour: {e}"),
+            (_, Ok(())) => {}
+        }
+    }
+    assert_eq!(calls(&seen, "deletemessage"), 0, "no single deletes");
+    assert_eq!(
+        calls(&seen, "deletemessagebatch"),
+        1,
+        "one batch for ten acks"
+    );
+    let deleted: usize = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| t == "deletemessagebatch")
+        .map(|(_, body)| body["Entries"].as_array().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(deleted, 10);
+    drop(subscription);
+}
+
+/// Settles every delivery at once and returns the results in order.
+async fn futures_join(
+    deliveries: Vec<Box<dyn jobrail_native::Delivery>>,
+) -> Vec<Result<(), jobrail_native::DriverError>> {
+    let tasks: Vec<_> = deliveries
+        .into_iter()
+        .map(|d| tokio::spawn(async move { d.settle(&Settlement::Ack).await }))
+        .collect();
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.unwrap());
+    }
+    results
+}
+
+/// A batch dispatch is `SendMessageBatch` calls of at most ten (no single
+/// `SendMessage`), and each message gets its own entry's result: an entry
+/// SQS refuses is not accepted, one SQS failed on its own side uncertain,
+/// the others stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_dispatch_is_send_message_batch_with_per_message_results() {
+    let (endpoint, seen) = batch_fake();
+    let driver = fake_driver(endpoint);
+    let messages: Vec<Outgoing> = (0..25)
+        .map(|i| match i {
+            7 => outgoing("refuse", None),
+            18 => outgoing("server", None),
+            _ => outgoing(&format!("ok{i}"), None),
+        })
+        .collect();
+    let results = driver.send_batch("dispatch", messages).await;
+    assert_eq!(results.len(), 25);
+    for (i, result) in results.iter().enumerate() {
+        match i {
+            7 => assert_eq!(result.as_ref().unwrap_err().kind(), ErrorKind::NotAccepted),
+            18 => assert_eq!(result.as_ref().unwrap_err().kind(), ErrorKind::Uncertain),
+            _ => assert!(result.is_ok(), "message {i}: {result:?}"),
+        }
+    }
+    assert_eq!(calls(&seen, "sendmessage"), 0, "no single sends");
+    let sizes: Vec<usize> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| t == "sendmessagebatch")
+        .map(|(_, body)| body["Entries"].as_array().map_or(0, Vec::len))
+        .collect();
+    let mut sorted = sizes.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, vec![5, 10, 10], "calls of ten: {sizes:?}");
+}
+
+/// On the emulator: a batch with a message SQS refuses in the middle (a
+/// binary body whose base64 text is over SQS's 1 MiB) and one the driver
+/// refuses before any I/O (a 901 s delay) stores all the others, and each
+/// message's result says which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_dispatch_refuses_each_message_alone_on_the_emulator() {
+    let backend = sqs();
+    let h = Harness::new(&backend, "sqs-batch-refused").await;
+    let driver = backend.driver().await;
+    let mut messages: Vec<Outgoing> = (0..12).map(|i| outgoing(&format!("ok{i}"), None)).collect();
+    messages[4] = Outgoing {
+        id: "binary".into(),
+        // 1,066,668 characters of base64: over the 1 MiB SQS (and the
+        // emulator) takes in a message. (The producer would refuse it
+        // before any I/O; the driver leaves that to SQS.)
+        body: vec![0xff; 800_000],
+        delay: None,
+    };
+    messages[9] = outgoing("late", Some(Duration::from_secs(901)));
+    let results = driver.send_batch(&h.queue, messages).await;
+    for (i, result) in results.iter().enumerate() {
+        match i {
+            4 => assert_eq!(result.as_ref().unwrap_err().kind(), ErrorKind::NotAccepted),
+            9 => assert_eq!(result.as_ref().unwrap_err().kind(), ErrorKind::Unsupported),
+            _ => assert!(result.is_ok(), "message {i}: {result:?}"),
+        }
+    }
+    assert_eq!(held(depth(&driver, &h.queue).await), 10);
+}
+
+/// On the emulator: 25 deliveries acked together (their deletes coalesced)
+/// all succeed and leave the queue empty, nothing hidden or redelivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acked_deliveries_leave_the_queue_empty() {
+    let backend = sqs();
+    let h = Harness::new(&backend, "sqs-acks").await;
+    let driver = backend.driver().await;
+    let messages: Vec<Outgoing> = (0..25).map(|i| outgoing(&format!("a{i}"), None)).collect();
+    for result in driver.send_batch(&h.queue, messages).await {
+        result.unwrap();
+    }
+    let mut subscription = driver.subscribe(&h.queue, 25).await.unwrap();
+    let mut deliveries = Vec::new();
+    let mut bodies = std::collections::BTreeSet::new();
+    while deliveries.len() < 25 {
+        let delivery = subscription.next().await.unwrap().unwrap();
+        assert!(bodies.insert(delivery.body().to_vec()), "delivered twice");
+        deliveries.push(delivery);
+    }
+    for result in futures_join(deliveries).await {
+        result.unwrap();
+    }
+    assert_eq!(held(depth(&driver, &h.queue).await), 0);
+    drop(subscription);
 }

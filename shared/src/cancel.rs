@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
@@ -11,15 +12,19 @@ use std::task::{Context, Poll, Waker};
 /// clone. Handlers either poll [`CancelToken::is_cancelled`] or await
 /// [`CancelToken::cancelled`]. Implemented here (not with tokio) because the
 /// rules crate must build for wasm32 without an async runtime.
+///
+/// Reading the flag is one atomic load (every delivery reads it, from every
+/// worker thread); only waiting and cancelling take the lock.
 #[derive(Debug, Clone, Default)]
 pub struct CancelToken {
-    inner: Arc<Mutex<State>>,
+    inner: Arc<Inner>,
 }
 
 #[derive(Debug, Default)]
-struct State {
-    cancelled: bool,
-    waiters: Vec<Waker>,
+struct Inner {
+    /// Set once, under the lock, before the waiters are woken.
+    cancelled: AtomicBool,
+    waiters: Mutex<Vec<Waker>>,
 }
 
 impl CancelToken {
@@ -31,9 +36,9 @@ impl CancelToken {
     /// Cancels the token and wakes every waiter. Idempotent.
     pub fn cancel(&self) {
         let waiters = {
-            let mut state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            state.cancelled = true;
-            std::mem::take(&mut state.waiters)
+            let mut waiters = self.inner.waiters.lock().unwrap_or_else(|e| e.into_inner());
+            self.inner.cancelled.store(true, Ordering::Release);
+            std::mem::take(&mut *waiters)
         };
         for waker in waiters {
             waker.wake();
@@ -42,10 +47,7 @@ impl CancelToken {
 
     /// Whether [`cancel`](Self::cancel) has been called.
     pub fn is_cancelled(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .cancelled
+        self.inner.cancelled.load(Ordering::Acquire)
     }
 
     /// A future that completes once the token is cancelled.
@@ -66,12 +68,18 @@ impl Future for Cancellation {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let mut state = self.token.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if state.cancelled {
+        if self.token.is_cancelled() {
             return Poll::Ready(());
         }
-        if !state.waiters.iter().any(|w| w.will_wake(cx.waker())) {
-            state.waiters.push(cx.waker().clone());
+        let inner = &self.token.inner;
+        let mut waiters = inner.waiters.lock().unwrap_or_else(|e| e.into_inner());
+        // Again under the lock: `cancel` sets the flag while holding it, so
+        // a waker pushed here is one `cancel` will find.
+        if inner.cancelled.load(Ordering::Acquire) {
+            return Poll::Ready(());
+        }
+        if !waiters.iter().any(|w| w.will_wake(cx.waker())) {
+            waiters.push(cx.waker().clone());
         }
         Poll::Pending
     }
@@ -92,5 +100,22 @@ mod tests {
         token.cancel();
         assert!(waiting.now_or_never().is_some());
         assert!(token.is_cancelled());
+    }
+
+    /// A waiter on another thread is woken, however the cancel and its wait
+    /// interleave (no wake-up lost between the flag and the lock).
+    #[cfg(not(target_arch = "wasm32"))]
+    #[test]
+    fn waiters_on_other_threads_are_woken() {
+        for _ in 0..200 {
+            let token = CancelToken::new();
+            let waiter = {
+                let token = token.clone();
+                std::thread::spawn(move || futures_executor::block_on(token.cancelled()))
+            };
+            token.cancel();
+            waiter.join().unwrap();
+            assert!(token.clone().is_cancelled());
+        }
     }
 }

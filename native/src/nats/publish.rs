@@ -54,20 +54,12 @@ impl NatsDriver {
         let subject = self.subject(queue);
         // Before the stream setup, which would wait in the client's queue
         // while it reconnects.
-        let link = self.connected_link(&subject).await?;
+        self.connected_link(&subject).await?;
         // The limit is the server's: known once connected.
         self.capabilities()
             .refuse_oversize(NAME, message.body.len())?;
         self.declare(queue).await.map_err(DriverError::not_sent)?;
-        let publish = PublishMessage::build()
-            .payload(message.body.into())
-            .message_id(&message.id);
-        let result = match link.js.send_publish(subject, publish).await {
-            Ok(ack) => ack
-                .await
-                .map_err(|e| errors::publish_unconfirmed(&self.subject(queue), e)),
-            Err(e) => Err(errors::publish_not_sent(&self.subject(queue), e)),
-        };
+        let result = self.publish(&subject, message.body, &message.id, &[]).await;
         if let Err(e) = &result {
             if e.kind() == ErrorKind::NotAccepted {
                 // The stream may have been deleted: declare again next time.

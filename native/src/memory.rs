@@ -103,6 +103,14 @@ struct Inner {
 ///
 /// It has no size limit ([`Capabilities::max_message_bytes`] is `None`):
 /// a message is only as large as memory allows.
+///
+/// Each queue has a lock of its own, apart from the driver-wide one (the
+/// map of queues, the failure entries, the retry timers): a subscription
+/// and its deliveries hold their queue, so taking a delivery is one lock of
+/// the queue and settling it is one more, with no lookup or copy of the
+/// queue's name. [`Driver::send_batch`] puts a batch's undelayed messages
+/// in under one lock of the queue, in order, behind one wake-up; a delayed
+/// message gets its own timer, as with [`Driver::send`].
 #[derive(Clone)]
 pub struct MemoryDriver {
     inner: Arc<Inner>,

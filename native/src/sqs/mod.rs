@@ -51,14 +51,36 @@
 //! Every error from a request keeps the SDK's error as its cause (reach it
 //! with [`DriverError::find`]).
 //!
+//! A batch ([`Driver::send_batch`], behind
+//! [`Producer::dispatch_batch`](crate::Producer::dispatch_batch)) is
+//! `SendMessageBatch`: calls of at most 10 messages whose bodies and
+//! attributes add up to at most 256 KiB (a message longer than that goes
+//! alone), all in flight together, and one result per message. A delay
+//! above 900 s is refused for its message alone, before any I/O. An entry
+//! SQS lists as failed through the sender's fault (`SenderFault` true) is
+//! [`ErrorKind::NotAccepted`]; one it failed on its own side (`SenderFault`
+//! false) is [`ErrorKind::Uncertain`], since SQS's API reference says only
+//! that the action failed, not that nothing was stored; an entry the answer
+//! does not mention is [`ErrorKind::Uncertain`]. A call that fails whole
+//! gives each of its messages the error a `SendMessage` would have (not
+//! accepted or uncertain as above), the SDK's error shared as their cause.
+//! Concurrent dispatches share the client and a queue-URL cache read under
+//! a lock held only for the lookup, never across a request.
+//!
 //! # Consumption
 //!
 //! A subscription long-polls `ReceiveMessage` (wait
-//! [`wait_time`](SqsConfig::wait_time), at most `min(prefetch, 10)`
-//! messages, visibility [`visibility_timeout`](SqsConfig::visibility_timeout))
-//! only when the consumer asks for a delivery, and buffers what one call
-//! returned. The call runs in its own task, so `next()` is cancel-safe: a
-//! dropped `next()` leaves the call and its messages to the next `next()`.
+//! [`wait_time`](SqsConfig::wait_time), `min(prefetch, 10)` messages per
+//! call, visibility [`visibility_timeout`](SqsConfig::visibility_timeout))
+//! only when the consumer asks for a delivery, and buffers what the calls
+//! returned. To keep the consumer's slots full it keeps several calls in
+//! flight: another starts while the messages it holds (handed out and not
+//! yet settling, buffered, and the size of the calls in flight) leave room
+//! for a whole call within the prefetch, and one always starts when the
+//! consumer asks with nothing buffered or in flight; so it holds about the
+//! prefetch (at most one call's worth over), and never asks for a handful.
+//! Each call runs in its own task, so `next()` is cancel-safe: a dropped
+//! `next()` leaves the calls and their messages to the next `next()`.
 //!
 //! # Attempts
 //!
@@ -93,7 +115,18 @@
 //!
 //! # Settlements
 //!
-//! - Ack: `DeleteMessage`.
+//! - Ack: an entry of a `DeleteMessageBatch` shared with the subscription's
+//!   other acks. An ack waits for others to join only while the
+//!   subscription has more deliveries in hand that could (handed out
+//!   unsettled, or buffered), at most 10 entries and at most 2 ms, and
+//!   never while every slot of the prefetch is taken by acks waiting for
+//!   their call; the calls run in flight together. Each ack resolves
+//!   with its own entry's result: deleted; refused (an expired or unknown
+//!   receipt: [`ErrorKind::NotAccepted`], as a refused `DeleteMessage`);
+//!   not in the answer ([`ErrorKind::Uncertain`]); or the error of a call
+//!   that failed whole (not accepted when refused or certainly not sent,
+//!   uncertain when the answer was lost). One refused entry fails only its
+//!   own settlement.
 //! - Retry with a delay: `ChangeMessageVisibility` to the delay rounded up to
 //!   whole seconds (zero: visible at once). A delay that would end more than
 //!   12 hours after the receive is refused with [`ErrorKind::Unsupported`];
@@ -189,8 +222,11 @@
 //! - `failures`: the failure store (list, claim, remove) and the admin
 //!   interface (depth, deleting a queue).
 //! - `publish`: `SendMessage` (dispatch, a shutdown's copy, a failure
-//!   record's transfer) and the body encoding.
-//! - `delivery`: subscriptions, deliveries, leases and settlements.
+//!   record's transfer), `SendMessageBatch` (a batch dispatch) and the
+//!   body encoding.
+//! - `delivery`: subscriptions (receive calls kept in flight), deliveries,
+//!   leases and settlements.
+//! - `acks`: acks coalesced into `DeleteMessageBatch` calls.
 //! - `errors`: SDK errors as driver errors, with the SDK's error as cause.
 //! - `testing` (feature `testing`): helpers for the test suites.
 

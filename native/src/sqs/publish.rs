@@ -53,8 +53,10 @@ pub(super) fn decode_body(text: &str, base64: bool) -> Vec<u8> {
 
 /// The most entries SQS takes in one batch call.
 pub(super) const BATCH_ENTRIES: usize = 10;
-/// The most bytes (bodies, attribute names, types and values) SQS takes in
-/// one `SendMessageBatch`.
+/// The most bytes (bodies, attribute names, types and values) sent in one
+/// `SendMessageBatch`: SQS's limit before it rose to 1 MiB (2025), which
+/// every SQS endpoint and emulator still takes, and the driver's own
+/// message limit.
 pub(super) const BATCH_BYTES: usize = 262_144;
 
 /// Refuses a dispatch delay SQS cannot carry; its whole seconds otherwise.

@@ -21,9 +21,11 @@
 //!    settle, but at most the gap wait
 //!    ([`RabbitConfig::ack_gap_wait`](super::RabbitConfig::ack_gap_wait),
 //!    default [`GAP_WAIT`]) from when that delivery was handed
-//!    out: past that, or once the subscription is closing or the driver
-//!    stopping, they are written one by one (`multiple = false`), so a slow
-//!    handler never holds back the acks of the others for longer.
+//!    out, and only while fewer than half the prefetch wait: past either,
+//!    or once the subscription is closing or the driver stopping, they are
+//!    written one by one (`multiple = false`), so a slow handler never holds
+//!    back the acks of the others for longer, and waiting never holds the
+//!    broker's whole window (which would stall the deliveries).
 //!
 //! A settlement's future resolves once its frame was written (or failed, as
 //! [`ErrorKind::Connection`](crate::driver::ErrorKind::Connection), like a
@@ -101,6 +103,9 @@ struct State {
     eager: bool,
     /// How long acks wait behind a running delivery.
     gap_wait: Duration,
+    /// How many acks may wait behind a running delivery: half the prefetch
+    /// (at least 1), so that waiting never holds the whole window.
+    most_waiting: usize,
 }
 
 /// One turn's frames.
@@ -139,7 +144,7 @@ impl State {
         let mut wait = None;
         if let (Some((_, since)), false) = (lowest, self.acks.is_empty()) {
             let deadline = since + self.gap_wait;
-            if self.eager || now >= deadline {
+            if self.eager || now >= deadline || self.acks.len() >= self.most_waiting {
                 turn.lone = std::mem::take(&mut self.acks).into_iter().collect();
             } else {
                 wait = Some(deadline);
@@ -169,14 +174,21 @@ pub(super) struct AckRuns {
 }
 
 impl AckRuns {
-    /// The ack runs of `channel`, acks waiting up to `gap_wait` behind a
-    /// running delivery, each frame bounded by `limit`.
-    pub(super) fn new(channel: Channel, gap_wait: Duration, limit: Duration) -> Arc<AckRuns> {
+    /// The ack runs of `channel` (consumed with `prefetch`), acks waiting
+    /// up to `gap_wait` behind a running delivery, each frame bounded by
+    /// `limit`.
+    pub(super) fn new(
+        channel: Channel,
+        prefetch: u16,
+        gap_wait: Duration,
+        limit: Duration,
+    ) -> Arc<AckRuns> {
         Arc::new(AckRuns {
             channel,
             limit,
             state: Mutex::new(State {
                 gap_wait,
+                most_waiting: usize::from(prefetch / 2).max(1),
                 ..State::default()
             }),
             wake: Notify::new(),
@@ -377,6 +389,7 @@ mod tests {
             running: running.iter().copied().collect(),
             acks: acks.iter().map(|t| (*t, None)).collect(),
             gap_wait: GAP_WAIT,
+            most_waiting: 32,
             ..State::default()
         }
     }
@@ -415,6 +428,15 @@ mod tests {
             }
             _ => panic!("nothing to write"),
         }
+    }
+
+    #[test]
+    fn half_the_prefetch_waiting_is_written_at_once() {
+        let now = Instant::now();
+        let mut s = state(&[(1, now)], &(2..34).collect::<Vec<_>>());
+        assert_eq!(run_of(s.next(now)).2.len(), 32);
+        let mut s = state(&[(1, now)], &(2..33).collect::<Vec<_>>());
+        assert!(matches!(s.next(now), Next::Wait(_)));
     }
 
     #[test]

@@ -120,7 +120,12 @@ impl RabbitSubscription {
             ),
         )
         .await?;
-        let runs = AckRuns::new(channel, driver.inner.config.ack_gap_wait, limit);
+        let runs = AckRuns::new(
+            channel,
+            self.prefetch,
+            driver.inner.config.ack_gap_wait,
+            limit,
+        );
         driver.track(&runs);
         self.current = Some((runs, consumer));
         Ok(())

@@ -237,9 +237,11 @@
 //! - acks above a running delivery (a gap in tag order: a slower handler)
 //!   wait for it to settle, but at most
 //!   [`ack_gap_wait`](RabbitConfig::ack_gap_wait) (5 ms by default) from
-//!   when that delivery was handed out; past that they are written one by
-//!   one, so a slow handler delays the others' acks by at most that much,
-//!   and not at all once it has run longer.
+//!   when that delivery was handed out, and only while fewer than half the
+//!   prefetch wait; past either they are written one by one, so a slow
+//!   handler delays the others' acks by at most that much (and not at all
+//!   once it has run longer), and waiting acks never hold the broker's
+//!   whole window, which would stall the deliveries.
 //!
 //! A settlement's future resolves only once its frame was written (a run's
 //! frame for each of its acks), or failed: [`ErrorKind::Connection`], as

@@ -4,7 +4,8 @@
 //!
 //! - ack runs: a `basic.ack multiple=true` never acknowledges a delivery
 //!   still running, nacked (dropped unsettled) or retried; acks behind a
-//!   running delivery are written within the gap wait; closing the
+//!   running delivery are written within the gap wait, or at once when half
+//!   the prefetch waits; closing the
 //!   subscription or stopping the driver writes the acks still waiting;
 //! - batch dispatch: one answer per message, a broker nack in the middle of
 //!   a batch (a queue full under `x-overflow = reject-publish`, set by a
@@ -65,8 +66,9 @@ async fn drain(driver: &RabbitDriver, queue: &str, wait: Duration) -> Vec<u32> {
 }
 
 /// Three deliveries; the second and third are acked while the first still
-/// runs. Their acks are written within the gap wait (not held until the
-/// first settles), and they never cover the first: once the driver stops
+/// runs. Their acks are written at once (with prefetch 3, one waiting ack
+/// is half the window), not held until the first settles, and they never
+/// cover the first: once the driver stops
 /// with the first unsettled, its message (and only it) comes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_behind_a_running_delivery_never_cover_it() {
@@ -110,7 +112,8 @@ async fn a_multiple_ack_never_covers_a_nacked_or_retried_delivery() {
     let driver = backend.driver().await;
     for earlier_settles_by in ["drop", "retry"] {
         send(&driver, &h.queue, &["early", "late"]).await;
-        let mut subscription = driver.subscribe(&h.queue, 2).await.unwrap();
+        // A prefetch of 16: up to 8 acks may wait behind a running delivery.
+        let mut subscription = driver.subscribe(&h.queue, 16).await.unwrap();
         let early = take(&mut subscription).await;
         let late = take(&mut subscription).await;
         let late_ack = tokio::spawn(async move { late.settle(&Settlement::Ack).await });
@@ -152,7 +155,8 @@ async fn stop_writes_the_acks_still_waiting() {
     let h = Harness::new(&backend, "rmq-runs-stop").await;
     let driver = backend.driver().await;
     send(&driver, &h.queue, &["m1", "m2"]).await;
-    let mut subscription = driver.subscribe(&h.queue, 2).await.unwrap();
+    // A prefetch of 16: up to 8 acks may wait behind a running delivery.
+    let mut subscription = driver.subscribe(&h.queue, 16).await.unwrap();
     let first = take(&mut subscription).await;
     let second = take(&mut subscription).await;
     let ack = tokio::spawn(async move { second.settle(&Settlement::Ack).await });
@@ -181,7 +185,8 @@ async fn closing_the_subscription_writes_the_acks_still_waiting() {
     let h = Harness::new(&backend, "rmq-runs-close").await;
     let driver = backend.driver().await;
     send(&driver, &h.queue, &["m1", "m2"]).await;
-    let mut subscription = driver.subscribe(&h.queue, 2).await.unwrap();
+    // A prefetch of 16: up to 8 acks may wait behind a running delivery.
+    let mut subscription = driver.subscribe(&h.queue, 16).await.unwrap();
     let first = take(&mut subscription).await;
     let second = take(&mut subscription).await;
     let ack = tokio::spawn(async move { second.settle(&Settlement::Ack).await });

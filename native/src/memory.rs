@@ -1,4 +1,5 @@
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -80,11 +81,29 @@ struct State {
 
 struct Inner {
     config: MemoryConfig,
+    /// Marked stopped by `stop` just before `stopped`; gives the error.
+    lifecycle: Lifecycle,
     /// Set before `stop` clears each queue under that queue's lock, and
     /// read under the queue's lock wherever work is added, so nothing is
-    /// queued after a stop.
-    lifecycle: Lifecycle,
+    /// queued after a stop. One atomic load: every delivery and settlement
+    /// reads it, from every worker thread.
+    stopped: AtomicBool,
     state: Mutex<State>,
+}
+
+impl Inner {
+    fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
+    /// [`ErrorKind::Stopped`] once stopped.
+    fn check_running(&self) -> Result<(), DriverError> {
+        if self.is_stopped() {
+            // `lifecycle` was marked first: this is the stopped error.
+            self.lifecycle.check_running()?;
+        }
+        Ok(())
+    }
 }
 
 /// The in-memory driver. Clones share the same queues.
@@ -129,6 +148,7 @@ impl MemoryDriver {
             inner: Arc::new(Inner {
                 config,
                 lifecycle: Lifecycle::new(NAME),
+                stopped: AtomicBool::new(false),
                 state: Mutex::default(),
             }),
         }
@@ -184,7 +204,7 @@ impl MemoryDriver {
     fn enqueue(&self, queue: &Queue, stored: Stored, front: bool) -> Result<(), DriverError> {
         {
             let mut q = queue.state();
-            self.inner.lifecycle.check_running()?;
+            self.inner.check_running()?;
             if front {
                 q.ready.push_front(stored);
             } else {
@@ -204,7 +224,7 @@ impl MemoryDriver {
         let mut state = self.state();
         {
             let mut q = queue.state();
-            self.inner.lifecycle.check_running()?;
+            self.inner.check_running()?;
             q.delayed += 1;
         }
         let driver = self.clone();
@@ -213,7 +233,7 @@ impl MemoryDriver {
             tokio::time::sleep(delay).await;
             {
                 let mut q = queue.state();
-                if driver.inner.lifecycle.is_stopped() {
+                if driver.inner.is_stopped() {
                     return;
                 }
                 q.delayed -= 1;
@@ -253,7 +273,7 @@ impl MemoryDriver {
     /// record, say). For the conformance suite; not a supported API.
     pub async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
         let mut state = self.state();
-        self.inner.lifecycle.check_running()?;
+        self.inner.check_running()?;
         state
             .failures
             .entry(queue.to_string())
@@ -299,7 +319,7 @@ impl Driver for MemoryDriver {
         {
             let mut q = target.state();
             for message in messages {
-                let result = match self.inner.lifecycle.check_running() {
+                let result = match self.inner.check_running() {
                     Err(stopped) => Err(stopped),
                     Ok(()) if message.delay.is_some_and(|d| !d.is_zero()) => {
                         // Its timer starts once the queue's lock is let go.
@@ -329,7 +349,7 @@ impl Driver for MemoryDriver {
         queue: &str,
         _prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
-        self.inner.lifecycle.check_running()?;
+        self.inner.check_running()?;
         Ok(Box::new(MemorySubscription {
             driver: self.clone(),
             queue: self.queue(queue),
@@ -346,6 +366,7 @@ impl Driver for MemoryDriver {
 
     async fn stop(&self) -> Result<(), DriverError> {
         self.inner.lifecycle.stop();
+        self.inner.stopped.store(true, Ordering::SeqCst);
         let mut state = self.state();
         for timer in state.timers.drain(..) {
             timer.abort();
@@ -497,7 +518,7 @@ impl Subscription for MemorySubscription {
             let notified = self.queue.notify.notified();
             let taken = {
                 let mut q = self.queue.state();
-                if self.driver.inner.lifecycle.is_stopped() {
+                if self.driver.inner.is_stopped() {
                     return None;
                 }
                 q.ready.pop_front().map(|mut stored| {
@@ -543,7 +564,7 @@ impl MemoryDelivery {
             match requeue {
                 None => false,
                 Some((stored, front)) => {
-                    self.driver.inner.lifecycle.check_running()?;
+                    self.driver.inner.check_running()?;
                     if front {
                         q.ready.push_front(stored);
                     } else {
@@ -584,7 +605,7 @@ impl Delivery for MemoryDelivery {
     }
 
     async fn settle(mut self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
-        if let Err(stopped) = self.driver.inner.lifecycle.check_running() {
+        if let Err(stopped) = self.driver.inner.check_running() {
             // Dropping would try to requeue; a stopped driver keeps nothing.
             self.stored = None;
             let _ = self.release(None);

@@ -4,6 +4,8 @@
 //! in the event and the failure record, whether or not the handler kept
 //! its context.
 
+#![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 

@@ -16,7 +16,10 @@
 //!    still running, as one ack of the run's highest tag (`multiple` when the
 //!    run has more than one tag). Every tag it covers is one whose ack was
 //!    requested (or one settled earlier), never a delivery still running nor
-//!    one nacked or rejected;
+//!    one nacked or rejected. A run is written once half the prefetch waits
+//!    (as a loop acking every 32 messages at prefetch 64 does), once no
+//!    delivery is running (nothing would join it), or once its oldest ack
+//!    waited the gap wait; until then it grows;
 //! 3. the acks above a running delivery (a gap in tag order) wait for it to
 //!    settle, but at most the gap wait
 //!    ([`RabbitConfig::ack_gap_wait`](super::RabbitConfig::ack_gap_wait),
@@ -93,8 +96,8 @@ type Waiter = Option<oneshot::Sender<Outcome>>;
 struct State {
     /// Handed out, no settlement requested yet: tag and when.
     running: BTreeMap<u64, Instant>,
-    /// Acks requested, not yet written.
-    acks: BTreeMap<u64, Waiter>,
+    /// Acks requested, not yet written, with when.
+    acks: BTreeMap<u64, (Instant, Waiter)>,
     /// Nacks and rejects requested, not yet written, in request order.
     singles: Vec<(u64, Single, Waiter)>,
     /// A writer task is running.
@@ -131,23 +134,42 @@ impl State {
             ..Turn::default()
         };
         let lowest = self.running.first_key_value().map(|(t, at)| (*t, *at));
-        let below = match lowest {
-            Some((tag, _)) => {
-                let above = self.acks.split_off(&tag);
-                std::mem::replace(&mut self.acks, above)
-            }
-            None => std::mem::take(&mut self.acks),
-        };
-        if let Some((&last, _)) = below.last_key_value() {
-            turn.run = Some((last, below.into_values().collect()));
-        }
-        let mut wait = None;
-        if let (Some((_, since)), false) = (lowest, self.acks.is_empty()) {
-            let deadline = since + self.gap_wait;
-            if self.eager || now >= deadline || self.acks.len() >= self.most_waiting {
-                turn.lone = std::mem::take(&mut self.acks).into_iter().collect();
+        let oldest = self.acks.values().map(|(at, _)| *at).min();
+        let mut wait: Option<Instant> = None;
+        // The run: every ack below the lowest running delivery, written once
+        // it is worth a frame (half the prefetch), once nothing else runs,
+        // or once its oldest ack waited the gap wait.
+        if let Some(oldest) = oldest {
+            let run_due = oldest + self.gap_wait;
+            if self.eager
+                || lowest.is_none()
+                || self.acks.len() >= self.most_waiting
+                || now >= run_due
+            {
+                let below = match lowest {
+                    Some((tag, _)) => {
+                        let above = self.acks.split_off(&tag);
+                        std::mem::replace(&mut self.acks, above)
+                    }
+                    None => std::mem::take(&mut self.acks),
+                };
+                if let Some((&last, _)) = below.last_key_value() {
+                    turn.run = Some((last, below.into_values().map(|(_, w)| w).collect()));
+                }
             } else {
-                wait = Some(deadline);
+                wait = Some(run_due);
+            }
+        }
+        // Acks above a running delivery: one by one once that delivery ran
+        // the gap wait, or once half the prefetch waits behind it.
+        if let (Some((tag, since)), false) = (lowest, self.acks.is_empty()) {
+            let gap_due = since + self.gap_wait;
+            let above = self.acks.range(tag..).count();
+            if self.eager || now >= gap_due || above >= self.most_waiting {
+                let above = self.acks.split_off(&tag);
+                turn.lone = above.into_iter().map(|(t, (_, w))| (t, w)).collect();
+            } else if above > 0 {
+                wait = Some(wait.map_or(gap_due, |w| w.min(gap_due)));
             }
         }
         if turn.singles.is_empty() && turn.run.is_none() && turn.lone.is_empty() {
@@ -211,7 +233,7 @@ impl AckRuns {
         {
             let mut state = lock(&self.state);
             state.running.remove(&tag);
-            state.acks.insert(tag, Some(tx));
+            state.acks.insert(tag, (Instant::now(), Some(tx)));
             self.start(&mut state);
         }
         self.outcome(rx, "basic.ack").await
@@ -384,10 +406,11 @@ fn answer(waiter: Waiter, outcome: Outcome) {
 mod tests {
     use super::*;
 
-    fn state(running: &[(u64, Instant)], acks: &[u64]) -> State {
+    /// Acks requested at `at`.
+    fn state_at(at: Instant, running: &[(u64, Instant)], acks: &[u64]) -> State {
         State {
             running: running.iter().copied().collect(),
-            acks: acks.iter().map(|t| (*t, None)).collect(),
+            acks: acks.iter().map(|t| (*t, (at, None))).collect(),
             gap_wait: GAP_WAIT,
             most_waiting: 32,
             ..State::default()
@@ -408,18 +431,28 @@ mod tests {
     #[test]
     fn a_run_stops_below_the_lowest_running_delivery() {
         let now = Instant::now();
-        let mut s = state(&[(3, now)], &[1, 2, 4, 5]);
-        assert_eq!(run_of(s.next(now)), (Some(2), 2, vec![]));
-        // 4 and 5 wait for 3, at most GAP_WAIT from when 3 was handed out.
+        let mut s = state_at(now, &[(3, now)], &[1, 2, 4, 5]);
+        // Two acks and a delivery still running: the run waits to grow, up
+        // to the gap wait.
         assert!(matches!(s.next(now), Next::Wait(d) if d == now + GAP_WAIT));
-        assert_eq!(run_of(s.next(now + GAP_WAIT)), (None, 0, vec![4, 5]));
+        // Then it is written, up to 2; 4 and 5 wait for 3 as long.
+        assert_eq!(run_of(s.next(now + GAP_WAIT)), (Some(2), 2, vec![4, 5]));
         assert!(matches!(s.next(now + GAP_WAIT), Next::Idle));
+    }
+
+    #[test]
+    fn a_run_is_written_at_half_the_prefetch_or_when_nothing_runs() {
+        let now = Instant::now();
+        let mut s = state_at(now, &[(40, now)], &(1..33).collect::<Vec<_>>());
+        assert_eq!(run_of(s.next(now)), (Some(32), 32, vec![]));
+        let mut s = state_at(now, &[], &[1, 2]);
+        assert_eq!(run_of(s.next(now)), (Some(2), 2, vec![]));
     }
 
     #[test]
     fn a_nack_is_written_before_the_run_and_never_covered_as_running() {
         let now = Instant::now();
-        let mut s = state(&[], &[2, 3]);
+        let mut s = state_at(now, &[], &[2, 3]);
         s.singles.push((1, Single::Requeue, None));
         match s.next(now) {
             Next::Write(turn) => {
@@ -431,19 +464,22 @@ mod tests {
     }
 
     #[test]
-    fn half_the_prefetch_waiting_is_written_at_once() {
+    fn half_the_prefetch_waiting_behind_a_gap_is_written_at_once() {
         let now = Instant::now();
-        let mut s = state(&[(1, now)], &(2..34).collect::<Vec<_>>());
+        let mut s = state_at(now, &[(1, now)], &(2..34).collect::<Vec<_>>());
         assert_eq!(run_of(s.next(now)).2.len(), 32);
-        let mut s = state(&[(1, now)], &(2..33).collect::<Vec<_>>());
+        let mut s = state_at(now, &[(1, now)], &(2..33).collect::<Vec<_>>());
         assert!(matches!(s.next(now), Next::Wait(_)));
     }
 
     #[test]
-    fn eager_writes_acks_above_a_gap_at_once() {
+    fn eager_writes_everything_at_once() {
         let now = Instant::now();
-        let mut s = state(&[(1, now)], &[2, 3]);
+        let mut s = state_at(now, &[(1, now)], &[2, 3]);
         s.eager = true;
         assert_eq!(run_of(s.next(now)), (None, 0, vec![2, 3]));
+        let mut s = state_at(now, &[(3, now)], &[1, 2]);
+        s.eager = true;
+        assert_eq!(run_of(s.next(now)), (Some(2), 2, vec![]));
     }
 }

@@ -230,6 +230,10 @@
 //! - the channel knows every delivery it handed out and whether a
 //!   settlement was requested for it; a run stops below the lowest delivery
 //!   still running (its handler not finished, its settlement not requested);
+//! - a run is written once half the prefetch waits (at prefetch 64, 32 acks
+//!   per frame, as a hand-written loop acking every 32 messages), once no
+//!   delivery is running (a lone consumer's ack goes at once), or once its
+//!   oldest ack waited [`ack_gap_wait`](RabbitConfig::ack_gap_wait);
 //! - nacks (retry refused, a dropped delivery) and rejects are written
 //!   singly and before any run written after they were requested, so a
 //!   run never swallows them; a retry's or a failure's own ack (after its
@@ -251,9 +255,7 @@
 //! once, as does [`Driver::stop`] before it closes the connection: nothing
 //! settled is left unacknowledged to be redelivered. Deliveries run
 //! concurrently finish in roughly the order they were handed out, so under
-//! load most acks travel in runs; with prefetch 64 and no-op handlers the
-//! driver sends about as few ack frames as a hand-written loop acking
-//! every 32 messages.
+//! load most acks travel in runs.
 //!
 //! [`Driver::stop`] closes the connection cleanly: it first writes the acks
 //! the ack runs still hold, then waits (up to 2 s) for the channels of

@@ -16,6 +16,21 @@
 //! is asked at each hook, not cached, because a recorder can be installed
 //! later or set for one thread (`metrics::set_default_local_recorder`).
 //!
+//! **A recorder of size zero counts as none.** The facade's no-op recorder
+//! is told apart by its size (a unit struct), so a recorder type that holds
+//! no state at all (a unit struct forwarding to a `static`, say) is taken
+//! for it too. Such a recorder receives no per-delivery metric:
+//! `jobrail_deliveries_total`, `jobrail_outcomes_total`,
+//! `jobrail_failures_total`, `jobrail_resolutions_total`,
+//! `jobrail_settlement_errors_total`, `jobrail_executions_total` (crashed
+//! executions included), `jobrail_handler_duration_seconds` and
+//! `jobrail_settlement_duration_seconds` are never registered with it nor
+//! recorded. It still receives [`describe_metrics`]'s descriptions and the
+//! breaker metrics (`jobrail_breaker_state`,
+//! `jobrail_breaker_transitions_total`), which are not gated, as do the
+//! metrics of `jobrail-native`. Give such a recorder one field (even a
+//! `u8`, or an `Arc` of its state) and it receives everything.
+//!
 //! Labels are job and queue names, plus a few closed sets of words
 //! (`outcome`, `kind`, `tier`, `settlement`, `error`, `result`). Job names
 //! that no handler is registered for are counted under

@@ -16,7 +16,9 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -43,8 +45,31 @@ use crate::settle::{
 };
 use crate::stats::{Count, Counters, Resolution, Stats, UNREGISTERED_JOBS};
 
+pin_project_lite::pin_project! {
+    /// A payload decoded for its job's handler (when the delivery is
+    /// prepared), then, in the same allocation, the handler's first
+    /// execution that took it: one box holds both, one after the other.
+    #[project = FirstRunProj]
+    enum FirstRun<P, Fut> {
+        Payload { payload: Option<P> },
+        Running { #[pin] future: Fut },
+    }
+}
+
+impl<P, Fut: Future> Future for FirstRun<P, Fut> {
+    type Output = Fut::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Fut::Output> {
+        match self.project() {
+            FirstRunProj::Running { future } => future.poll(cx),
+            FirstRunProj::Payload { .. } => unreachable!("a first run is polled once started"),
+        }
+    }
+}
+
 /// A payload decoded for its job's handler, its type erased: decoded once,
-/// when the delivery is prepared, and handed to the first execution.
+/// when the delivery is prepared, and handed to the first execution (a
+/// [`FirstRun`], whose box the execution's future reuses).
 #[cfg(not(target_arch = "wasm32"))]
 type AnyPayload = Box<dyn Any + Send>;
 /// A payload decoded for its job's handler, its type erased.
@@ -124,7 +149,9 @@ where
             kind: FailureKind::InvalidPayload,
             message: format!("payload failed validation: {e}"),
         })?;
-        Ok(Box::new(typed))
+        Ok(Box::new(FirstRun::<P, Fut>::Payload {
+            payload: Some(typed),
+        }))
     }
 
     fn run(
@@ -133,8 +160,16 @@ where
         prepared: Option<AnyPayload>,
         payload: &str,
     ) -> BoxFuture<'static, Result<(), JobError>> {
-        if let Some(typed) = prepared.and_then(|p| p.downcast::<P>().ok()) {
-            return Box::pin((self.handler)(ctx, *typed));
+        if let Some(mut first) = prepared.and_then(|p| p.downcast::<FirstRun<P, Fut>>().ok()) {
+            if let FirstRun::Payload { payload } = &mut *first {
+                if let Some(typed) = payload.take() {
+                    // The payload's box becomes the execution's.
+                    *first = FirstRun::Running {
+                        future: (self.handler)(ctx, typed),
+                    };
+                    return Box::into_pin(first);
+                }
+            }
         }
         match serde_json::from_str::<P>(payload) {
             Ok(typed) => Box::pin((self.handler)(ctx, typed)),

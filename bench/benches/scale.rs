@@ -15,7 +15,7 @@
 //! is measured once.
 //!
 //! Each round of each point runs on a fresh queue (or stream), filled with
-//! `Producer::dispatch_batch` in chunks of 1,000 (eight chunks at a time)
+//! `Producer::dispatch_batch` in chunks of 1,000, one after another
 //! outside the timing, by a driver connected for that round alone; the
 //! queue, its failure queue and the driver go away after it. The time runs
 //! from the consumer's spawn (its subscribe included) until the registry's
@@ -67,12 +67,18 @@ const BENCH: &str = "scale";
 const JOB: &str = "scale";
 /// Messages per `dispatch_batch` call when filling a queue.
 const CHUNK: usize = 1_000;
-/// `dispatch_batch` calls in flight at once when filling a queue.
-const FILLERS: usize = 8;
+/// `dispatch_batch` calls in flight at once when filling a queue
+/// (`SCALE_FILLERS` overrides it). One: each batch is already pipelined by
+/// the driver, and with 4 or 8 batches at once the NATS driver's batch
+/// dispatch at the time of writing sometimes never returned (8 batches of
+/// 1,000 hold more than the 5,000 PubAck permits async-nats's context
+/// lends, each waiting for permits only the others would release; 4
+/// stalled too, once in a few rounds).
+const FILLERS: usize = 1;
 /// Rounds of the 200,000 backlog (and of every SQS point) at most.
 const FEW_ROUNDS: usize = 3;
 /// A point that has not settled everything by then is broken, not slow.
-const GIVE_UP: Duration = Duration::from_secs(600);
+const GIVE_UP: Duration = Duration::from_secs(300);
 
 #[derive(Serialize, Deserialize)]
 struct Work {
@@ -335,7 +341,11 @@ impl Connection {
 /// batches at a time.
 async fn fill(driver: Arc<dyn Driver>, job: &Job<Work>, backlog: u64) {
     let producer = Producer::new(driver);
-    let permits = Arc::new(tokio::sync::Semaphore::new(FILLERS));
+    let fillers = std::env::var("SCALE_FILLERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(FILLERS);
+    let permits = Arc::new(tokio::sync::Semaphore::new(fillers));
     let mut tasks = tokio::task::JoinSet::new();
     let mut next = 0;
     while next < backlog {
@@ -359,6 +369,15 @@ async fn fill(driver: Arc<dyn Driver>, job: &Job<Work>, backlog: u64) {
     }
 }
 
+/// Awaits `work`, a phase of a round, or panics naming it after `GIVE_UP`:
+/// a hung broker call fails the run instead of stalling it.
+async fn phase<F: std::future::Future>(backend: Backend, what: &str, work: F) -> F::Output {
+    match tokio::time::timeout(GIVE_UP, work).await {
+        Ok(out) => out,
+        Err(_) => panic!("scale: {}: {what} took over {GIVE_UP:?}", backend.key()),
+    }
+}
+
 /// What one round measured.
 struct Measured {
     total: Duration,
@@ -368,10 +387,15 @@ struct Measured {
 /// One round of a point: a fresh queue holding `backlog` jobs, consumed at
 /// `concurrency` until every job settled.
 async fn round(backend: Backend, backlog: u64, concurrency: usize) -> Measured {
-    let connection = Connection::open(backend).await;
+    let connection = phase(backend, "connecting", Connection::open(backend)).await;
     let queue = unique(&format!("scale-{}", backend.key()));
     let job = Job::<Work>::builder(JOB).queue(&queue).build().unwrap();
-    fill(connection.driver(), &job, backlog).await;
+    phase(
+        backend,
+        "filling the queue",
+        fill(connection.driver(), &job, backlog),
+    )
+    .await;
 
     let ran = Arc::new(AtomicU64::new(0));
     let all_ran = Arc::new(Notify::new());
@@ -420,8 +444,10 @@ async fn round(backend: Backend, backlog: u64, concurrency: usize) -> Measured {
     }
     let total = started.elapsed();
     let startup = first.get().map_or(total, |t| t.duration_since(started));
-    consumer.shutdown().await.expect("the consumer stops");
-    connection.close().await;
+    phase(backend, "stopping the consumer", consumer.shutdown())
+        .await
+        .expect("the consumer stops");
+    phase(backend, "cleaning up", connection.close()).await;
     Measured { total, startup }
 }
 

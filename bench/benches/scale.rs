@@ -6,9 +6,9 @@
 //! Two sweeps per backend:
 //!
 //! - backlog, at concurrency 64: 1,000, 10,000 and 200,000 messages waiting
-//!   in the queue before the consumer starts (the SQS emulator: 1,000, 2,000
-//!   and 5,000, see below);
-//! - concurrency, with a 10,000-message backlog (SQS: 2,000): 1, 8, 64 and
+//!   in the queue before the consumer starts (the SQS emulator: 100, 250
+//!   and 500, see below);
+//! - concurrency, with a 10,000-message backlog (SQS: 250): 1, 8, 64 and
 //!   256 deliveries handled at once (the consumer's prefetch is the same).
 //!
 //! The point at backlog 10,000 and concurrency 64 belongs to both sweeps and
@@ -29,10 +29,11 @@
 //! a noisy moment of the machine spreads over the points instead of bending
 //! one; the 200,000 backlog takes part in the first 3 rounds only (each of
 //! its rounds fills and drains 200,000 persistent messages). The SQS
-//! emulator (moto behind one lock, one request at a time, about a
-//! millisecond or more per request in Python) takes minutes for tens of
-//! thousands of messages, so its backlogs stop at 5,000 and its points run
-//! 3 rounds at most: what it measures is the emulator, not SQS.
+//! emulator (moto behind one lock, one request at a time in Python, each
+//! receive and delete scanning the queue's messages, so a request costs more
+//! the longer the queue) takes minutes for a few thousand messages, so its
+//! backlogs stop at 500 and its points run 3 rounds at most: what it
+//! measures is the emulator, not SQS.
 //!
 //! Output: a Markdown table on stdout (messages/s and us/msg, median and
 //! min-max), one JSON line per point in `target/bench-results/scale.jsonl`,
@@ -124,7 +125,7 @@ impl Backend {
     /// The backlogs of the backlog sweep.
     fn backlogs(self) -> Vec<u64> {
         match self {
-            Backend::Sqs => vec![size(1_000), size(2_000), size(5_000)],
+            Backend::Sqs => vec![size(100), size(250), size(500)],
             _ => vec![size(1_000), size(10_000), size(200_000)],
         }
     }
@@ -132,7 +133,7 @@ impl Backend {
     /// The backlog of the concurrency sweep.
     fn sweep_backlog(self) -> u64 {
         match self {
-            Backend::Sqs => size(2_000),
+            Backend::Sqs => size(250),
             _ => size(10_000),
         }
     }
@@ -551,7 +552,7 @@ fn draw(results: &[(Backend, Vec<Point>)]) {
         ),
         (
             "scale-concurrency.svg",
-            format!("Consume throughput by concurrency, 10k backlog (SQS 2k){quick}"),
+            format!("Consume throughput by concurrency, 10k backlog (SQS 250){quick}"),
             "concurrency (= prefetch)",
             "messages/s",
             curves(results, "concurrency", concurrency, rate),

@@ -11,13 +11,16 @@
 //! a time), so it costs about one round trip, not one per message; each
 //! message still gets its own result.
 
-use std::collections::VecDeque;
+use std::future::IntoFuture;
 
-use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::context::{PublishAckFuture, PublishError};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use jobrail::FailureRecord;
 
+use super::connection::Link;
 use super::errors::{self, error};
 use super::{NatsDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};
 use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
@@ -125,27 +128,42 @@ impl NatsDriver {
         };
         // The limit is the server's: known once connected.
         let capabilities = self.capabilities();
-        let mut waiting: VecDeque<(usize, PublishAckFuture)> = VecDeque::new();
+        // Each `PubAck` future holds one of the context's permits until it
+        // completes: they are polled (and their permits freed as the acks
+        // arrive) while this batch waits to publish, so concurrent batches
+        // never wait for each other's un-polled acks.
+        let mut waiting = FuturesUnordered::new();
         for (index, message) in sendable {
             if let Err(e) = capabilities.refuse_oversize(NAME, message.body.len()) {
                 results[index] = Some(Err(e));
                 continue;
             }
-            if waiting.len() >= BATCH_IN_FLIGHT {
-                if let Some((at, ack)) = waiting.pop_front() {
-                    results[at] = Some(confirmed(&subject, ack).await);
+            while waiting.len() >= BATCH_IN_FLIGHT {
+                if let Some((at, acked)) = waiting.next().await {
+                    results[at] = Some(confirmed(&subject, acked));
                 }
             }
             let publish = PublishMessage::build()
                 .payload(message.body.into())
                 .message_id(&message.id);
-            match link.js.send_publish(subject.clone(), publish).await {
-                Ok(ack) => waiting.push_back((index, ack)),
-                Err(e) => results[index] = Some(Err(errors::publish_not_sent(&subject, e))),
+            let send = self.send_publish(&link, &subject, publish);
+            tokio::pin!(send);
+            let sent = loop {
+                tokio::select! {
+                    biased;
+                    sent = &mut send => break sent,
+                    Some((at, acked)) = waiting.next(), if !waiting.is_empty() => {
+                        results[at] = Some(confirmed(&subject, acked));
+                    }
+                }
+            };
+            match sent {
+                Ok(ack) => waiting.push(ack.into_future().map(move |acked| (index, acked))),
+                Err(e) => results[index] = Some(Err(e)),
             }
         }
-        for (at, ack) in waiting {
-            results[at] = Some(confirmed(&subject, ack).await);
+        while let Some((at, acked)) = waiting.next().await {
+            results[at] = Some(confirmed(&subject, acked));
         }
         let results: Vec<Result<(), DriverError>> = results
             .into_iter()
@@ -211,6 +229,31 @@ impl NatsDriver {
             .map(|_| ())
     }
 
+    /// Sends `publish` to `subject` on `link`, without waiting for its
+    /// `PubAck`. async-nats first waits for one of the context's permits
+    /// (5,000, one per unanswered publish); a wait longer than the
+    /// operation timeout (the acks holding them are not coming) refuses
+    /// the publish as not sent rather than waiting on.
+    async fn send_publish(
+        &self,
+        link: &Link,
+        subject: &str,
+        publish: PublishMessage,
+    ) -> Result<PublishAckFuture, DriverError> {
+        let limit = self.inner.config.operation_timeout;
+        match tokio::time::timeout(limit, link.js.send_publish(subject.to_string(), publish)).await
+        {
+            Ok(sent) => sent.map_err(|e| errors::publish_not_sent(subject, e)),
+            Err(_) => Err(error(
+                ErrorKind::NotAccepted,
+                format!(
+                    "publish to `{subject}` not sent: the client's unanswered publishes \
+                     (5,000) stayed at their limit for {limit:?}"
+                ),
+            )),
+        }
+    }
+
     /// Publishes to `subject` with `Nats-Msg-Id` = `message_id` and the
     /// `headers`, and waits for the `PubAck`.
     pub(super) async fn publish(
@@ -228,19 +271,15 @@ impl NatsDriver {
         for (name, value) in headers {
             publish = publish.header(*name, value.as_str());
         }
-        let ack = link
-            .js
-            .send_publish(subject.to_string(), publish)
-            .await
-            .map_err(|e| errors::publish_not_sent(subject, e))?;
+        let ack = self.send_publish(&link, subject, publish).await?;
         ack.await
             .map_err(|e| errors::publish_unconfirmed(subject, e))
     }
 }
 
 /// The outcome of one publish of a batch, once its `PubAck` came or not.
-async fn confirmed(subject: &str, ack: PublishAckFuture) -> Result<(), DriverError> {
-    ack.await
+fn confirmed(subject: &str, acked: Result<PublishAck, PublishError>) -> Result<(), DriverError> {
+    acked
         .map(|_| ())
         .map_err(|e| errors::publish_unconfirmed(subject, e))
 }

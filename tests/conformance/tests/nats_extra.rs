@@ -379,3 +379,76 @@ async fn one_lease_ticker_keeps_every_long_handler() {
     assert_eq!(calls.attempts(), [1, 1, 1, 1], "each executed exactly once");
     assert_eq!(h.events.names().len(), 4);
 }
+
+/// Runs `batches` concurrent `dispatch_batch` calls of `per_batch` messages
+/// and `singles` tasks of single dispatches (`per_single` each) on one
+/// driver: every call returns within a minute, every message is accepted
+/// and stored exactly once.
+async fn concurrent_dispatches(
+    scenario: &str,
+    batches: u32,
+    per_batch: u32,
+    singles: u32,
+    per_single: u32,
+) {
+    let backend = nats(Duration::from_secs(30));
+    let driver = backend.driver().await;
+    let h = Harness::on(
+        &backend,
+        std::sync::Arc::new(driver.clone()),
+        Harness::queue_name(scenario),
+    );
+    let job = h.job("concurrent").build().unwrap();
+    // Declared once before, so every call goes straight to publishing.
+    h.producer
+        .dispatch(&job, &Work { id: u32::MAX })
+        .await
+        .unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for b in 0..batches {
+        let (producer, job) = (h.producer.clone(), job.clone());
+        tasks.spawn(async move {
+            let payloads: Vec<Work> = (0..per_batch)
+                .map(|i| Work {
+                    id: b * per_batch + i,
+                })
+                .collect();
+            for result in producer.dispatch_batch(&job, &payloads).await {
+                result.expect("each message of a batch is stored");
+            }
+        });
+    }
+    for s in 0..singles {
+        let (producer, job) = (h.producer.clone(), job.clone());
+        tasks.spawn(async move {
+            for i in 0..per_single {
+                let id = 1_000_000 + s * per_single + i;
+                producer.dispatch(&job, &Work { id }).await.unwrap();
+            }
+        });
+    }
+    let all = async {
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("every concurrent dispatch returns");
+    let expected = u64::from(batches * per_batch + singles * per_single + 1);
+    assert_eq!(driver.stored_count(&h.queue).await.unwrap(), expected);
+}
+
+/// Eight batches of 1,000 at once hold more unanswered publishes than the
+/// client's 5,000: each batch keeps collecting its `PubAck`s while it waits
+/// to publish, so all of them finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_concurrent_batches_all_finish() {
+    concurrent_dispatches("nats-batches-8", 8, 1000, 0, 0).await;
+}
+
+/// Batches and 32 tasks of single dispatches at once all finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_and_single_dispatches_all_finish() {
+    concurrent_dispatches("nats-batches-mixed", 8, 1000, 32, 50).await;
+}

@@ -10,6 +10,14 @@
 //! before awaiting any `PubAck` (at most [`BATCH_IN_FLIGHT`] unanswered at
 //! a time), so it costs about one round trip, not one per message; each
 //! message still gets its own result.
+//!
+//! async-nats allows 5,000 unanswered publishes per context, one permit
+//! each, and a `PubAck` future gives its permit back only once polled to
+//! completion (or dropped). A batch therefore keeps polling its pending
+//! `PubAck`s while it waits to publish the next message: any number of
+//! concurrent batches and single dispatches make progress, none waits on
+//! another's un-polled acks. A publish that waits longer than the
+//! operation timeout for a permit is refused as not sent.
 
 use std::future::IntoFuture;
 

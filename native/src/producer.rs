@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jobrail::{Envelope, Job};
+use jobrail::{encode_envelope, Envelope, Job};
 use serde::Serialize;
 
 use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing};
@@ -53,13 +53,11 @@ impl Producer {
         payload: &P,
         options: DispatchOptions,
     ) -> Result<String, DriverError> {
-        let payload = serde_json::to_value(payload)
+        let (id, body) = encode_envelope(job.name(), payload, &options.metadata)
             .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Encode, e))?;
-        let mut envelope = Envelope::new(job.name(), payload);
-        envelope.metadata = options.metadata;
-        self.send_envelope(job.queue(), &envelope, options.delay)
+        self.send_raw(job.queue(), id.clone(), body, options.delay)
             .await?;
-        Ok(envelope.id)
+        Ok(id)
     }
 
     /// Sends an already-built envelope to `queue`.
@@ -100,14 +98,11 @@ impl Producer {
         let mut results: Vec<Result<String, DriverError>> = Vec::with_capacity(payloads.len());
         let mut outgoing = Vec::with_capacity(payloads.len());
         for payload in payloads {
-            match serde_json::to_value(payload) {
-                Ok(payload) => {
-                    let mut envelope = Envelope::new(job.name(), payload);
-                    envelope.metadata = options.metadata.clone();
-                    let body = envelope.encode();
-                    results.push(Ok(envelope.id.clone()));
+            match encode_envelope(job.name(), payload, &options.metadata) {
+                Ok((id, body)) => {
+                    results.push(Ok(id.clone()));
                     outgoing.push(Outgoing {
-                        id: envelope.id,
+                        id,
                         body,
                         delay: options.delay,
                     });

@@ -107,7 +107,7 @@ pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, Circui
 pub use budget::{failure_budget, human, longest_hold, FailureBudget};
 pub use cancel::{CancelToken, Cancellation};
 pub use context::{DeadlineExceeded, Interrupted, JobContext};
-pub use envelope::{new_message_id, Envelope, EnvelopeError};
+pub use envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
 pub use event::{Event, EventKind, EventSink};
 pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};

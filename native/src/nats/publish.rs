@@ -13,8 +13,9 @@
 //!
 //! async-nats allows 5,000 unanswered publishes per context, one permit
 //! each, and a `PubAck` future gives its permit back only once polled to
-//! completion (or dropped). A batch therefore keeps polling its pending
-//! `PubAck`s while it waits to publish the next message: any number of
+//! completion (or dropped). A batch therefore polls its pending `PubAck`s
+//! whenever a publish has waited [`PERMIT_PATIENCE`] (a publish that goes
+//! out at once leaves them alone, which keeps the batch's pace): any number of
 //! concurrent batches and single dispatches make progress, none waits on
 //! another's un-polled acks. A publish that waits longer than the
 //! operation timeout for a permit is refused as not sent.
@@ -32,6 +33,11 @@ use super::connection::Link;
 use super::errors::{self, error};
 use super::{NatsDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};
 use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
+
+/// How long a batch's publish waits for the client before it polls the
+/// batch's pending `PubAck`s while it waits on (freeing the permits of the
+/// acks that arrived).
+const PERMIT_PATIENCE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The most `PubAck`s a batch waits for at once: below async-nats' own
 /// limit of unanswered publishes per context (5,000, shared by every
@@ -156,14 +162,23 @@ impl NatsDriver {
                 .message_id(&message.id);
             let send = self.send_publish(&link, &subject, publish);
             tokio::pin!(send);
-            let sent = loop {
-                tokio::select! {
-                    biased;
-                    sent = &mut send => break sent,
-                    Some((at, acked)) = waiting.next(), if !waiting.is_empty() => {
-                        results[at] = Some(confirmed(&subject, acked));
+            // Most publishes go out at once, or after a short wait for the
+            // connection's buffer: the acks are left alone then (polling
+            // them while publishing costs the batch its pace). Only a
+            // publish still waiting after PERMIT_PATIENCE (the permits may
+            // be held by this batch's un-polled acks and another batch's)
+            // polls them while it waits.
+            let sent = match tokio::time::timeout(PERMIT_PATIENCE, &mut send).await {
+                Ok(sent) => sent,
+                Err(_) => loop {
+                    tokio::select! {
+                        biased;
+                        sent = &mut send => break sent,
+                        Some((at, acked)) = waiting.next(), if !waiting.is_empty() => {
+                            results[at] = Some(confirmed(&subject, acked));
+                        }
                     }
-                }
+                },
             };
             match sent {
                 Ok(ack) => waiting.push(ack.into_future().map(move |acked| (index, acked))),

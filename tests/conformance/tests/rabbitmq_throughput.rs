@@ -15,7 +15,6 @@
 #![cfg(feature = "rabbitmq")]
 
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
 use jobrail::Settlement;

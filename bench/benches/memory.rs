@@ -17,43 +17,17 @@
 //!
 //! Run: `cargo bench -p jobrail-bench --bench memory`.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jobrail::{Envelope, Job, JobContext, JobError, Registry, Runtime};
+use jobrail::{Envelope, Job, JobContext, Registry, Runtime};
+use jobrail_bench::work::{handler, TypedEnvelope, Work};
 use jobrail_bench::{reset_results, runtime, selected, size, time_on_worker, Comparison};
 use jobrail_native::{Consumer, MemoryDriver, Producer, TokioRuntime};
-use serde::{Deserialize, Serialize};
 
 const BENCH: &str = "memory";
 const CONCURRENCY: usize = 64;
 const QUEUE: &str = "bench";
-
-#[derive(Clone, Serialize, Deserialize)]
-struct Work {
-    id: u64,
-    name: String,
-}
-
-async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
-    std::hint::black_box(&work);
-    Ok(())
-}
-
-/// The envelope as a hand-written consumer would decode it: one pass, the
-/// payload typed.
-#[derive(Deserialize)]
-#[allow(dead_code)]
-struct TypedEnvelope {
-    v: u32,
-    id: String,
-    job: String,
-    payload: Work,
-    dispatched_at_ms: u64,
-    #[serde(default)]
-    metadata: BTreeMap<String, String>,
-}
 
 fn job() -> Job<Work> {
     Job::<Work>::builder("work").queue(QUEUE).build().unwrap()

@@ -33,7 +33,6 @@
 //!
 //! Run: `cargo bench -p jobrail-bench --features nats --bench nats`.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,22 +42,16 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use jobrail::{Envelope, Job, JobContext, JobError, Registry};
+use jobrail_bench::work::{TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, Comparison,
 };
 use jobrail_native::nats::{NatsConfig, NatsDriver};
 use jobrail_native::{Consumer, Driver, Outgoing, Producer};
-use serde::{Deserialize, Serialize};
 
 const BENCH: &str = "nats";
 const IN_FLIGHT: usize = 64;
 const TASKS: usize = 32;
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Work {
-    id: u64,
-    name: String,
-}
 
 /// Jobs the facade's handler ran in this round.
 static HANDLED: AtomicU64 = AtomicU64::new(0);
@@ -67,19 +60,6 @@ async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
     std::hint::black_box(&work);
     HANDLED.fetch_add(1, Ordering::Relaxed);
     Ok(())
-}
-
-/// The envelope as a hand-written consumer decodes it: one pass, typed.
-#[derive(Deserialize)]
-#[allow(dead_code)]
-struct TypedEnvelope {
-    v: u32,
-    id: String,
-    job: String,
-    payload: Work,
-    dispatched_at_ms: u64,
-    #[serde(default)]
-    metadata: BTreeMap<String, String>,
 }
 
 fn url() -> String {

@@ -13,42 +13,16 @@
 //!
 //! Run: `cargo bench -p jobrail-bench --bench pure`.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use jobrail::{CancelToken, Envelope, Incoming, Job, JobContext, JobError, Registry, Runtime};
+use jobrail::{CancelToken, Envelope, Incoming, Job, JobContext, Registry, Runtime};
+use jobrail_bench::work::{handler, TypedEnvelope, Work};
 use jobrail_bench::{reset_results, runtime, selected, size, time_on_worker, Comparison};
 use jobrail_native::TokioRuntime;
-use serde::{Deserialize, Serialize};
 
 const BENCH: &str = "pure";
 /// The target per job, on the reference machine.
 const TARGET_NS: f64 = 400.0;
-
-#[derive(Serialize, Deserialize)]
-struct Work {
-    id: u64,
-    name: String,
-}
-
-async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
-    std::hint::black_box(&work);
-    Ok(())
-}
-
-/// The envelope as a hand-written consumer would decode it: one pass, the
-/// payload typed.
-#[derive(Deserialize)]
-#[allow(dead_code)]
-struct TypedEnvelope {
-    v: u32,
-    id: String,
-    job: String,
-    payload: Work,
-    dispatched_at_ms: u64,
-    #[serde(default)]
-    metadata: BTreeMap<String, String>,
-}
 
 fn bodies(n: u64) -> Arc<Vec<Vec<u8>>> {
     Arc::new(

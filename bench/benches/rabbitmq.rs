@@ -33,7 +33,6 @@
 //!
 //! Run: `cargo bench -p jobrail-bench --features rabbitmq --bench rabbitmq`.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +40,8 @@ use std::time::Duration;
 use apalis::prelude::{TaskSink, WorkerBuilder, WorkerContext};
 use apalis_amqp::AmqpBackend;
 use futures_util::StreamExt;
-use jobrail::{Envelope, Job, JobContext, JobError, Registry};
+use jobrail::{Envelope, Job, Registry};
+use jobrail_bench::work::{handler, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, Comparison,
 };
@@ -53,36 +53,11 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use serde::{Deserialize, Serialize};
 
 const BENCH: &str = "rabbitmq";
 const PREFETCH: u16 = 64;
 const RUN: u64 = 32;
 const TASKS: u64 = 32;
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Work {
-    id: u64,
-    name: String,
-}
-
-async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
-    std::hint::black_box(&work);
-    Ok(())
-}
-
-/// The envelope as a hand-written consumer decodes it: one pass, typed.
-#[derive(Deserialize)]
-#[allow(dead_code)]
-struct TypedEnvelope {
-    v: u32,
-    id: String,
-    job: String,
-    payload: Work,
-    dispatched_at_ms: u64,
-    #[serde(default)]
-    metadata: BTreeMap<String, String>,
-}
 
 fn url() -> String {
     std::env::var("RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())

@@ -25,7 +25,6 @@
 //!
 //! Run: `export SQS_ENDPOINT=$(tests/sqs-emulator); cargo bench -p jobrail-bench --features sqs --bench sqs`.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,43 +34,18 @@ use aws_sdk_sqs::types::{
 };
 use aws_sdk_sqs::Client;
 use futures_util::future::join_all;
-use jobrail::{Envelope, Job, JobContext, JobError, Registry, Runtime};
+use jobrail::{Envelope, Job, JobContext, Registry, Runtime};
+use jobrail_bench::work::{handler, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, unique, Comparison,
 };
 use jobrail_native::sqs::{SqsConfig, SqsCredentials, SqsDriver};
 use jobrail_native::{Consumer, Producer, TokioRuntime};
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 const BENCH: &str = "sqs";
 const CONCURRENCY: usize = 30;
 const WAIT: Duration = Duration::from_secs(1);
-
-#[derive(Clone, Serialize, Deserialize)]
-struct Work {
-    id: u64,
-    name: String,
-}
-
-async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
-    std::hint::black_box(&work);
-    Ok(())
-}
-
-/// The envelope as a hand-written consumer would decode it: one pass, the
-/// payload typed.
-#[derive(Deserialize)]
-#[allow(dead_code)]
-struct TypedEnvelope {
-    v: u32,
-    id: String,
-    job: String,
-    payload: Work,
-    dispatched_at_ms: u64,
-    #[serde(default)]
-    metadata: BTreeMap<String, String>,
-}
 
 fn endpoint() -> String {
     std::env::var("SQS_ENDPOINT")

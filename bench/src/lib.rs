@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 pub mod plot;
+pub mod work;
 
 /// Rounds per comparison (`BENCH_ROUNDS`, default 7).
 pub fn rounds() -> usize {

@@ -1,0 +1,41 @@
+//! The job every benchmark runs, its no-op handler, and the envelope as a
+//! hand-written consumer decodes it (the baselines' one typed pass).
+
+use std::collections::BTreeMap;
+
+use jobrail::{JobContext, JobError};
+use serde::{Deserialize, Serialize};
+
+/// The payload of every benchmark job.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Work {
+    /// A sequence number.
+    pub id: u64,
+    /// A short string, so that decoding does some work.
+    pub name: String,
+}
+
+/// The facade's handler: a no-op on the decoded payload.
+pub async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
+    std::hint::black_box(&work);
+    Ok(())
+}
+
+/// The envelope as a hand-written consumer decodes it: one pass, the
+/// payload typed.
+#[derive(Debug, Deserialize)]
+pub struct TypedEnvelope {
+    /// Format version.
+    pub v: u32,
+    /// Message id.
+    pub id: String,
+    /// Job name.
+    pub job: String,
+    /// The typed payload.
+    pub payload: Work,
+    /// Dispatch time.
+    pub dispatched_at_ms: u64,
+    /// Metadata.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}

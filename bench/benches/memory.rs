@@ -20,8 +20,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use jobrail::{Envelope, Job, JobContext, Registry, Runtime};
-use jobrail_bench::work::{handler, TypedEnvelope, Work};
+use jobrail::{Envelope, JobContext, Registry, Runtime};
+use jobrail_bench::work::{self, handler, payloads, TypedEnvelope, Work};
 use jobrail_bench::{reset_results, runtime, selected, size, time_on_worker, Comparison};
 use jobrail_native::{Consumer, MemoryDriver, Producer, TokioRuntime};
 
@@ -29,17 +29,8 @@ const BENCH: &str = "memory";
 const CONCURRENCY: usize = 64;
 const QUEUE: &str = "bench";
 
-fn job() -> Job<Work> {
-    Job::<Work>::builder("work").queue(QUEUE).build().unwrap()
-}
-
-fn payloads(n: u64) -> Vec<Work> {
-    (0..n)
-        .map(|id| Work {
-            id,
-            name: "report".into(),
-        })
-        .collect()
+fn job() -> jobrail::Job<Work> {
+    work::job(QUEUE)
 }
 
 /// One baseline round: the channel is filled outside the timing.

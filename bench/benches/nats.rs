@@ -42,7 +42,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use jobrail::{Envelope, Job, JobContext, JobError, Registry};
-use jobrail_bench::work::{TypedEnvelope, Work};
+use jobrail_bench::work::{job, payloads, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, Comparison,
 };
@@ -64,19 +64,6 @@ async fn handler(_: JobContext, work: Work) -> Result<(), JobError> {
 
 fn url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-fn job(queue: &str) -> Job<Work> {
-    Job::<Work>::builder("work").queue(queue).build().unwrap()
-}
-
-fn payloads(n: u64) -> Vec<Work> {
-    (0..n)
-        .map(|id| Work {
-            id,
-            name: "report".into(),
-        })
-        .collect()
 }
 
 fn config() -> NatsConfig {

@@ -41,7 +41,7 @@ use apalis::prelude::{TaskSink, WorkerBuilder, WorkerContext};
 use apalis_amqp::AmqpBackend;
 use futures_util::StreamExt;
 use jobrail::{Envelope, Job, Registry};
-use jobrail_bench::work::{handler, TypedEnvelope, Work};
+use jobrail_bench::work::{handler, job, payloads, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, Comparison,
 };
@@ -61,19 +61,6 @@ const TASKS: u64 = 32;
 
 fn url() -> String {
     std::env::var("RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn job(queue: &str) -> Job<Work> {
-    Job::<Work>::builder("work").queue(queue).build().unwrap()
-}
-
-fn payloads(n: u64) -> Vec<Work> {
-    (0..n)
-        .map(|id| Work {
-            id,
-            name: "report".into(),
-        })
-        .collect()
 }
 
 async fn driver() -> RabbitDriver {

@@ -34,8 +34,8 @@ use aws_sdk_sqs::types::{
 };
 use aws_sdk_sqs::Client;
 use futures_util::future::join_all;
-use jobrail::{Envelope, Job, JobContext, Registry, Runtime};
-use jobrail_bench::work::{handler, TypedEnvelope, Work};
+use jobrail::{Envelope, JobContext, Registry, Runtime};
+use jobrail_bench::work::{handler, job, payloads, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, unique, Comparison,
 };
@@ -76,19 +76,6 @@ fn driver() -> SqsDriver {
         .credentials(SqsCredentials::fixed("test", "test"))
         .wait_time(WAIT);
     SqsDriver::new(config).expect("an SQS driver")
-}
-
-fn job(queue: &str) -> Job<Work> {
-    Job::<Work>::builder("work").queue(queue).build().unwrap()
-}
-
-fn payloads(n: u64) -> Vec<Work> {
-    (0..n)
-        .map(|id| Work {
-            id,
-            name: "report".into(),
-        })
-        .collect()
 }
 
 fn bodies(n: u64) -> Vec<String> {

@@ -39,3 +39,21 @@ pub struct TypedEnvelope {
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
 }
+
+/// The benchmark job (`work`) on `queue`.
+pub fn job(queue: &str) -> jobrail::Job<Work> {
+    jobrail::Job::<Work>::builder("work")
+        .queue(queue)
+        .build()
+        .expect("a valid job")
+}
+
+/// `n` payloads, numbered from 0.
+pub fn payloads(n: u64) -> Vec<Work> {
+    (0..n)
+        .map(|id| Work {
+            id,
+            name: "report".into(),
+        })
+        .collect()
+}

@@ -542,3 +542,120 @@ pub async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use async_trait::async_trait;
+    use jobrail::{Job, JobContext, Settlement};
+
+    use super::*;
+    use crate::{Capabilities, MemoryDriver, Outgoing, Producer};
+
+    /// The memory driver, with one delivery whose `attempt()` panics: a
+    /// panic outside the pipeline's guards (the consumer reads it first).
+    struct PanicsOnce {
+        inner: MemoryDriver,
+        armed: Arc<AtomicBool>,
+    }
+
+    struct Sub(Box<dyn Subscription>, Arc<AtomicBool>);
+    struct Del(Box<dyn Delivery>, Arc<AtomicBool>);
+
+    #[async_trait]
+    impl Driver for PanicsOnce {
+        fn name(&self) -> &'static str {
+            "panics-once"
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.inner.capabilities()
+        }
+        async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
+            self.inner.send(queue, message).await
+        }
+        async fn subscribe(
+            &self,
+            queue: &str,
+            prefetch: usize,
+        ) -> Result<Box<dyn Subscription>, DriverError> {
+            let sub = self.inner.subscribe(queue, prefetch).await?;
+            Ok(Box::new(Sub(sub, self.armed.clone())))
+        }
+        async fn stop(&self) -> Result<(), DriverError> {
+            self.inner.stop().await
+        }
+    }
+
+    #[async_trait]
+    impl Subscription for Sub {
+        async fn next(&mut self) -> Option<Result<Box<dyn Delivery>, DriverError>> {
+            let armed = self.1.clone();
+            self.0
+                .next()
+                .await
+                .map(|d| d.map(|d| Box::new(Del(d, armed)) as Box<dyn Delivery>))
+        }
+        async fn close(&mut self) {
+            self.0.close().await
+        }
+    }
+
+    #[async_trait]
+    impl Delivery for Del {
+        fn body(&self) -> &[u8] {
+            self.0.body()
+        }
+        fn attempt(&self) -> u32 {
+            if self.1.swap(false, Ordering::SeqCst) {
+                panic!("a driver's delivery panicked");
+            }
+            self.0.attempt()
+        }
+        async fn settle(self: Box<Self>, settlement: &Settlement) -> Result<(), DriverError> {
+            self.0.settle(settlement).await
+        }
+    }
+
+    /// A panic that escapes the pipeline (here, a driver's delivery) costs
+    /// its delivery, dropped unsettled, which the backend keeps and hands
+    /// out again, and not the worker: at concurrency 1, with a single
+    /// worker, every job still runs and is settled afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panic_outside_the_handler_leaves_the_worker_running() {
+        let driver = Arc::new(PanicsOnce {
+            inner: MemoryDriver::default(),
+            armed: Arc::new(AtomicBool::new(true)),
+        });
+        let job = Job::<u32>::builder("n").queue("q").build().unwrap();
+        let producer = Producer::new(driver.clone());
+        for n in 0..4 {
+            producer.dispatch(&job, &n).await.unwrap();
+        }
+        let mut registry = Registry::new();
+        registry
+            .register(&job, |_: JobContext, _: u32| async { Ok(()) })
+            .unwrap();
+        let consumer = Consumer::builder(driver.clone(), registry)
+            .concurrency(1)
+            .build()
+            .spawn();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while driver.inner.depth("q") > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the worker stopped after the panic: {} messages left",
+                driver.inner.depth("q")
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!driver.armed.load(Ordering::SeqCst), "the panic happened");
+        let stats = consumer.registry().stats().job("n");
+        assert_eq!(
+            (stats.succeeded(), stats.executions),
+            (4, 4),
+            "each job ran and settled once (the panic came before its run): {stats:?}"
+        );
+        consumer.shutdown().await.unwrap();
+    }
+}

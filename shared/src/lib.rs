@@ -39,6 +39,8 @@
 //!   ([`json_error`]).
 //! - `overrides`: operator overrides of tier depths and backoffs
 //!   ([`Overrides`]).
+//! - `claim`: running an effect once, through a claim on a business key
+//!   ([`ClaimStore`], [`run_once`], [`Claim`]).
 //! - `runtime`, `cancel`, `context`: injected time, cancellation, and what a
 //!   handler knows about its execution ([`Runtime`], [`CancelToken`],
 //!   [`JobContext`]).
@@ -81,6 +83,7 @@
 mod breaker;
 mod budget;
 mod cancel;
+mod claim;
 mod context;
 mod envelope;
 mod error;
@@ -106,6 +109,12 @@ pub use crate::metrics::describe_metrics;
 pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
 pub use budget::{failure_budget, human, longest_hold, FailureBudget};
 pub use cancel::{CancelToken, Cancellation};
+#[cfg(feature = "memory-claims")]
+pub use claim::MemoryClaims;
+pub use claim::{
+    run_once, validate_claim, Claim, ClaimError, ClaimHeld, ClaimStore, Once, MAX_CLAIM_KEY_BYTES,
+    MAX_CLAIM_LEASE, MIN_HELD_RETRY,
+};
 pub use context::{DeadlineExceeded, Interrupted, JobContext};
 pub use envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
 pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};

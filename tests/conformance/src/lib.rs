@@ -20,6 +20,7 @@
 //! jobrail_conformance::conformance_suite!(MyBackend);
 //! ```
 
+pub mod claims;
 pub mod crash;
 pub mod failures;
 pub mod fixture;
@@ -31,6 +32,18 @@ pub mod servers;
 
 pub use fixture::{Broker, Fixture};
 pub use harness::{Backend, Calls, Events, Harness, Hooks, Unreachable};
+
+/// Expands to the `main` of a test binary (a target with `harness = false`)
+/// running the claim-store suite ([`claims`]) on the fixture `$make` builds:
+/// an expression evaluated for each scenario, which may `.await`.
+#[macro_export]
+macro_rules! claim_store_suite {
+    ($make:expr) => {
+        fn main() {
+            $crate::claims::run(|| async { $make })
+        }
+    };
+}
 
 /// Expands to the `main` of a test binary (a target with
 /// `harness = false`) running the suite on the backend `$make` builds: an

@@ -66,10 +66,19 @@ where
     libtest_mimic::run(&args, scenarios.chain(extra).collect()).exit()
 }
 
+/// Runs `trials` with libtest's command line and report, and exits.
+pub(crate) fn run_trials(trials: Vec<Trial>) -> ! {
+    let mut args = Arguments::from_args();
+    args.test_threads = args
+        .test_threads
+        .or_else(|| std::env::var("RUST_TEST_THREADS").ok()?.parse().ok());
+    libtest_mimic::run(&args, trials).exit()
+}
+
 /// A test running `test` on a runtime of its own, in a thread named after
 /// the test (as libtest names it), so that a panic message says which test
 /// it comes from. The panic fails this test only.
-fn trial<T, Fut>(name: &'static str, test: T) -> Trial
+pub(crate) fn trial<T, Fut>(name: &'static str, test: T) -> Trial
 where
     T: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = ()>,

@@ -24,6 +24,14 @@
 //! - `sqs`: Amazon SQS through aws-sdk-sqs (feature `sqs`):
 //!   `sqs::{SqsDriver, SqsConfig, SqsCredentials}`.
 //!
+//! Running an effect once ([`jobrail::ClaimStore`], [`jobrail::run_once`]):
+//!
+//! - `postgres`: claims on Postgres, with completion in the caller's own
+//!   transaction, and the transactional outbox for dispatch (feature
+//!   `postgres`): `postgres::{PgClaims, Outbox, OutboxRelay}`.
+//! - `redis`: claims on Redis with fencing tokens (feature `redis`):
+//!   `redis::RedisClaims`.
+//!
 //! # Example
 //!
 //! ```
@@ -65,9 +73,13 @@ mod metrics;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod overrides;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 mod producer;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;

@@ -1,0 +1,5 @@
+//! The outbox table.
+
+/// The outbox (being built).
+#[derive(Debug)]
+pub struct Outbox;

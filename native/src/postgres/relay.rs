@@ -1,0 +1,5 @@
+//! The relay.
+
+/// The relay (being built).
+#[derive(Debug)]
+pub struct OutboxRelay;

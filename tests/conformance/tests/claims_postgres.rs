@@ -1,0 +1,3 @@
+//! Being built.
+
+fn main() {}

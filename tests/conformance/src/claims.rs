@@ -88,6 +88,32 @@ where
     Fut: std::future::Future<Output = C> + 'static,
     C: ClaimFixture,
 {
+    run_trials(make, None)
+}
+
+/// [`run`], but when the environment variable `var` is not set every
+/// scenario is listed as ignored (its reason printed once): for stores
+/// that need a server the test command starts (`--ignored` then fails them
+/// for want of it, as it should).
+pub fn run_unless_missing<F, Fut, C>(var: &'static str, make: F) -> !
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = C> + 'static,
+    C: ClaimFixture,
+{
+    let missing = std::env::var_os(var).is_none();
+    if missing {
+        println!("{var} is not set: the claim-store scenarios of this store are ignored");
+    }
+    run_trials(make, missing.then_some(var))
+}
+
+fn run_trials<F, Fut, C>(make: F, ignored_for: Option<&'static str>) -> !
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = C> + 'static,
+    C: ClaimFixture,
+{
     let make = Arc::new(make);
     let trials = scenarios()
         .into_iter()
@@ -97,6 +123,7 @@ where
                 let fixture: Arc<dyn ClaimFixture> = Arc::new(make().await);
                 scenario(fixture).await;
             })
+            .with_ignored_flag(ignored_for.is_some())
         })
         .collect();
     crate::runner::run_trials(trials)

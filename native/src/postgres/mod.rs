@@ -3,6 +3,7 @@
 //! tokio-postgres.
 
 mod claims;
+mod connect;
 mod outbox;
 mod relay;
 

@@ -1,61 +1,4 @@
-//! Claims on Postgres ([`PgClaims`]).
-//!
-//! [`PgClaims`] is a [`ClaimStore`] on one table of a Postgres database,
-//! through tokio-postgres. See [`jobrail::run_once`] for how a handler uses
-//! a claim.
-//!
-//! # Data
-//!
-//! One row per business key (table `jobrail_claims` unless
-//! [`PgClaims::connect_with_table`] names another; [`PgClaims::install_sql`]
-//! prints its DDL):
-//!
-//! | column        | type          |                                              |
-//! |---------------|---------------|----------------------------------------------|
-//! | `key`         | `text`        | the business key, primary key                |
-//! | `fence`       | `bigint`      | the latest claim's fencing token (from 1)    |
-//! | `state`       | `text`        | `held` or `done`                             |
-//! | `lease_until` | `timestamptz` | end of the latest lease (`-infinity` once released) |
-//! | `claimed_at`  | `timestamptz` | when the latest claim was taken              |
-//! | `done_at`     | `timestamptz` | when the claim was completed                 |
-//!
-//! # Guarantees
-//!
-//! - Every operation is one conditional statement, atomic in Postgres: a
-//!   claim is an `INSERT ... ON CONFLICT DO UPDATE ... WHERE` the lease has
-//!   ended, so two workers racing on a key never both hold it; complete,
-//!   release and extend are an `UPDATE` that matches only the live claim of
-//!   that fence ([`ClaimError::Lost`] otherwise).
-//! - Effects in the same database run exactly once: record the completion
-//!   with [`PgClaims::complete_in`] in the transaction of the effect, and
-//!   the two commit together or not at all.
-//! - Other effects (a call to a remote service, an email) run at least
-//!   once: a process that dies after the effect and before
-//!   [`ClaimStore::complete`] leaves the key to be claimed again once its
-//!   lease ends.
-//!
-//! # Limits
-//!
-//! - A lease shorter than the effect lets a second holder in while the
-//!   first still works: pick a lease longer than the job's timeout, or
-//!   [`extend`](ClaimStore::extend) it. The fence makes the first holder's
-//!   completion fail, not its effect.
-//! - Leases run on the Postgres server's clock (`clock_timestamp()`), not
-//!   the worker's.
-//! - Done rows stay until [`PgClaims::purge_done`] deletes them; a purged
-//!   key is a new key, and its effect runs again.
-//! - Keys are any UTF-8 text of 1 to [`jobrail::MAX_CLAIM_KEY_BYTES`]
-//!   bytes except that they cannot hold a NUL character (Postgres text
-//!   cannot).
-//!
-//! # Connection
-//!
-//! A store holds one connection (no TLS); concurrent operations pipeline on
-//! it. When the server closes it, the next operation connects again; an
-//! operation interrupted by the loss is tried once more on the new
-//! connection (a claim whose answer was lost then finds its own claim
-//! and answers [`Claim::Held`]; a completion whose answer was lost finds
-//! it recorded and succeeds). Any other failure is [`ClaimError::Store`].
+//! Claims on Postgres: [`PgClaims`].
 
 use std::fmt;
 use std::future::Future;
@@ -77,21 +20,77 @@ const MAX_IDENTIFIER: usize = 63;
 /// (so the cutoff stays within Postgres's timestamps).
 const MAX_PURGE_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
 
-/// Claims on business keys in a Postgres table: a [`ClaimStore`].
+/// Claims on business keys in a Postgres table: a [`ClaimStore`], through
+/// tokio-postgres. See [`jobrail::run_once`] for how a handler uses a
+/// claim. Clones share one connection.
 ///
-/// Clones share one connection. See the [module docs](self) for the table,
-/// the guarantees and the limits.
+/// # Data
+///
+/// One row per business key (table `jobrail_claims` unless
+/// [`PgClaims::connect_with_table`] names another; [`PgClaims::install_sql`]
+/// prints its DDL):
+///
+/// | column        | type          |                                              |
+/// |---------------|---------------|----------------------------------------------|
+/// | `key`         | `text`        | the business key, primary key                |
+/// | `fence`       | `bigint`      | the latest claim's fencing token (from 1)    |
+/// | `state`       | `text`        | `held` or `done`                             |
+/// | `lease_until` | `timestamptz` | the latest lease's end (`-infinity` once released) |
+/// | `claimed_at`  | `timestamptz` | when the latest claim was taken              |
+/// | `done_at`     | `timestamptz` | when the claim was completed                 |
+///
+/// # Guarantees
+///
+/// - Every operation is one conditional statement, atomic in Postgres: a
+///   claim is an `INSERT ... ON CONFLICT DO UPDATE ... WHERE` the lease has
+///   ended, so two workers racing on a key never both hold it; complete,
+///   release and extend are an `UPDATE` that matches only the live claim of
+///   that fence ([`ClaimError::Lost`] otherwise).
+/// - Effects in the same database run exactly once: record the completion
+///   with [`PgClaims::complete_in`] in the transaction of the effect, and
+///   the two commit together or not at all.
+/// - Other effects (a call to a remote service, an email) run at least
+///   once: a process that dies after the effect and before
+///   [`ClaimStore::complete`] leaves the key to be claimed again once its
+///   lease ends.
+///
+/// # Limits
+///
+/// - A lease shorter than the effect lets a second holder in while the
+///   first still works: pick a lease longer than the job's timeout, or
+///   [`extend`](ClaimStore::extend) it. The fence makes the first holder's
+///   completion fail, not its effect.
+/// - Leases run on the Postgres server's clock (`clock_timestamp()`), not
+///   the worker's.
+/// - Done rows stay until [`PgClaims::purge_done`] deletes them; a purged
+///   key is a new key, and its effect runs again.
+/// - Keys are any UTF-8 text of 1 to [`jobrail::MAX_CLAIM_KEY_BYTES`]
+///   bytes except that they cannot hold a NUL character (Postgres text
+///   cannot).
+///
+/// # Connection
+///
+/// A store holds one connection (no TLS); concurrent operations pipeline on
+/// it. When the server closes it, the next operation connects again; an
+/// operation interrupted by the loss is tried once more on the new
+/// connection (a claim whose answer was lost then finds its own claim
+/// and answers [`Claim::Held`]; a completion whose answer was lost finds
+/// it recorded and succeeds). Any other failure is [`ClaimError::Store`].
+/// A `connect_timeout` in the URL bounds each connection attempt.
+///
+/// # Example
 ///
 /// ```no_run
 /// use std::time::Duration;
 /// use jobrail::{run_once, JobError};
 /// use jobrail_native::postgres::PgClaims;
 ///
-/// # async fn example() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # async fn example() -> Result<(), JobError> {
 /// let claims = PgClaims::connect("postgres://app@db.internal/shop").await?;
+/// // In a handler: the invoice goes out once, however often the job runs.
 /// run_once(&claims, "invoice:2024-0042", Duration::from_secs(60), |_fence| async {
-///     // send the invoice
-///     Ok::<_, JobError>(())
+///    // send the invoice
+///    Ok::<_, JobError>(())
 /// })
 /// .await?;
 /// # Ok(())

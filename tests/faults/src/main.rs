@@ -1,5 +1,6 @@
 //! The fault suite: the native drivers under process kills, broker
-//! restarts, crash loops and slow handlers, proving that nothing is lost.
+//! restarts, crash loops and slow handlers, proving that nothing is lost
+//! (and, with a claim on Postgres, that a charge happens exactly once).
 //!
 //! One binary, two subcommands. `run` is the orchestrator: it dispatches
 //! jobs whose payload is a business id (plus a marker string that must
@@ -13,14 +14,18 @@
 //!
 //! ```text
 //! cargo run -p jobrail-faults --features nats -- run --backend nats --fault kill
-//! cargo run -p jobrail-faults --features "rabbitmq nats sqs" -- run     # everything
+//! cargo run -p jobrail-faults --features "postgres rabbitmq nats sqs" -- run   # everything
+//! cargo run -p jobrail-faults --features "postgres rabbitmq nats" -- run --fault charge
 //! ```
 //!
 //! Connections: RabbitMQ on 127.0.0.1:5672 (`FAULTS_RABBITMQ_PORT`
 //! overrides; `rabbitmqctl` must work), NATS at `NATS_URL` (default
 //! `nats://127.0.0.1:4222`), SQS at `SQS_ENDPOINT` (`tests/sqs-emulator`).
 //! Every queue is new for the run (`faults-<run>-<driver>-<fault>`) and is
-//! deleted at the end.
+//! deleted at the end. The charge fault (feature `postgres`) uses Postgres at
+//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), in
+//! tables of its own (`faults_<run>_<driver>_claims` and `..._ledger`),
+//! dropped at the end.
 //!
 //! # The faults
 //!
@@ -54,6 +59,21 @@
 //! - **slow handler** (`--fault slow`, NATS and SQS): five jobs whose
 //!   handler runs three leases (lease 2 s, handler 6 s); the driver must
 //!   renew the lease, so each job runs once.
+//! - **exactly-once charge** (`--fault charge`, feature `postgres`; in the
+//!   default set when built with it): the kill-load scenario with 1,000
+//!   jobs (150 on SQS) and five kills, whose handler charges an account
+//!   once: it appends `deliver <id> <pid>` to the ledger file, claims
+//!   `charge:<id>` for 2 s on Postgres (`PgClaims`), and in one transaction
+//!   inserts the charge into the ledger table and completes the claim
+//!   (`complete_in`), sleeping 0–20 ms before the claim, inside the
+//!   transaction and after the commit, so kills land at each step (a kill
+//!   after the commit redelivers a charge that is done). A claim found
+//!   done or held appends `skip` or `held`; a completion too late appends
+//!   `lost` and rolls back. The run waits until every id has a row or a
+//!   failure record; an id with two rows (a duplicate charge) or with none
+//!   (a loss) fails it, and so does a run where no delivery repeated
+//!   although kills landed (redelivery was not exercised). Every charged
+//!   key must then answer done to a new claim.
 //! - **secrets** (always): workers log at debug level to
 //!   `target/faults/logs/`, the orchestrator too (`orchestrator.log`); the
 //!   RabbitMQ user is created for the run with a random password, the NATS
@@ -66,16 +86,22 @@
 //! # The figures
 //!
 //! - *dispatched*: business ids the backend accepted;
-//! - *executed (distinct)*: of those, ids with at least one effect in the ledger;
-//! - *duplicates*: effects beyond the first, summed over ids;
+//! - *executed (distinct)*: of those, ids with at least one effect in the
+//!   ledger (exactly-once charge: a row in the ledger table);
+//! - *duplicates*: effects beyond the first, summed over ids; exactly-once
+//!   charge: deliveries beyond one per id (expected) / charge rows beyond
+//!   one per id (must be 0);
 //! - *lost*: accepted ids with neither an effect nor a failure record (must be 0);
 //! - *failure records*: records on the failure queue of the run's queue;
 //! - *recovery*: kill load, from the last kill until every id is accounted
 //!   for; broker restart, from the broker being back until the first new
 //!   effect; crash loop, from the first start until the last failure record;
-//!   slow handler, from the dispatch until every effect.
+//!   slow handler, from the dispatch until every effect; exactly-once
+//!   charge, from the last kill until every id has a charge row or a
+//!   failure record.
 
 mod backend;
+mod charge;
 mod nodes;
 mod run;
 mod worker;

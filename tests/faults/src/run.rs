@@ -30,6 +30,9 @@ pub(crate) enum Fault {
     Crash,
     /// A handler running three leases.
     Slow,
+    /// Kill load with a handler charging each id once through a Postgres
+    /// claim (feature `postgres`).
+    Charge,
 }
 
 impl Fault {
@@ -39,6 +42,7 @@ impl Fault {
             Fault::Restart => "broker restart",
             Fault::Crash => "crash loop",
             Fault::Slow => "slow handler",
+            Fault::Charge => "exactly-once charge",
         }
     }
 }
@@ -62,6 +66,15 @@ pub(crate) struct RunArgs {
     /// Worker kills in the kill-load fault.
     #[arg(long, default_value_t = 6)]
     kills: usize,
+    /// Charges of the exactly-once charge fault on RabbitMQ and NATS.
+    #[arg(long, default_value_t = 1000)]
+    charges: usize,
+    /// Charges of the exactly-once charge fault on SQS.
+    #[arg(long, default_value_t = 150)]
+    sqs_charges: usize,
+    /// Worker kills in the exactly-once charge fault.
+    #[arg(long, default_value_t = 5)]
+    charge_kills: usize,
     /// Output directory (default: `target/faults` of the build's target directory).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -130,11 +143,29 @@ fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())
 }
 
-/// Effects and start lines read from a ledger.
+/// Effects and start lines read from a ledger (and, for the charge fault,
+/// the charges from its table).
 #[derive(Default)]
 struct Tally {
+    /// Effects per business id (charge fault: rows of the ledger table).
     effects: BTreeMap<u64, usize>,
     starts: BTreeMap<u64, usize>,
+    /// `deliver` lines per business id (charge fault).
+    deliveries: BTreeMap<u64, usize>,
+    /// The worker pid of each id's latest `deliver` line.
+    delivered_by: BTreeMap<u64, u32>,
+    /// Deliveries whose claim found the charge done.
+    skips: usize,
+    /// Deliveries whose claim found another holder's live lease.
+    held: usize,
+    /// Completions refused as too late (the charge rolled back).
+    lost_claims: usize,
+    /// The highest fence of each id's charges.
+    #[cfg(feature = "postgres")]
+    fences: BTreeMap<u64, u64>,
+    /// Why the ledger table could not be read.
+    #[cfg(feature = "postgres")]
+    table_error: Option<String>,
 }
 
 impl Tally {
@@ -149,6 +180,15 @@ impl Tally {
                         *tally.starts.entry(id).or_default() += 1;
                     }
                 }
+                (Some("deliver"), Some(id), Some(pid)) => {
+                    if let (Ok(id), Ok(pid)) = (id.parse(), pid.parse()) {
+                        *tally.deliveries.entry(id).or_default() += 1;
+                        tally.delivered_by.insert(id, pid);
+                    }
+                }
+                (Some("skip"), Some(_), Some(_)) => tally.skips += 1,
+                (Some("held"), Some(_), Some(_)) => tally.held += 1,
+                (Some("lost"), Some(_), Some(_)) => tally.lost_claims += 1,
                 (Some(id), Some(_), None) => {
                     if let Ok(id) = id.parse() {
                         *tally.effects.entry(id).or_default() += 1;
@@ -167,6 +207,16 @@ impl Tally {
     fn duplicates(&self) -> usize {
         self.effects.values().map(|n| n - 1).sum()
     }
+
+    /// Workers with a delivery under way: the pids of the latest
+    /// deliveries of ids that have no effect yet.
+    fn busy(&self) -> BTreeSet<u32> {
+        self.delivered_by
+            .iter()
+            .filter(|(id, _)| !self.effects.contains_key(id))
+            .map(|(_, pid)| *pid)
+            .collect()
+    }
 }
 
 /// What was dispatched on one queue, and how to read its outcomes.
@@ -179,6 +229,9 @@ struct Books {
     expected: BTreeSet<u64>,
     /// Business ids whose dispatch outcome is uncertain.
     uncertain: BTreeSet<u64>,
+    /// The charge fault's tables: effects are their rows.
+    #[cfg(feature = "postgres")]
+    charges: Option<crate::charge::Ledger>,
 }
 
 /// The accounting at one moment.
@@ -198,11 +251,35 @@ impl Books {
             ids: HashMap::new(),
             expected: BTreeSet::new(),
             uncertain: BTreeSet::new(),
+            #[cfg(feature = "postgres")]
+            charges: None,
         }
     }
 
+    /// The ledger file's lines; the effects from the ledger table instead
+    /// when the books have one.
+    async fn tally(&self) -> Tally {
+        #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
+        let mut tally = Tally::read(&self.ledger);
+        #[cfg(feature = "postgres")]
+        if let Some(ledger) = &self.charges {
+            match ledger.charges().await {
+                Ok(charges) => {
+                    tally.effects = charges.iter().map(|(id, c)| (*id, c.rows)).collect();
+                    tally.fences = charges.iter().map(|(id, c)| (*id, c.fence)).collect();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the charges");
+                    tally.effects.clear();
+                    tally.table_error = Some(e);
+                }
+            }
+        }
+        tally
+    }
+
     async fn account(&self, conn: &Conn) -> Account {
-        let tally = Tally::read(&self.ledger);
+        let tally = self.tally().await;
         let records = match conn.failure_records(&self.queue).await {
             Ok(records) => records,
             Err(e) => {
@@ -241,7 +318,7 @@ impl Books {
         loop {
             // Failure records are read every second (a broker round trip);
             // the ledger every 100 ms.
-            let tally = Tally::read(&self.ledger);
+            let tally = self.tally().await;
             let all_effects = self
                 .expected
                 .iter()
@@ -300,6 +377,8 @@ struct WorkerSpec<'a> {
     timeout: Duration,
     slow: Duration,
     panic_id: Option<u64>,
+    /// The charge handler's tables.
+    tables: Option<&'a crate::charge::Tables>,
     tag: String,
 }
 
@@ -324,6 +403,14 @@ impl Suite {
             .args(["--slow-ms", &spec.slow.as_millis().to_string()]);
         if let Some(id) = spec.panic_id {
             cmd.args(["--panic-id", &id.to_string()]);
+        }
+        if let Some(tables) = spec.tables {
+            cmd.args(["--claims-table", &tables.claims])
+                .args(["--ledger-table", &tables.ledger])
+                .env(
+                    crate::charge::DATABASE_URL_VAR,
+                    crate::charge::database_url(),
+                );
         }
         cmd.envs(spec.target.env())
             .env("RUST_LOG", "debug")
@@ -556,12 +643,20 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
         .into());
     }
     let mut faults = if args.fault.is_empty() {
-        vec![Fault::Kill, Fault::Restart, Fault::Crash, Fault::Slow]
+        let mut all = vec![Fault::Kill, Fault::Restart, Fault::Crash, Fault::Slow];
+        if cfg!(feature = "postgres") {
+            all.push(Fault::Charge);
+        }
+        all
     } else {
         args.fault.clone()
     };
     faults.sort();
     faults.dedup();
+    #[cfg(not(feature = "postgres"))]
+    if faults.contains(&Fault::Charge) {
+        return Err(NO_POSTGRES.into());
+    }
 
     let mut suite = Suite {
         run: run.clone(),
@@ -578,6 +673,12 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
     suite
         .secrets
         .push(("payload marker".into(), suite.marker.clone()));
+    #[cfg(feature = "postgres")]
+    if faults.contains(&Fault::Charge) {
+        if let Some(password) = crate::charge::password(&crate::charge::database_url()) {
+            suite.secrets.push(("Postgres password".into(), password));
+        }
+    }
     eprintln!(
         "jobrail-faults run {run}: backends {:?}, faults {:?}",
         backends.iter().map(|k| k.name()).collect::<Vec<_>>(),
@@ -607,6 +708,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
                 Fault::Restart => restart(&mut suite, &env).await,
                 Fault::Crash => crash_loop(&mut suite, &env).await,
                 Fault::Slow => slow(&mut suite, &env).await,
+                Fault::Charge => charge(&mut suite, &env, &args).await,
             };
             if let Err(e) = result {
                 suite.problems.push(format!(
@@ -773,6 +875,149 @@ fn new_books(suite: &Suite, kind: Kind, fault: &str) -> Books {
     Books::new(queue, ledger)
 }
 
+/// What one kill-load scenario did.
+struct KillRun {
+    /// Kills that landed while work remained.
+    kills: usize,
+    /// Of those, kills of a worker with a delivery under way (aimed runs).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    aimed: usize,
+    last_kill: Instant,
+    dispatch_time: Duration,
+    /// When the workers were started.
+    begun: Instant,
+    /// When every id was accounted for.
+    done: Option<Instant>,
+    /// The accounting after the workers stopped.
+    account: Account,
+}
+
+/// The kill-load scenario on `books`' queue: three workers started with
+/// `spec` while business ids `0..n` are dispatched at a pace over the kill
+/// window; a random worker SIGKILLed every 0.7–1.5 s and restarted at once,
+/// `kills` times (only kills that land while work remains count); then a
+/// wait (180 s at most) until every id is accounted for. With `aim`, each
+/// kill waits (1 s at most) for a worker with a delivery under way (see
+/// [`Tally::busy`]) and kills it, so that few kills miss the handlers.
+#[allow(clippy::too_many_arguments)]
+async fn kill_run(
+    suite: &mut Suite,
+    conn: &Conn,
+    producer: &Producer,
+    job: &Job<Item>,
+    books: &mut Books,
+    spec: &WorkerSpec<'_>,
+    n: u64,
+    kills: usize,
+    aim: bool,
+) -> KillRun {
+    // The workers start while the jobs are dispatched.
+    let mut workers = Workers {
+        children: (0..3).map(|_| suite.spawn(spec)).collect(),
+    };
+    let begun = Instant::now();
+    // The dispatch is paced over the kill window (one kill every 0.7–1.5 s,
+    // about 1.1 s on average, plus 1 s) so that work remains at every kill;
+    // the kills run meanwhile.
+    let window = Duration::from_millis(1100 * kills as u64 + 1000);
+    let items: Vec<Item> = (0..n).map(|id| suite.item(id)).collect();
+    let paced = paced_dispatch(producer, job, items, window);
+    let watched = &*books;
+    let killing = async {
+        let mut landed = 0;
+        let mut aimed = 0;
+        let mut last_kill = Instant::now();
+        for _ in 0..kills {
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(700..=1500))).await;
+            // Only kills that land while work remains count.
+            if watched.tally().await.effects.len() as u64 >= n {
+                break;
+            }
+            landed += 1;
+            let busy = if aim {
+                busy_worker(watched, &workers.children).await
+            } else {
+                None
+            };
+            aimed += usize::from(busy.is_some());
+            let i = busy.unwrap_or_else(|| fastrand::usize(0..workers.children.len()));
+            let _ = workers.children[i].kill();
+            let _ = workers.children[i].wait();
+            last_kill = Instant::now();
+            let respawned = suite.spawn(spec);
+            workers.children[i] = respawned;
+        }
+        (landed, aimed, last_kill)
+    };
+    let ((results, dispatch_time), (landed, aimed, last_kill)) = tokio::join!(paced, killing);
+    suite.settle_dispatches(books, results);
+    let (_, done) = books
+        .wait_accounted(conn, Duration::from_secs(180), false)
+        .await;
+    workers.stop().await;
+    let account = books.account(conn).await;
+    KillRun {
+        kills: landed,
+        aimed,
+        last_kill,
+        dispatch_time,
+        begun,
+        done,
+        account,
+    }
+}
+
+/// The index of a worker with a delivery under way, polled every 20 ms
+/// for 1 s at most.
+async fn busy_worker(books: &Books, children: &[Child]) -> Option<usize> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let busy = books.tally().await.busy();
+        let candidates: Vec<usize> = (0..children.len())
+            .filter(|i| busy.contains(&children[*i].id()))
+            .collect();
+        if !candidates.is_empty() {
+            return Some(candidates[fastrand::usize(..candidates.len())]);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl KillRun {
+    /// The row's note on a shortfall of kills (warned on stderr too).
+    fn shortfall(&self, kind: Kind, fault: Fault, wanted: usize, flag: &str) -> String {
+        if self.kills >= wanted {
+            return String::new();
+        }
+        eprintln!(
+            "  warning: {} {}: the work ended after {} of {wanted} kills (dispatch more with {flag})",
+            kind.name(),
+            fault.name(),
+            self.kills,
+        );
+        format!(" (the work ended before kill {})", self.kills + 1)
+    }
+
+    /// From the last kill until every id was accounted for.
+    fn recovery(&self) -> String {
+        self.done
+            .map_or("not within 180 s".into(), |t| secs(t - self.last_kill))
+    }
+
+    /// Jobs per second from the workers' start until all were accounted for.
+    fn throughput(&self, n: u64) -> String {
+        self.done.map_or(String::new(), |t| {
+            format!(
+                "{:.0} jobs/s overall",
+                n as f64 / (t - self.begun).as_secs_f64()
+            )
+        })
+    }
+}
+
 /// Kill load: `--jobs` jobs, three workers (concurrency 8), a random worker
 /// SIGKILLed every 0.7–1.5 s and restarted at once, `--kills` times. Recovery:
 /// from the last kill until every id is accounted for.
@@ -797,7 +1042,7 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
     let mut books = new_books(suite, kind, "kill");
     let (queue, ledger) = (books.queue.clone(), books.ledger.clone());
     let job = worker::job(&books.queue, 10, Duration::from_secs(60));
-    let spec = |panic_id| WorkerSpec {
+    let spec = WorkerSpec {
         target: &target,
         queue: &queue,
         ledger: &ledger,
@@ -806,71 +1051,212 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
         cap: 10,
         timeout: Duration::from_secs(60),
         slow: Duration::ZERO,
-        panic_id,
+        panic_id: Some(1),
+        tables: None,
         tag: format!("{}-kill", kind.name()),
     };
-    // The workers start while the jobs are dispatched.
-    let mut workers = Workers {
-        children: (0..3).map(|_| suite.spawn(&spec(Some(1)))).collect(),
-    };
-    let begun = Instant::now();
-    // The dispatch is paced over the kill window (one kill every 0.7–1.5 s,
-    // about 1.1 s on average, plus 1 s) so that work remains at every kill;
-    // the kills run meanwhile.
-    let window = Duration::from_millis(1100 * args.kills as u64 + 1000);
-    let items: Vec<Item> = (0..n).map(|id| suite.item(id)).collect();
-    let paced = paced_dispatch(&producer, &job, items, window);
-    let killing = async {
-        let mut kills = 0;
-        let mut last_kill = Instant::now();
-        for _ in 0..args.kills {
-            tokio::time::sleep(Duration::from_millis(fastrand::u64(700..=1500))).await;
-            // Only kills that land while work remains count.
-            if Tally::read(&ledger).effects.len() as u64 >= n {
-                break;
-            }
-            kills += 1;
-            let i = fastrand::usize(0..workers.children.len());
-            let _ = workers.children[i].kill();
-            let _ = workers.children[i].wait();
-            last_kill = Instant::now();
-            let respawned = suite.spawn(&spec(Some(1)));
-            workers.children[i] = respawned;
-        }
-        (kills, last_kill)
-    };
-    let ((results, dispatch_time), (kills, last_kill)) = tokio::join!(paced, killing);
-    suite.settle_dispatches(&mut books, results);
-    let (_, done) = books
-        .wait_accounted(&conn, Duration::from_secs(180), false)
-        .await;
-    let shortfall = if kills < args.kills {
-        eprintln!(
-            "  warning: {} kill load: the work ended after {kills} of {} kills (dispatch more with --jobs)",
-            kind.name(),
-            args.kills
-        );
-        format!(" (the work ended before kill {})", kills + 1)
-    } else {
-        String::new()
-    };
-    let recovery = done.map_or("not within 180 s".into(), |t| secs(t - last_kill));
-    let throughput = done.map(|t| n as f64 / (t - begun).as_secs_f64());
-    workers.stop().await;
-    let account_final = books.account(&conn).await;
-    suite.check_lost(kind, Fault::Kill, &account_final);
+    let run = kill_run(
+        suite, &conn, &producer, &job, &mut books, &spec, n, args.kills, false,
+    )
+    .await;
+    let shortfall = run.shortfall(kind, Fault::Kill, args.kills, "--jobs");
+    suite.check_lost(kind, Fault::Kill, &run.account);
     let notes = format!(
-        "{kills} SIGKILLs while work remained{shortfall}, 3 workers x 8; lease {}; dispatch {}; {}",
+        "{} SIGKILLs while work remained{shortfall}, 3 workers x 8; lease {}; dispatch {}; {}",
+        run.kills,
         secs(target.lease),
-        secs(dispatch_time),
-        throughput.map_or(String::new(), |t| format!("{t:.0} jobs/s overall"))
+        secs(run.dispatch_time),
+        run.throughput(n)
     );
-    let row = suite.row(kind, Fault::Kill, &books, &account_final, recovery, notes);
+    let row = suite.row(
+        kind,
+        Fault::Kill,
+        &books,
+        &run.account,
+        run.recovery(),
+        notes,
+    );
     suite.rows.push(row);
     let _ = conn.delete(&books.queue).await;
     let _ = conn.driver().stop().await;
     Ok(())
 }
+
+/// Exactly-once charge: the kill-load scenario (`--charges` jobs,
+/// `--charge-kills` kills) with the `charge` handler, whose effects are rows
+/// of a Postgres table. Every dispatched id must have exactly one row (or a
+/// failure record); deliveries must have repeated (the kills exercised
+/// redelivery). Recovery: from the last kill until every id has a row or a
+/// failure record.
+#[cfg(feature = "postgres")]
+async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), String> {
+    let kind = env.kind;
+    if kind == Kind::Memory {
+        suite.rows.push(Row::na(
+            kind,
+            Fault::Charge,
+            "the memory driver lives in one process: killing it kills the queue",
+        ));
+        return Ok(());
+    }
+    let n = if kind == Kind::Sqs {
+        args.sqs_charges
+    } else {
+        args.charges
+    } as u64;
+    let target = env.target.with_lease(Duration::from_secs(3));
+    let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
+    let producer = Producer::new(conn.driver());
+    let tables = crate::charge::Tables::new(&suite.run, kind.name());
+    let ledger_db =
+        match crate::charge::Ledger::create(&crate::charge::database_url(), &tables).await {
+            Ok(ledger) => ledger,
+            Err(e) => {
+                let _ = conn.driver().stop().await;
+                return Err(e);
+            }
+        };
+    let mut books = new_books(suite, kind, "charge");
+    books.charges = Some(ledger_db);
+    let (queue, ledger) = (books.queue.clone(), books.ledger.clone());
+    let job = worker::job(&books.queue, 10, Duration::from_secs(60));
+    let spec = WorkerSpec {
+        target: &target,
+        queue: &queue,
+        ledger: &ledger,
+        mode: Mode::Charge,
+        concurrency: 8,
+        cap: 10,
+        timeout: Duration::from_secs(60),
+        slow: Duration::ZERO,
+        panic_id: None,
+        tables: Some(&tables),
+        tag: format!("{}-charge", kind.name()),
+    };
+    let run = kill_run(
+        suite,
+        &conn,
+        &producer,
+        &job,
+        &mut books,
+        &spec,
+        n,
+        args.charge_kills,
+        true,
+    )
+    .await;
+    let shortfall = run.shortfall(kind, Fault::Charge, args.charge_kills, "--charges");
+    let ledger_db = books.charges.take().expect("the books have the tables");
+    let account = &run.account;
+    let tally = &account.tally;
+    let what = format!("{} {}", kind.name(), Fault::Charge.name());
+    suite.check_lost(kind, Fault::Charge, account);
+    if let Some(e) = &tally.table_error {
+        suite
+            .problems
+            .push(format!("{what}: the ledger table could not be read: {e}"));
+    }
+    let doubled: Vec<(u64, usize)> = tally
+        .effects
+        .iter()
+        .filter(|(_, rows)| **rows > 1)
+        .map(|(id, rows)| (*id, *rows))
+        .collect();
+    let charge_duplicates = tally.duplicates();
+    if !doubled.is_empty() {
+        let sample: Vec<_> = doubled.iter().take(10).collect();
+        suite.problems.push(format!(
+            "{what}: DUPLICATE CHARGES: {} ids charged more than once, {charge_duplicates} extra charges (first (id, charges): {sample:?})",
+            doubled.len()
+        ));
+    }
+    let delivery_duplicates: usize = tally.deliveries.values().map(|n| n - 1).sum();
+    if run.kills == 0 {
+        suite.problems.push(format!(
+            "{what}: no kill landed while work remained: the scenario did not run"
+        ));
+    } else if delivery_duplicates == 0 {
+        suite.problems.push(format!(
+            "{what}: no delivery was repeated although {} kills landed: the scenario did not exercise redelivery",
+            run.kills
+        ));
+    }
+    let undelivered: Vec<u64> = tally
+        .effects
+        .keys()
+        .filter(|id| !tally.deliveries.contains_key(id))
+        .copied()
+        .collect();
+    if !undelivered.is_empty() {
+        suite.problems.push(format!(
+            "{what}: {} ids charged without a delivery in the ledger file (first: {:?})",
+            undelivered.len(),
+            &undelivered[..undelivered.len().min(10)]
+        ));
+    }
+    let unexpected = tally
+        .effects
+        .keys()
+        .filter(|id| !books.expected.contains(id))
+        .count();
+    if unexpected > 0 {
+        suite.problems.push(format!(
+            "{what}: {unexpected} ids charged that were not accepted for dispatch"
+        ));
+    }
+    let charged: Vec<u64> = tally.effects.keys().copied().collect();
+    let done_check = match ledger_db.not_done(charged.clone()).await {
+        Ok(not_done) if not_done.is_empty() => format!("all {} charged keys done", charged.len()),
+        Ok(not_done) => {
+            suite.problems.push(format!(
+                "{what}: {} charged keys not done in the claim store (first: {:?})",
+                not_done.len(),
+                &not_done[..not_done.len().min(10)]
+            ));
+            format!("{} charged keys NOT done", not_done.len())
+        }
+        Err(e) => {
+            suite
+                .problems
+                .push(format!("{what}: checking the claims: {e}"));
+            "claims not checked".into()
+        }
+    };
+    let retaken = tally.fences.values().filter(|fence| **fence > 1).count();
+    let notes = format!(
+        "{} SIGKILLs while work remained{shortfall} ({} of a worker with a charge under way), 3 workers x 8; broker lease {}, claim lease {}; dispatch {}; {} deliveries: {} found the charge done, {} found it held, {} completions too late (rolled back); {retaken} charges under a retaken claim (fence > 1); {done_check}; {}",
+        run.kills,
+        run.aimed,
+        secs(target.lease),
+        secs(crate::charge::LEASE),
+        secs(run.dispatch_time),
+        tally.deliveries.values().sum::<usize>(),
+        tally.skips,
+        tally.held,
+        tally.lost_claims,
+        run.throughput(n)
+    );
+    let mut row = suite.row(kind, Fault::Charge, &books, account, run.recovery(), notes);
+    row.duplicates = format!("{delivery_duplicates} deliveries / {charge_duplicates} charges");
+    suite.rows.push(row);
+    if let Err(e) = ledger_db.drop_tables().await {
+        suite.problems.push(format!("{what}: {e}"));
+    }
+    let _ = conn.delete(&books.queue).await;
+    let _ = conn.driver().stop().await;
+    Ok(())
+}
+
+/// Without Postgres there is no charge fault (`run` refuses it first).
+#[cfg(not(feature = "postgres"))]
+async fn charge(_suite: &mut Suite, _env: &Env, _args: &RunArgs) -> Result<(), String> {
+    Err(NO_POSTGRES.into())
+}
+
+/// Why the charge fault cannot run in this build.
+#[cfg(not(feature = "postgres"))]
+const NO_POSTGRES: &str =
+    "this build has no Postgres: build jobrail-faults with `--features postgres`";
 
 /// Broker restart: one worker consumes 600 jobs; after 100 effects the
 /// broker goes away, five dispatches are timed, the broker comes back.
@@ -1068,6 +1454,7 @@ async fn restart_body(
         timeout: Duration::from_secs(60),
         slow: Duration::ZERO,
         panic_id: None,
+        tables: None,
         tag: format!("{}-restart", kind.name()),
     };
     let mut workers = Workers {
@@ -1171,6 +1558,7 @@ async fn crash_loop(suite: &mut Suite, env: &Env) -> Result<(), String> {
         timeout: Duration::from_secs(30),
         slow: Duration::ZERO,
         panic_id: None,
+        tables: None,
         tag: format!("{}-crash", kind.name()),
     };
     let mut workers = Workers {
@@ -1316,6 +1704,7 @@ async fn slow(suite: &mut Suite, env: &Env) -> Result<(), String> {
         timeout: Duration::from_secs(30),
         slow: handler,
         panic_id: None,
+        tables: None,
         tag: format!("{}-slow", kind.name()),
     };
     let mut workers = Workers {
@@ -1493,6 +1882,6 @@ fn report(suite: &Suite, scan: &Scan, elapsed: Duration) -> String {
             out.push_str(&format!("- {p}\n"));
         }
     }
-    out.push_str("\nRecovery: kill load, from the last kill until every id is in the ledger or a failure record; broker restart, from the broker being back until the first new effect; crash loop, from the first start until the last failure record; slow handler, from the dispatch until every effect.\n");
+    out.push_str("\nRecovery: kill load, from the last kill until every id is in the ledger or a failure record; broker restart, from the broker being back until the first new effect; crash loop, from the first start until the last failure record; slow handler, from the dispatch until every effect; exactly-once charge, from the last kill until every id has a charge row or a failure record. Exactly-once charge duplicates: deliveries beyond one per id (expected) / charge rows beyond one per id (must be 0).\n");
     out
 }

@@ -7,7 +7,10 @@
 //! - `<business id> <pid>`: the handler's effect, written once per
 //!   execution that completed (so a business id written twice is a
 //!   duplicate execution);
-//! - `start <business id> <pid>`: the `abort` handler started on a delivery.
+//! - `start <business id> <pid>`: the `abort` handler started on a delivery;
+//! - `deliver`, `skip`, `held` and `lost` lines of the `charge` handler,
+//!   whose effects are rows of a Postgres table instead (see
+//!   [`crate::charge`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -45,6 +48,9 @@ pub(crate) enum Mode {
     Abort,
     /// Sleeps `--slow-ms`, then records its effect as `effect` does.
     Slow,
+    /// Charges the id once through a Postgres claim (feature `postgres`):
+    /// see [`crate::charge`].
+    Charge,
 }
 
 /// `jobrail-faults worker`: consumes one queue until killed or SIGTERM.
@@ -80,6 +86,12 @@ pub(crate) struct WorkerArgs {
     /// A business id whose first delivery panics in the handler.
     #[arg(long)]
     pub(crate) panic_id: Option<u64>,
+    /// The claim table of the `charge` handler.
+    #[arg(long)]
+    pub(crate) claims_table: Option<String>,
+    /// The ledger table of the `charge` handler.
+    #[arg(long)]
+    pub(crate) ledger_table: Option<String>,
 }
 
 /// The job every process of the suite declares.
@@ -121,11 +133,36 @@ pub(crate) async fn run(args: WorkerArgs) -> Result<(), Box<dyn std::error::Erro
         Duration::from_millis(args.timeout_ms),
     );
     let mode = args.mode;
+    let mut registry = Registry::new();
+    if mode == Mode::Charge {
+        register_charge(&mut registry, &job, ledger, &args).await?;
+    } else {
+        register_effects(&mut registry, &job, ledger, &args)?;
+    }
+    tracing::info!(queue = %args.queue, mode = ?mode, pid, "worker consuming");
+    Consumer::builder(driver.clone(), registry)
+        .concurrency(args.concurrency)
+        .build()
+        .run_until_signal()
+        .await?;
+    driver.stop().await?;
+    tracing::info!(pid, "worker stopped");
+    Ok(())
+}
+
+/// Registers the `effect`, `abort` and `slow` handlers.
+fn register_effects(
+    registry: &mut Registry,
+    job: &Job<Item>,
+    ledger: Arc<File>,
+    args: &WorkerArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
+    static PANICKED: AtomicBool = AtomicBool::new(false);
+    let pid = std::process::id();
+    let mode = args.mode;
     let slow = Duration::from_millis(args.slow_ms);
     let panic_id = args.panic_id;
-    static PANICKED: AtomicBool = AtomicBool::new(false);
-    let mut registry = Registry::new();
-    registry.register(&job, move |ctx: JobContext, item: Item| {
+    registry.register(job, move |ctx: JobContext, item: Item| {
         let ledger = ledger.clone();
         async move {
             match mode {
@@ -144,18 +181,40 @@ pub(crate) async fn run(args: WorkerArgs) -> Result<(), Box<dyn std::error::Erro
                     tokio::time::sleep(pause).await;
                 }
                 Mode::Slow => tokio::time::sleep(slow).await,
+                Mode::Charge => unreachable!("the charge handler is registered apart"),
             }
             append(&ledger, &format!("{} {pid}\n", item.id));
             Ok::<(), JobError>(())
         }
     })?;
-    tracing::info!(queue = %args.queue, mode = ?mode, pid, "worker consuming");
-    Consumer::builder(driver.clone(), registry)
-        .concurrency(args.concurrency)
-        .build()
-        .run_until_signal()
-        .await?;
-    driver.stop().await?;
-    tracing::info!(pid, "worker stopped");
     Ok(())
+}
+
+/// Registers the `charge` handler on the tables the orchestrator named.
+#[cfg(feature = "postgres")]
+async fn register_charge(
+    registry: &mut Registry,
+    job: &Job<Item>,
+    ledger: Arc<File>,
+    args: &WorkerArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (Some(claims), Some(table)) = (&args.claims_table, &args.ledger_table) else {
+        return Err("the charge handler needs --claims-table and --ledger-table".into());
+    };
+    let tables = crate::charge::Tables {
+        claims: claims.clone(),
+        ledger: table.clone(),
+    };
+    crate::charge::register(registry, job, ledger, &tables, args.concurrency).await
+}
+
+/// Without Postgres there is no charge handler.
+#[cfg(not(feature = "postgres"))]
+async fn register_charge(
+    _registry: &mut Registry,
+    _job: &Job<Item>,
+    _ledger: Arc<File>,
+    _args: &WorkerArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
+    Err("this build has no Postgres: build jobrail-faults with `--features postgres`".into())
 }

@@ -45,20 +45,16 @@ async fn store(name: &str) -> Result<Arc<dyn ClaimStore>, Box<dyn std::error::Er
         "postgres" => {
             let url = std::env::var("DATABASE_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-            let table = format!("charge_once_{}", std::process::id());
             Ok(Arc::new(
-                jobrail_native::postgres::PgClaims::connect_with_table(&url, &table).await?,
+                jobrail_native::postgres::PgClaims::connect(&url).await?,
             ))
         }
         #[cfg(feature = "redis")]
         "redis" => {
             let url =
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-            let prefix = format!("charge-once:{}:", jobrail::new_message_id());
             Ok(Arc::new(
-                jobrail_native::redis::RedisClaims::connect(&url)
-                    .await?
-                    .with_prefix(prefix),
+                jobrail_native::redis::RedisClaims::connect(&url).await?,
             ))
         }
         other => Err(format!(
@@ -87,6 +83,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|i| args.get(i + 1))
         .map_or("memory", String::as_str);
     let claims = store(store_name).await?;
+    // Keys of this run only, so that every run of the example starts afresh
+    // on a store that keeps its claims (Postgres, Redis).
+    let run = jobrail::new_message_id();
 
     let job = Job::<ChargeOrder>::builder("charge-order")
         .queue("charges")
@@ -99,7 +98,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         let (claims, ledger) = (claims.clone(), ledger.clone());
         registry.register(&job, move |ctx: JobContext, order: ChargeOrder| {
-            let (claims, ledger) = (claims.clone(), ledger.clone());
+            let (claims, ledger, run) = (claims.clone(), ledger.clone(), run.clone());
             async move {
                 *ledger
                     .lock()
@@ -107,7 +106,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .deliveries
                     .entry(order.order_id)
                     .or_default() += 1;
-                let key = format!("charge:{}", order.order_id);
+                let key = format!("charge:{run}:{}", order.order_id);
                 // The lease outlives the charge; a worker that dies holding
                 // it frees the key when it ends.
                 let once = run_once(&*claims, &key, Duration::from_secs(2), |_fence| async {

@@ -41,8 +41,11 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
+
+use futures_util::FutureExt;
 
 use crate::error::{BoxError, JobError, RetryAfter};
 use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
@@ -274,7 +277,12 @@ impl<T> Once<T> {
 ///   with the claim's fence; on success the completion is recorded and the
 ///   value returned ([`Once::Ran`]); on error the claim is released (so a
 ///   retry may run the effect at once) and the error returned unchanged,
-///   markers and all.
+///   markers and all. A panic in the effect releases the claim too, then
+///   goes on (the pipeline settles it as a panic).
+/// - A handler future dropped mid-effect (its job's timeout, a worker
+///   killed) cannot release: the claim is held until its lease ends, and a
+///   retry meanwhile is asked to wait for it. Pick a lease a little longer
+///   than the job's timeout.
 /// - If the effect happened already, nothing runs: [`Once::AlreadyDone`],
 ///   and the handler returns `Ok` (the delivery is acknowledged).
 /// - If another worker holds the key, the error asks for a retry after the
@@ -318,7 +326,21 @@ where
     let Some(fence) = claim.proceed(key)? else {
         return Ok(Once::AlreadyDone);
     };
-    match effect(fence).await {
+    // A panic in the effect (or in the call that makes its future) releases
+    // the claim before it goes on to the pipeline, which settles it as a
+    // panic: the retry may run the effect at once instead of waiting out the
+    // lease. (Where panics abort, wasm32, the lease ends the claim instead.)
+    let outcome = AssertUnwindSafe(async move { effect(fence).await })
+        .catch_unwind()
+        .await;
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(panic) => {
+            let _ = store.release(key, fence).await;
+            std::panic::resume_unwind(panic)
+        }
+    };
+    match outcome {
         Ok(value) => {
             store.complete(key, fence).await.map_err(JobError::new)?;
             Ok(Once::Ran(value))
@@ -614,6 +636,24 @@ mod tests {
         assert_eq!(
             block_on(store.claim("other", lease)).unwrap(),
             Claim::Claimed { fence: 2 }
+        );
+    }
+    #[test]
+    fn a_panicking_effect_releases_its_claim() {
+        let (store, _) = store();
+        let lease = Duration::from_secs(30);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            block_on(run_once(&store, "k", lease, |_| async {
+                panic!("card processor bug");
+                #[allow(unreachable_code)]
+                Ok::<(), JobError>(())
+            }))
+        }));
+        assert!(caught.is_err(), "the panic goes on to the caller");
+        assert_eq!(
+            block_on(store.claim("k", lease)).unwrap(),
+            Claim::Claimed { fence: 2 },
+            "the key is free at once, not held for the lease"
         );
     }
 }

@@ -84,6 +84,7 @@ mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 mod support;
+mod unique;
 
 pub use crate::metrics::describe_metrics;
 pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
@@ -97,3 +98,4 @@ pub use memory::{MemoryConfig, MemoryDriver};
 pub use overrides::{apply_env_overrides, overrides_from_env};
 pub use producer::{DispatchOptions, Producer};
 pub use runtime::TokioRuntime;
+pub use unique::{UniqueDispatch, UniqueDispatchError};

@@ -25,6 +25,10 @@
 //! - [`wrangler`]: reading wrangler.toml and checking it against the jobs.
 //! - [`failures`]: the failure keeper, the failure queue's consumer that
 //!   keeps records in D1 for operators (list, show, replay, purge routes).
+//! - `claims` (feature `d1-claims`, on by default): `D1Claims` (wasm32),
+//!   the [`jobrail::ClaimStore`] on D1, so that handlers run an effect once
+//!   with [`jobrail::run_once`] as natively. Its SQL and row mapping are
+//!   pure and unit-tested natively.
 //! - `settings`: the consumer's settings ([`EdgeConfig`]: the invocation
 //!   budget, concurrency, the failure queue) and their check against the
 //!   jobs. Pure.
@@ -123,6 +127,9 @@
 //! `max_batch_size` and the budget so that it is rare.
 
 mod batch;
+#[cfg(feature = "d1-claims")]
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+mod claims;
 mod error;
 pub mod failures;
 mod limits;
@@ -143,6 +150,8 @@ mod producer;
 mod runtime;
 
 pub use batch::{BatchSummary, Bindings, EdgeConsumer, QueueMessage};
+#[cfg(all(feature = "d1-claims", target_arch = "wasm32"))]
+pub use claims::D1Claims;
 pub use error::{EdgeError, EdgeErrorKind};
 pub use limits::{MAX_DELAY, MAX_MESSAGE_BYTES};
 pub use log::LogSink;

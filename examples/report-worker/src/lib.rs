@@ -18,7 +18,23 @@
 //! in order. Operators tune `EDGE_BUDGET_MS`, `EDGE_RESERVE_MS`,
 //! `UNKNOWN_NAME_ATTEMPTS` and `UNKNOWN_NAME_RETRY_DELAY_MS` in `[vars]`.
 //!
-//! The test routes (`POST /dispatch`, `GET /log`) are off unless the
+//! The worker also shows effects that happen once at the edge: a
+//! [`jobrail_edge::D1Claims`] on the D1 database `CLAIMS_DB`, used through
+//! the same claim API as natively. `POST /claims` runs one operation of the
+//! store (`{"op": "claim"|"complete"|"release"|"extend", "key", "lease_ms",
+//! "fence"}`) and answers every claim and error as JSON, with status 200
+//! (4xx only for a malformed request): `{"claim": "claimed", "fence": 3}`,
+//! `{"claim": "done"}`, `{"claim": "held", "remaining_ms": 900}`, `{"ok":
+//! true}`, `{"error": "lost"|"invalid"|"store", "message": ...}`. `POST
+//! /claims/run-once` (`{"key", "lease_ms", "work_ms"}`) runs
+//! [`jobrail::run_once`] with an effect that takes `work_ms` and appends a
+//! row to the table `claim_effects`: `{"once": "ran", "fence": 3}`,
+//! `{"once": "already_done"}`, or `{"once": "retry", "retry_after_ms": ...}`
+//! while another invocation holds the key; `GET /claims/effects?key=K` lists
+//! the effects of `K`. The conformance suite of claim stores runs on D1
+//! through these routes.
+//!
+//! The test routes (`POST /dispatch`, `GET /log`, `/claims`) are off unless the
 //! operator sets the secret `TEST_ROUTES_TOKEN` (`wrangler secret put
 //! TEST_ROUTES_TOKEN`); a request must then carry it as
 //! `Authorization: Bearer <token>`. Without the secret, or without the right
@@ -56,11 +72,15 @@ jobrail_edge::consumer!(
 mod edge {
     use std::time::Duration;
 
-    use jobrail::{Envelope, Event, EventSink, SettlementError};
+    use jobrail::{
+        run_once, Claim, ClaimError, ClaimStore, Envelope, Event, EventSink, JobError, Once,
+        Outcome, SettlementError,
+    };
     use jobrail_edge::failures::FailureKeeper;
-    use jobrail_edge::EdgeProducer;
+    use jobrail_edge::{D1Claims, EdgeProducer};
     use report_job::BuildReport;
     use serde::Deserialize;
+    use serde_json::json;
     use wasm_bindgen::prelude::*;
     use wasm_bindgen::JsCast;
     use worker::{
@@ -78,6 +98,8 @@ mod edge {
     const REPORTS_PARALLEL: &str = "REPORTS_PARALLEL";
     /// The secret that turns the test routes on.
     const TOKEN: &str = "TEST_ROUTES_TOKEN";
+    /// The D1 binding of the claims (and of the run-once route's effects).
+    const CLAIMS_DB: &str = "CLAIMS_DB";
 
     /// The failure records: kept in D1 (`FAILURES_DB`), replayed through the
     /// producer binding of the queue they failed on, served under
@@ -280,6 +302,186 @@ mod edge {
         Response::from_json(&entries)
     }
 
+    /// What `POST /claims` accepts: one operation of the claim store.
+    #[derive(Deserialize)]
+    struct ClaimOp {
+        /// `claim`, `complete`, `release` or `extend`.
+        op: String,
+        /// The business key.
+        key: String,
+        /// The lease (claim, extend), in milliseconds (fractions allowed).
+        #[serde(default)]
+        lease_ms: Option<f64>,
+        /// The claim's fence (complete, release, extend).
+        #[serde(default)]
+        fence: Option<u64>,
+    }
+
+    /// A refusal of a malformed request.
+    fn bad_request(message: impl std::fmt::Display) -> Result<Response> {
+        Ok(Response::from_json(&json!({
+            "error": "bad request",
+            "message": message.to_string(),
+        }))?
+        .with_status(400))
+    }
+
+    /// A lease given in milliseconds.
+    fn lease(ms: Option<f64>) -> std::result::Result<Duration, String> {
+        let ms = ms.ok_or("`lease_ms` is missing")?;
+        Duration::try_from_secs_f64(ms / 1000.0).map_err(|e| format!("`lease_ms` {ms}: {e}"))
+    }
+
+    /// A claim error as JSON (the native adapter maps it back).
+    fn claim_error(e: &ClaimError) -> serde_json::Value {
+        match e {
+            ClaimError::Lost { key, fence } => {
+                json!({ "error": "lost", "key": key, "fence": fence, "message": e.to_string() })
+            }
+            ClaimError::Invalid(message) => json!({ "error": "invalid", "message": message }),
+            ClaimError::Store(cause) => json!({ "error": "store", "message": cause.to_string() }),
+            other => json!({ "error": "store", "message": other.to_string() }),
+        }
+    }
+
+    fn claims_store(env: &Env) -> Result<D1Claims> {
+        D1Claims::from_env(env, CLAIMS_DB).map_err(|e| worker::Error::RustError(e.to_string()))
+    }
+
+    async fn claims(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
+        let op: ClaimOp = match req.json().await {
+            Ok(op) => op,
+            Err(e) => return bad_request(e),
+        };
+        let store = claims_store(&ctx.env)?;
+        let key = op.key.as_str();
+        let answer = match op.op.as_str() {
+            "claim" => {
+                let lease = match lease(op.lease_ms) {
+                    Ok(lease) => lease,
+                    Err(e) => return bad_request(e),
+                };
+                match store.claim(key, lease).await {
+                    Ok(Claim::Claimed { fence }) => json!({ "claim": "claimed", "fence": fence }),
+                    Ok(Claim::Done) => json!({ "claim": "done" }),
+                    Ok(Claim::Held { remaining }) => json!({
+                        "claim": "held",
+                        "remaining_ms": u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX),
+                    }),
+                    Err(e) => claim_error(&e),
+                }
+            }
+            "complete" | "release" | "extend" => {
+                let Some(fence) = op.fence else {
+                    return bad_request(format!("`{}` needs a `fence`", op.op));
+                };
+                let done = match op.op.as_str() {
+                    "complete" => store.complete(key, fence).await,
+                    "release" => store.release(key, fence).await,
+                    _ => match lease(op.lease_ms) {
+                        Ok(lease) => store.extend(key, fence, lease).await,
+                        Err(e) => return bad_request(e),
+                    },
+                };
+                match done {
+                    Ok(()) => json!({ "ok": true }),
+                    Err(e) => claim_error(&e),
+                }
+            }
+            other => return bad_request(format!("unknown op `{other}`")),
+        };
+        Response::from_json(&answer)
+    }
+
+    /// What `POST /claims/run-once` accepts.
+    #[derive(Deserialize)]
+    struct RunOnce {
+        /// The business key.
+        key: String,
+        /// The claim's lease, in milliseconds.
+        lease_ms: f64,
+        /// How long the effect takes before it records itself.
+        #[serde(default)]
+        work_ms: u64,
+    }
+
+    /// The effects table's schema.
+    const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS claim_effects (
+        key TEXT NOT NULL, fence INTEGER NOT NULL, at_ms INTEGER NOT NULL)";
+
+    /// A handler's view: the same `run_once` as natively, with an effect
+    /// that appends a row to `claim_effects` (the test counts them).
+    async fn claims_run_once(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
+        let body: RunOnce = match req.json().await {
+            Ok(body) => body,
+            Err(e) => return bad_request(e),
+        };
+        let lease = match lease(Some(body.lease_ms)) {
+            Ok(lease) => lease,
+            Err(e) => return bad_request(e),
+        };
+        let store = claims_store(&ctx.env)?;
+        let db = ctx.env.d1(CLAIMS_DB)?;
+        let (db, key) = (&db, body.key.as_str());
+        let effect = |fence: u64| async move {
+            worker::Delay::from(Duration::from_millis(body.work_ms)).await;
+            let fail = |e: worker::Error| JobError::new(format!("recording the effect: {e}"));
+            let insert = db
+                .prepare("INSERT INTO claim_effects (key, fence, at_ms) VALUES (?1, ?2, ?3)")
+                .bind(&[
+                    key.into(),
+                    JsValue::from_f64(fence as f64),
+                    JsValue::from_f64(js_sys::Date::now()),
+                ])
+                .map_err(fail)?;
+            db.batch(vec![db.prepare(EFFECTS_TABLE), insert])
+                .await
+                .map_err(fail)?;
+            Ok::<_, JobError>(fence)
+        };
+        let answer = match run_once(&store, key, lease, effect).await {
+            Ok(Once::Ran(fence)) => json!({ "once": "ran", "fence": fence }),
+            Ok(Once::AlreadyDone) => json!({ "once": "already_done" }),
+            Err(e) => match e.outcome() {
+                Outcome::RetryAfter(delay) => json!({
+                    "once": "retry",
+                    "retry_after_ms": u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                    "message": e.to_string(),
+                }),
+                _ => json!({ "once": "error", "message": e.to_string() }),
+            },
+        };
+        Response::from_json(&answer)
+    }
+
+    /// A row of `claim_effects` (D1 hands numbers over as doubles).
+    #[derive(Deserialize)]
+    struct Effect {
+        fence: f64,
+        at_ms: f64,
+    }
+
+    async fn claims_effects(req: Request, ctx: RouteContext<()>) -> Result<Response> {
+        let url = req.url()?;
+        let Some((_, key)) = url.query_pairs().find(|(name, _)| name == "key") else {
+            return bad_request("`key` is missing");
+        };
+        let db = ctx.env.d1(CLAIMS_DB)?;
+        let select = db
+            .prepare("SELECT fence, at_ms FROM claim_effects WHERE key = ?1 ORDER BY at_ms")
+            .bind(&[key.as_ref().into()])?;
+        let results = db.batch(vec![db.prepare(EFFECTS_TABLE), select]).await?;
+        let effects: Vec<Effect> = match results.get(1) {
+            Some(result) => result.results()?,
+            None => Vec::new(),
+        };
+        let effects: Vec<_> = effects
+            .iter()
+            .map(|e| json!({ "fence": e.fence as u64, "at_ms": e.at_ms as u64 }))
+            .collect();
+        Response::from_json(&json!({ "effects": effects }))
+    }
+
     /// `Some(response)` refusing the request unless the operator set the secret
     /// and the request carries it.
     fn refused(req: &Request, env: &Env) -> Option<Result<Response>> {
@@ -318,6 +520,9 @@ mod edge {
             .get("/health", |_, _| Response::ok("ok"))
             .post_async("/dispatch", dispatch)
             .get_async("/log", log)
+            .post_async("/claims", claims)
+            .post_async("/claims/run-once", claims_run_once)
+            .get_async("/claims/effects", claims_effects)
             .run(req, env)
             .await
     }

@@ -8,5 +8,5 @@ mod outbox;
 mod relay;
 
 pub use claims::PgClaims;
-pub use outbox::Outbox;
-pub use relay::OutboxRelay;
+pub use outbox::{Outbox, OutboxError, DEFAULT_OUTBOX_TABLE, MAX_OUTBOX_TABLE_BYTES};
+pub use relay::{OutboxRelay, RelayPass};

@@ -279,10 +279,12 @@ impl<T> Once<T> {
 ///   retry may run the effect at once) and the error returned unchanged,
 ///   markers and all. A panic in the effect releases the claim too, then
 ///   goes on (the pipeline settles it as a panic).
-/// - A handler future dropped mid-effect (its job's timeout, a worker
-///   killed) cannot release: the claim is held until its lease ends, and a
-///   retry meanwhile is asked to wait for it. Pick a lease a little longer
-///   than the job's timeout.
+/// - A handler that abandons the effect (drops the future, say when its
+///   deadline passes) or a worker killed mid-effect cannot release: the
+///   claim is held until its lease ends, and a retry meanwhile is asked to
+///   wait for it. Pick a lease a little longer than the job's timeout.
+/// - A held key's retry does not count toward the job's circuit breaker: it
+///   says nothing about the dependency.
 /// - If the effect happened already, nothing runs: [`Once::AlreadyDone`],
 ///   and the handler returns `Ok` (the delivery is acknowledged).
 /// - If another worker holds the key, the error asks for a retry after the

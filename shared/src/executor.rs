@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use futures_util::future::{select, Either};
 
+use crate::claim::ClaimHeld;
 use crate::context::{ContextParts, JobContext};
 use crate::error::{Cancelled, JobError, Outcome};
 use crate::job::{BreakerFeed, JobSpec};
@@ -142,6 +143,8 @@ pub(crate) fn feed_breaker(spec: &JobSpec, result: &Result<(), JobError>) {
     }
     match result {
         Ok(()) => breaker.record_success(),
+        // A claim held by another worker says nothing about the dependency.
+        Err(err) if matches!(err.outcome(), Outcome::RetryAfter(_)) && err.is::<ClaimHeld>() => {}
         Err(err) => match err.outcome() {
             Outcome::Ordinary | Outcome::RetryAfter(_) => breaker.record_failure(),
             Outcome::Permanent | Outcome::Reject | Outcome::Cancelled | Outcome::BreakerOpen => {}

@@ -37,8 +37,9 @@ pub struct JobSpec {
 pub enum BreakerFeed {
     /// Every execution of the job: a success closes the breaker; an ordinary
     /// failure (an error, a panic, a retry-after, a missed deadline) counts
-    /// toward opening it. A permanent failure, a rejection or a cancellation
-    /// says nothing about the dependency and is not counted.
+    /// toward opening it. A permanent failure, a rejection, a cancellation or
+    /// a claim held by another worker ([`ClaimHeld`](crate::ClaimHeld)) says
+    /// nothing about the dependency and is not counted.
     #[default]
     Executions,
     /// Only the calls the handler makes itself through

@@ -1036,3 +1036,38 @@ mod generated {
         }
     }
 }
+
+/// A held claim says nothing about the job's dependency: it does not count
+/// toward the job's attached breaker (a breaker opened by a busy key would
+/// skip tier one for every other key of the job).
+#[test]
+fn a_held_claim_does_not_count_toward_the_breaker() {
+    let breaker = jobrail::CircuitBreaker::with_clock(
+        "payments",
+        jobrail::BreakerConfig {
+            failure_threshold: 1,
+            cool_down: S(60),
+        },
+        Arc::new(jobrail::SystemClock),
+    )
+    .unwrap();
+    let builder = declare()
+        .retry(3)
+        .tier_one(2)
+        .tier_one_max_wait(S(1))
+        .breaker(breaker.clone());
+    let rig = rig(builder, LEASE, |_, _, _| async { Ok(()) });
+    assert_eq!(rig.claim(1, LEASE), Claim::Claimed { fence: 1 });
+    let p = rig.deliver(&body(1), 1);
+    assert!(
+        matches!(p.settlement, Settlement::Retry { .. }),
+        "{:?}",
+        p.settlement
+    );
+    assert_eq!(rig.seen_last(), Seen::Held(LEASE));
+    assert_eq!(
+        breaker.state(),
+        jobrail::BreakerState::Closed,
+        "a held claim opened the job's breaker"
+    );
+}

@@ -40,35 +40,59 @@ pub(crate) fn check_table(table: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The statements of one table. Parameters: `?1` the key, `?2` the
-/// Worker's clock (ms since the epoch), `?3` the fence or the new end of
-/// the lease (ms since the epoch).
+/// Now on the database's clock, in whole milliseconds since the Unix epoch.
+///
+/// SQLite fixes `'now'` for the whole of one statement (every use in it
+/// agrees), and reads it anew for each statement of a batch. `julianday` is
+/// in every SQLite; `unixepoch('subsec')` would need 3.42. The Julian day
+/// is a double, so the product is rounded, not truncated, back to the
+/// millisecond SQLite keeps.
+pub(crate) const NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
+
+/// The statements of one table. Every time in them is the database's
+/// ([`NOW_MS`]); parameters: `?1` the key, then the lease in milliseconds
+/// (claim), or the fence and, for extend, the lease in milliseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Sql {
     /// Creates the table if it is missing.
     pub(crate) schema: String,
     /// Inserts a held row at fence 1, or takes the key over from an ended
     /// lease with the next fence; returns the fence only when this call
-    /// holds the key (`?3`: the lease's end).
+    /// holds the key (`?2`: the lease).
     pub(crate) claim: String,
-    /// Reads the key's row (in the claim's batch, after the upsert).
+    /// Reads the key's state and how long its lease has left, never less
+    /// than zero (in the claim's batch, after the upsert).
     pub(crate) read: String,
-    /// Marks the live claim `?3` done.
+    /// Marks the live claim `?2` done.
     pub(crate) complete: String,
-    /// Ends the live claim `?3`'s lease now, without completing it.
+    /// Ends the live claim `?2`'s lease now, without completing it.
     pub(crate) release: String,
-    /// Moves the live claim `?3`'s lease end to `?4`.
+    /// Moves the live claim `?2`'s lease end to `?3` from now.
     pub(crate) extend: String,
+    /// First in a completion's batch: fails the statement, and so the
+    /// batch, unless `?2` is the live claim of the key. It inserts a row
+    /// with a NULL `state` only when the claim is not live, and `state` is
+    /// NOT NULL; a live claim inserts nothing.
+    pub(crate) guard: String,
+    /// Second in a completion's batch: marks the claim `?2` done, with no
+    /// look at the clock. The guard just found it live, and a batch is one
+    /// transaction, so nothing else wrote the row in between; a second
+    /// reading of the clock could only disagree with the guard's.
+    pub(crate) settle: String,
 }
 
-/// The condition every operation on a held claim needs: `?3` is the key's
+/// The condition every operation on a held claim needs: `?2` is the key's
 /// latest fence, the key is not done, and its lease runs past now.
-const LIVE: &str = "key = ?1 AND fence = ?3 AND state = 'held' AND lease_until_ms > ?2";
+fn live() -> String {
+    format!("key = ?1 AND fence = ?2 AND state = 'held' AND lease_until_ms > {NOW_MS}")
+}
 
 impl Sql {
     /// The statements for `table` (a name [`check_table`] accepted).
     pub(crate) fn for_table(table: &str) -> Sql {
         let t = table;
+        let now = NOW_MS;
+        let live = live();
         Sql {
             schema: format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
@@ -79,27 +103,39 @@ impl Sql {
                     updated_at_ms INTEGER NOT NULL
                 )"
             ),
+            // `excluded.updated_at_ms` is this statement's now.
             claim: format!(
                 "INSERT INTO {t} (key, fence, state, lease_until_ms, updated_at_ms)
-                 VALUES (?1, 1, 'held', ?3, ?2)
+                 VALUES (?1, 1, 'held', {now} + CAST(?2 AS INTEGER), {now})
                  ON CONFLICT (key) DO UPDATE
                    SET fence = fence + 1, lease_until_ms = excluded.lease_until_ms,
                        updated_at_ms = excluded.updated_at_ms
-                   WHERE state = 'held' AND lease_until_ms <= ?2
+                   WHERE state = 'held' AND lease_until_ms <= excluded.updated_at_ms
                  RETURNING fence"
             ),
-            read: format!("SELECT state, lease_until_ms FROM {t} WHERE key = ?1"),
+            read: format!(
+                "SELECT state, MAX(0, lease_until_ms - {now}) AS remaining_ms
+                 FROM {t} WHERE key = ?1"
+            ),
             complete: format!(
-                "UPDATE {t} SET state = 'done', lease_until_ms = 0, updated_at_ms = ?2
-                 WHERE {LIVE} RETURNING fence"
+                "UPDATE {t} SET state = 'done', lease_until_ms = 0, updated_at_ms = {now}
+                 WHERE {live} RETURNING fence"
             ),
             release: format!(
-                "UPDATE {t} SET lease_until_ms = 0, updated_at_ms = ?2
-                 WHERE {LIVE} RETURNING fence"
+                "UPDATE {t} SET lease_until_ms = 0, updated_at_ms = {now}
+                 WHERE {live} RETURNING fence"
             ),
             extend: format!(
-                "UPDATE {t} SET lease_until_ms = ?4, updated_at_ms = ?2
-                 WHERE {LIVE} RETURNING fence"
+                "UPDATE {t} SET lease_until_ms = {now} + CAST(?3 AS INTEGER), updated_at_ms = {now}
+                 WHERE {live} RETURNING fence"
+            ),
+            guard: format!(
+                "INSERT INTO {t} (key, fence, state, lease_until_ms, updated_at_ms)
+                 SELECT ?1, ?2, NULL, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE {live})"
+            ),
+            settle: format!(
+                "UPDATE {t} SET state = 'done', lease_until_ms = 0, updated_at_ms = {now}
+                 WHERE key = ?1 AND fence = ?2 AND state = 'held' RETURNING fence"
             ),
         }
     }
@@ -121,7 +157,8 @@ pub(crate) struct FenceRow {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub(crate) struct StateRow {
     pub(crate) state: String,
-    pub(crate) lease_until_ms: f64,
+    /// Until the lease ends, on the database's clock when the read ran.
+    pub(crate) remaining_ms: f64,
 }
 
 /// A fence read back from D1: a whole number from 1 up.
@@ -134,13 +171,13 @@ pub(crate) fn fence_of(value: f64) -> Result<u64, String> {
 }
 
 /// What a claim found, from its batch's two results: the fence the upsert
-/// returned (when this call took the key) and the key's row after it, at
-/// `now_ms` on the Worker's clock.
-pub(crate) fn answer(
-    claimed: Option<&FenceRow>,
-    row: Option<&StateRow>,
-    now_ms: u64,
-) -> Result<Claim, String> {
+/// returned (when this call took the key) and the key's row after it.
+///
+/// The read runs after the upsert, on a clock that has not gone back, so
+/// a lease the upsert found live has at most `remaining_ms` left, and one
+/// that ended in between is held with nothing left (a retry at once
+/// takes it).
+pub(crate) fn answer(claimed: Option<&FenceRow>, row: Option<&StateRow>) -> Result<Claim, String> {
     if let Some(claimed) = claimed {
         return Ok(Claim::Claimed {
             fence: fence_of(claimed.fence)?,
@@ -152,19 +189,45 @@ pub(crate) fn answer(
     match row.state.as_str() {
         "done" => Ok(Claim::Done),
         "held" => {
-            let end = row.lease_until_ms.max(0.0) as u64;
+            // `as` saturates, and a NaN becomes 0.
+            let remaining = row.remaining_ms.max(0.0) as u64;
             Ok(Claim::Held {
-                remaining: Duration::from_millis(end.saturating_sub(now_ms)),
+                remaining: Duration::from_millis(remaining),
             })
         }
         other => Err(format!("the claims table holds an unknown state `{other}`")),
     }
 }
 
-/// Whether a D1 error says the table is missing (it was dropped, or the
-/// isolate's note that it exists was about another database).
-pub(crate) fn is_missing_table(message: &str) -> bool {
-    message.contains("no such table")
+/// Whether `message` names `table` right after `prefix`, and ends the name
+/// there (so `claims` is not found in a message about `claims_archive`).
+fn names_after(message: &str, prefix: &str, table: &str) -> bool {
+    let needle = format!("{prefix}{table}");
+    message.match_indices(&needle).any(|(at, _)| {
+        !message[at + needle.len()..]
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
+}
+
+/// Whether a D1 error says the claims table `table` is missing (it was
+/// dropped, or the isolate's note that it exists was about another
+/// database).
+pub(crate) fn is_missing_table(message: &str, table: &str) -> bool {
+    names_after(message, "no such table: ", table)
+        || names_after(message, "no such table: main.", table)
+}
+
+/// Whether a completion's batch failed on its guard, that is because the
+/// claim was not live: SQLite's message for the NULL `state` the guard
+/// inserts then.
+pub(crate) fn is_guard_failure(message: &str, table: &str) -> bool {
+    names_after(
+        message,
+        "NOT NULL constraint failed: ",
+        &format!("{table}.state"),
+    )
 }
 
 #[cfg(test)]
@@ -190,34 +253,97 @@ mod tests {
         assert_eq!(check_table(DEFAULT_TABLE), Ok(()));
     }
 
+    /// The highest `?N` parameter in `sql` (0 without any).
+    fn arity(sql: &str) -> u32 {
+        sql.split('?')
+            .skip(1)
+            .filter_map(|rest| {
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().ok()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     #[test]
     fn the_sql_names_the_table_and_fences_every_write() {
         let sql = Sql::for_table("my_claims");
-        for text in [
+        let all = [
             &sql.schema,
             &sql.claim,
             &sql.read,
             &sql.complete,
             &sql.release,
             &sql.extend,
-        ] {
+            &sql.guard,
+            &sql.settle,
+        ];
+        for text in all {
             assert!(text.contains("my_claims"), "{text}");
-            assert!(!text.contains("{t}") && !text.contains("{LIVE}"), "{text}");
+            assert!(!text.contains("{t}") && !text.contains("{now}"), "{text}");
         }
         // A key is taken over only when held under an ended lease: never
         // when done, never while live.
         assert!(sql
             .claim
-            .contains("WHERE state = 'held' AND lease_until_ms <= ?2"));
+            .contains("WHERE state = 'held' AND lease_until_ms <= excluded.updated_at_ms"));
         assert!(sql.claim.contains("fence = fence + 1"));
         assert!(sql.claim.contains("RETURNING fence"));
-        // Complete, release and extend only touch the live, latest claim.
-        for text in [&sql.complete, &sql.release, &sql.extend] {
-            assert!(text.contains(LIVE), "{text}");
+        // Complete, release and extend only touch the live, latest claim;
+        // the guard fails unless the claim is live.
+        for text in [&sql.complete, &sql.release, &sql.extend, &sql.guard] {
+            assert!(text.contains(&live()), "{text}");
+        }
+        for text in [&sql.complete, &sql.release, &sql.extend, &sql.settle] {
             assert!(text.contains("RETURNING fence"), "{text}");
         }
         assert!(sql.complete.contains("state = 'done'"));
-        assert!(sql.extend.contains("lease_until_ms = ?4"));
+        assert!(sql.settle.contains("state = 'done'"));
+        assert!(sql
+            .settle
+            .contains("WHERE key = ?1 AND fence = ?2 AND state = 'held'"));
+        assert!(sql.guard.contains("NULL, 0, 0 WHERE NOT EXISTS"));
+    }
+
+    #[test]
+    fn every_time_is_the_databases() {
+        let sql = Sql::for_table("jobrail_claims");
+        // The parameters the store binds: the key, then the lease (claim)
+        // or the fence (and the lease, for extend). None is a time.
+        for (text, params) in [
+            (&sql.schema, 0),
+            (&sql.claim, 2),
+            (&sql.read, 1),
+            (&sql.complete, 2),
+            (&sql.release, 2),
+            (&sql.extend, 3),
+            (&sql.guard, 2),
+            (&sql.settle, 2),
+        ] {
+            assert_eq!(arity(text), params, "{text}");
+        }
+        // Every comparison with the lease end and every new lease end is
+        // on the database's clock.
+        assert!(live().ends_with(&format!("lease_until_ms > {NOW_MS}")));
+        assert!(sql
+            .claim
+            .contains(&format!("{NOW_MS} + CAST(?2 AS INTEGER), {NOW_MS})")));
+        assert!(sql
+            .extend
+            .contains(&format!("lease_until_ms = {NOW_MS} + CAST(?3 AS INTEGER)")));
+        assert!(sql.read.contains(&format!(
+            "MAX(0, lease_until_ms - {NOW_MS}) AS remaining_ms"
+        )));
+        for text in [&sql.complete, &sql.release, &sql.extend, &sql.settle] {
+            assert!(
+                text.contains(&format!("updated_at_ms = {NOW_MS}")),
+                "{text}"
+            );
+        }
+        // Rounded, not truncated: a Julian day in a double is a few
+        // microseconds off the millisecond SQLite keeps.
+        assert!(NOW_MS.starts_with("CAST(ROUND((julianday('now') - 2440587.5) * 86400000)"));
+        assert!(!NOW_MS.contains('?'));
     }
 
     #[test]
@@ -239,44 +365,72 @@ mod tests {
 
     #[test]
     fn rows_become_claims() {
-        let now = 1_700_000_000_000;
-        let held = |state: &str, until: u64| StateRow {
+        let held = |state: &str, remaining: f64| StateRow {
             state: state.into(),
-            lease_until_ms: until as f64,
+            remaining_ms: remaining,
         };
         // The upsert returned a fence: this call holds the key, whatever the row says.
         assert_eq!(
-            answer(
-                Some(&FenceRow { fence: 3.0 }),
-                Some(&held("held", now + 10)),
-                now
-            ),
+            answer(Some(&FenceRow { fence: 3.0 }), Some(&held("held", 10.0))),
             Ok(Claim::Claimed { fence: 3 })
         );
-        assert_eq!(answer(None, Some(&held("done", 0)), now), Ok(Claim::Done));
+        assert_eq!(answer(None, Some(&held("done", 0.0))), Ok(Claim::Done));
         assert_eq!(
-            answer(None, Some(&held("held", now + 2500)), now),
+            answer(None, Some(&held("held", 2500.0))),
             Ok(Claim::Held {
                 remaining: Duration::from_millis(2500)
             })
         );
-        // A lease ending as the batch ran: held, with nothing left.
-        assert_eq!(
-            answer(None, Some(&held("held", now - 5)), now),
-            Ok(Claim::Held {
-                remaining: Duration::ZERO
-            })
-        );
-        assert!(answer(None, None, now).is_err());
-        assert!(answer(None, Some(&held("lost", now)), now).is_err());
-        assert!(answer(Some(&FenceRow { fence: 0.0 }), None, now).is_err());
+        // A lease that ended between the upsert and the read: held, with
+        // nothing left (the SQL says 0; a negative or odd number would too).
+        for nothing in [0.0, -5.0, f64::NAN] {
+            assert_eq!(
+                answer(None, Some(&held("held", nothing))),
+                Ok(Claim::Held {
+                    remaining: Duration::ZERO
+                })
+            );
+        }
+        assert!(answer(None, None).is_err());
+        assert!(answer(None, Some(&held("lost", 0.0))).is_err());
+        assert!(answer(Some(&FenceRow { fence: 0.0 }), None).is_err());
     }
 
     #[test]
     fn a_missing_table_is_recognised() {
+        let t = "jobrail_claims";
         assert!(is_missing_table(
-            "D1_ERROR: no such table: jobrail_claims: SQLITE_ERROR"
+            "D1_ERROR: no such table: jobrail_claims: SQLITE_ERROR",
+            t
         ));
-        assert!(!is_missing_table("D1_ERROR: database is locked"));
+        assert!(is_missing_table("no such table: main.jobrail_claims", t));
+        assert!(is_missing_table("no such table: jobrail_claims", t));
+        assert!(!is_missing_table("D1_ERROR: database is locked", t));
+        // Another table (an effect's) is not the store's.
+        assert!(!is_missing_table(
+            "D1_ERROR: no such table: jobrail_claims_archive: SQLITE_ERROR",
+            t
+        ));
+        assert!(!is_missing_table("no such table: orders", t));
+    }
+
+    #[test]
+    fn a_failed_guard_is_recognised() {
+        let t = "jobrail_claims";
+        // What D1 said under `wrangler dev` when the guard found no live claim.
+        let guard = "D1: D1Error { cause: JsValue(Error: NOT NULL constraint failed: \
+                     jobrail_claims.state: SQLITE_CONSTRAINT (extended: \
+                     SQLITE_CONSTRAINT_NOTNULL)) }";
+        assert!(is_guard_failure(guard, t));
+        // An effect's own failures are not a lost claim.
+        for other in [
+            "NOT NULL constraint failed: orders.state: SQLITE_CONSTRAINT",
+            "NOT NULL constraint failed: my_jobrail_claims.state: SQLITE_CONSTRAINT",
+            "NOT NULL constraint failed: jobrail_claims.state_x: SQLITE_CONSTRAINT",
+            "UNIQUE constraint failed: jobrail_claims.key",
+            "D1_ERROR: database is locked",
+        ] {
+            assert!(!is_guard_failure(other, t), "{other}");
+        }
     }
 }

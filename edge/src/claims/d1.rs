@@ -9,7 +9,9 @@ use serde::de::DeserializeOwned;
 use wasm_bindgen::JsValue;
 use worker::{D1Database, D1PreparedStatement, D1Result, Env};
 
-use super::{answer, check_table, is_missing_table, lease_ms, FenceRow, Sql, StateRow};
+use super::{
+    answer, check_table, is_guard_failure, is_missing_table, lease_ms, FenceRow, Sql, StateRow,
+};
 use crate::{EdgeError, EdgeErrorKind};
 
 thread_local! {
@@ -58,21 +60,36 @@ thread_local! {
 ///   absence, says whether the claim was still live
 ///   ([`ClaimError::Lost`] otherwise).
 /// - The statements have the shape of the Postgres store's (the same
-///   upsert, the same fenced updates), so the rules read the same on both;
-///   only the clock differs (below).
+///   upsert, the same fenced updates), so the rules read the same on both,
+///   and both run the leases on the database's clock (below).
 /// - A Durable Object would be strongly consistent too (one object per
 ///   key), but every user's worker would have to export a Durable Object
 ///   class and declare a migration for it. D1 asks for neither.
 ///
+/// # Completion with a database effect
+///
+/// An effect that is itself a write to the same D1 database can commit
+/// with its completion, in one batch: [`complete_with`](D1Claims::complete_with),
+/// the counterpart of the Postgres store's `complete_in`. Then the effect
+/// happens exactly once: a claim that was lost commits nothing of it.
+///
 /// # Limits
 ///
-/// - Leases run on the Worker's clock: `Date.now()` where the operation
-///   starts, passed to the statement. In a Worker that clock moves only
-///   across I/O, so it is the time of the last await, not of the current
-///   instruction; and the clocks of two Cloudflare locations may differ by
-///   a little. Leave a lease a margin over the effect it covers (seconds,
-///   not milliseconds); the fences keep a holder whose lease ran out
-///   from completing over a newer one either way.
+/// - Leases run on the database's clock, not the Worker's: every statement
+///   takes "now" from SQLite on the D1 primary (`julianday('now')`, in
+///   milliseconds), which compares it with the lease end and computes the
+///   new end and a held claim's remaining time itself. Workers in
+///   different locations, whose clocks may disagree, thus measure every
+///   lease against one clock. A lease starts when the statement runs on
+///   the primary, so a holder learns of its claim up to a round trip
+///   later, and its completion must reach the primary before the end:
+///   leave a lease a margin over the effect it covers (seconds, not
+///   milliseconds). The fences keep a holder whose lease ran out from
+///   completing over a newer one either way. SQLite reads the clock once
+///   per statement: in a claim's batch the read after the upsert sees a
+///   later "now", so a held claim's remaining time is at most what was
+///   left when the upsert ran, and never below zero. (Should D1 move the
+///   database to another machine, leases go on on that machine's clock.)
 /// - Every operation is a write to the primary database (D1's read
 ///   replicas are not used, not even for the read after a claim, which
 ///   runs in the claim's batch), so each costs a round trip to wherever
@@ -95,10 +112,6 @@ impl fmt::Debug for D1Claims {
             .field("table", &self.table)
             .finish()
     }
-}
-
-fn now_ms() -> u64 {
-    js_sys::Date::now() as u64
 }
 
 fn num(value: u64) -> JsValue {
@@ -152,6 +165,12 @@ impl D1Claims {
         &self.table
     }
 
+    /// The database the claims are kept in: prepare the statements of a
+    /// [`complete_with`](D1Claims::complete_with) on it.
+    pub fn database(&self) -> &D1Database {
+        &self.db
+    }
+
     /// Creates the table if it is missing (idempotent). Every operation
     /// calls it on the isolate's first use of the table, so calling it is
     /// only needed to find a problem early.
@@ -191,7 +210,7 @@ impl D1Claims {
     {
         self.ensure_installed().await?;
         match op().await {
-            Err(ClaimError::Store(e)) if is_missing_table(&e.to_string()) => {
+            Err(ClaimError::Store(e)) if is_missing_table(&e.to_string(), &self.table) => {
                 self.install().await?;
                 op().await
             }
@@ -199,15 +218,115 @@ impl D1Claims {
         }
     }
 
+    /// Completes the claim `fence` of `key` and runs `effects`, statements
+    /// on the store's [database](D1Claims::database), in one D1 batch:
+    /// both commit, or neither does. The counterpart of the Postgres
+    /// store's `complete_in`, for effects that are writes to D1.
+    ///
+    /// The batch (one transaction on the D1 primary) opens with a guard
+    /// that fails it unless `fence` is the key's live claim, on the
+    /// database's clock; the completion follows, then `effects` in order.
+    /// Their results come back in that order (a `RETURNING` clause's rows
+    /// included).
+    ///
+    /// - [`ClaimError::Lost`]: the lease had ended, a newer claim took the
+    ///   key, or it is done. The batch rolled back: nothing of `effects`
+    ///   was written, and the newer holder's effect happens instead.
+    /// - [`ClaimError::Store`]: a statement failed (one of `effects`, say)
+    ///   and the batch rolled back, so the claim is still held: release it
+    ///   or let the lease end. Or D1's answer was lost, when the batch may
+    ///   have committed; a retry's claim then finds the key done.
+    ///
+    /// A handler claims the key itself (`run_once` would complete the
+    /// claim on its own), and writes its effect with the completion:
+    ///
+    /// ```ignore
+    /// use std::time::Duration;
+    /// use jobrail::{ClaimStore, JobError};
+    /// use jobrail_edge::D1Claims;
+    ///
+    /// async fn refund(claims: &D1Claims, order: &str, cents: u64) -> Result<(), JobError> {
+    ///     let key = format!("refund:{order}");
+    ///     let claim = claims.claim(&key, Duration::from_secs(60)).await.map_err(JobError::new)?;
+    ///     // Done already: skip. Held by another invocation: retry when its lease ends.
+    ///     let Some(fence) = claim.proceed(&key)? else {
+    ///         return Ok(());
+    ///     };
+    ///     let insert = claims
+    ///         .database()
+    ///         .prepare("INSERT INTO refunds (order_id, cents) VALUES (?1, ?2)")
+    ///         .bind(&[order.into(), (cents as f64).into()])
+    ///         .map_err(|e| JobError::new(e.to_string()))?;
+    ///     // The refund row and the completion, at once; a lost claim writes
+    ///     // neither, and the delivery retries.
+    ///     claims
+    ///         .complete_with(&key, fence, vec![insert])
+    ///         .await
+    ///         .map_err(JobError::new)?;
+    ///     Ok(())
+    /// }
+    /// ```
+    pub async fn complete_with(
+        &self,
+        key: &str,
+        fence: u64,
+        effects: Vec<D1PreparedStatement>,
+    ) -> Result<Vec<D1Result>, ClaimError> {
+        const WHAT: &str = "completing a claim with its effects";
+        let effects = &effects;
+        self.with_table_ready(move || async move {
+            let args = [text(key), num(fence)];
+            let mut batch = Vec::with_capacity(effects.len() + 2);
+            batch.push(self.statement(&self.sql.guard, &args)?);
+            batch.push(self.statement(&self.sql.settle, &args)?);
+            batch.extend(effects.iter().cloned());
+            let mut results = match self.db.batch(batch).await {
+                Ok(results) => results,
+                Err(e) => {
+                    let message = e.to_string();
+                    return Err(if is_guard_failure(&message, &self.table) {
+                        ClaimError::Lost {
+                            key: key.to_owned(),
+                            fence,
+                        }
+                    } else {
+                        store_error(WHAT, message)
+                    });
+                }
+            };
+            if results.len() != effects.len() + 2 {
+                return Err(store_error(
+                    WHAT,
+                    format!(
+                        "{} results for a batch of {}",
+                        results.len(),
+                        effects.len() + 2
+                    ),
+                ));
+            }
+            let effects = results.split_off(2);
+            let settled: Vec<FenceRow> = rows(&results[1], WHAT)?;
+            if settled.is_empty() {
+                // Cannot happen: the guard found the claim live in this
+                // transaction, and nothing ran in between.
+                return Err(store_error(
+                    WHAT,
+                    "the completion matched no row after the guard passed",
+                ));
+            }
+            Ok(effects)
+        })
+        .await
+    }
+
     async fn claim_now(&self, key: &str, lease: Duration) -> Result<Claim, ClaimError> {
         validate_claim(key, lease)?;
         self.with_table_ready(move || async move {
-            let now = now_ms();
-            let until = now.saturating_add(lease_ms(lease));
-            let upsert = self.statement(&self.sql.claim, &[text(key), num(now), num(until)])?;
+            let upsert = self.statement(&self.sql.claim, &[text(key), num(lease_ms(lease))])?;
             let read = self.statement(&self.sql.read, &[text(key)])?;
             // One batch is one transaction: the row read is the one the
-            // upsert left, whatever other invocations do.
+            // upsert left, whatever other invocations do; the read's clock
+            // is the upsert's or later.
             let results = self
                 .db
                 .batch(vec![upsert, read])
@@ -221,7 +340,7 @@ impl D1Claims {
             };
             let claimed: Vec<FenceRow> = rows(upserted, "claiming")?;
             let row: Vec<StateRow> = rows(read, "reading a claim")?;
-            answer(claimed.first(), row.first(), now).map_err(|e| store_error("claiming", e))
+            answer(claimed.first(), row.first()).map_err(|e| store_error("claiming", e))
         })
         .await
     }
@@ -237,10 +356,9 @@ impl D1Claims {
         lease: Option<Duration>,
     ) -> Result<(), ClaimError> {
         self.with_table_ready(move || async move {
-            let now = now_ms();
-            let mut args = vec![text(key), num(now), num(fence)];
+            let mut args = vec![text(key), num(fence)];
             if let Some(lease) = lease {
-                args.push(num(now.saturating_add(lease_ms(lease))));
+                args.push(num(lease_ms(lease)));
             }
             let result = self.statement(sql, &args)?.all().await;
             let changed: Vec<FenceRow> = rows(&checked(result, what)?, what)?;

@@ -31,8 +31,13 @@
 //! row to the table `claim_effects`: `{"once": "ran", "fence": 3}`,
 //! `{"once": "already_done"}`, or `{"once": "retry", "retry_after_ms": ...}`
 //! while another invocation holds the key; `GET /claims/effects?key=K` lists
-//! the effects of `K`. The conformance suite of claim stores runs on D1
-//! through these routes.
+//! the effects of `K`. `POST /claims/complete-with` (`{"key", "fence",
+//! "effects", "fail"}`) completes the claim `fence` together with `effects`
+//! rows appended to `claim_effects` (and, with `"fail": true`, a statement
+//! that fails), in one batch through
+//! [`jobrail_edge::D1Claims::complete_with`]: `{"ok": true, "inserted": 2}`,
+//! or an error as above, when no row was written. The conformance suite of
+//! claim stores runs on D1 through these routes.
 //!
 //! The test routes (`POST /dispatch`, `GET /log`, `/claims`) are off unless the
 //! operator sets the secret `TEST_ROUTES_TOKEN` (`wrangler secret put
@@ -454,6 +459,69 @@ mod edge {
         Response::from_json(&answer)
     }
 
+    /// What `POST /claims/complete-with` accepts.
+    #[derive(Deserialize)]
+    struct CompleteWith {
+        /// The business key.
+        key: String,
+        /// The claim's fence.
+        fence: u64,
+        /// How many rows to append to `claim_effects` with the completion.
+        #[serde(default = "one")]
+        effects: u32,
+        /// Whether to end the batch with a statement that fails.
+        #[serde(default)]
+        fail: bool,
+    }
+
+    fn one() -> u32 {
+        1
+    }
+
+    /// Completes a claim with database effects in one batch: the rows, and
+    /// the completion, commit together or not at all.
+    async fn claims_complete_with(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
+        let body: CompleteWith = match req.json().await {
+            Ok(body) => body,
+            Err(e) => return bad_request(e),
+        };
+        let store = claims_store(&ctx.env)?;
+        let db = store.database();
+        let key = body.key.as_str();
+        let mut effects = vec![db.prepare(EFFECTS_TABLE)];
+        for n in 0..body.effects {
+            effects.push(
+                db.prepare(
+                    "INSERT INTO claim_effects (key, fence, at_ms) VALUES (?1, ?2, ?3) \
+                     RETURNING fence",
+                )
+                .bind(&[
+                    key.into(),
+                    JsValue::from_f64(body.fence as f64),
+                    JsValue::from_f64(js_sys::Date::now() + f64::from(n)),
+                ])?,
+            );
+        }
+        if body.fail {
+            // NOT NULL constraint failed: claim_effects.fence.
+            effects.push(
+                db.prepare("INSERT INTO claim_effects (key, fence, at_ms) VALUES (?1, NULL, 0)")
+                    .bind(&[key.into()])?,
+            );
+        }
+        let answer = match store.complete_with(key, body.fence, effects).await {
+            Ok(results) => {
+                let mut inserted = 0;
+                for result in &results {
+                    inserted += result.results::<serde_json::Value>()?.len();
+                }
+                json!({ "ok": true, "inserted": inserted })
+            }
+            Err(e) => claim_error(&e),
+        };
+        Response::from_json(&answer)
+    }
+
     /// A row of `claim_effects` (D1 hands numbers over as doubles).
     #[derive(Deserialize)]
     struct Effect {
@@ -522,6 +590,7 @@ mod edge {
             .get_async("/log", log)
             .post_async("/claims", claims)
             .post_async("/claims/run-once", claims_run_once)
+            .post_async("/claims/complete-with", claims_complete_with)
             .get_async("/claims/effects", claims_effects)
             .run(req, env)
             .await

@@ -10,7 +10,8 @@
 //! opens is a new HTTP agent (its own connections), a worker "killed" mid
 //! work is a handle dropped between requests, and a look "after a crash" is
 //! simply a later invocation. The scenarios are the suite's, unchanged;
-//! the clock that runs the leases is the Worker's, on this machine.
+//! the clock that runs the leases is the database's (SQLite's, in the
+//! local D1 of `wrangler dev`), as it is the D1 primary's when deployed.
 //!
 //! Without `EDGE_URL` every scenario is listed as ignored; `tests/run`
 //! starts the worker and sets it.

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use jobrail::{Envelope, Job};
+use jobrail::{ClaimStore, Envelope, Job, UniqueDispatch, UniqueDispatchError};
 use serde::Serialize;
 use worker::{Env, MessageBuilder, Queue, QueueContentType};
 
@@ -18,6 +18,14 @@ use crate::limits::{check_message_size, envelope_text};
 /// ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES)) is refused with
 /// [`EdgeErrorKind::Unsupported`] before the binding is called; in a batch,
 /// one oversized message refuses the whole batch and nothing is sent.
+///
+/// [`EdgeProducer::dispatch_unique`] sends a job unless one with the same
+/// key went out within a window, on any [`ClaimStore`] (`D1Claims` at the
+/// edge), by the same rule as the native producer
+/// ([`jobrail::dispatch_unique`]). A send refused before the binding was
+/// called (above the size limit, a payload that does not encode) gives the
+/// key back; an error from the binding's call keeps it for the window, as
+/// the message may have been enqueued.
 pub struct EdgeProducer {
     queue: Queue,
 }
@@ -74,6 +82,47 @@ impl EdgeProducer {
         Ok(envelope.id)
     }
 
+    /// Dispatches one job unless a job with the same `key` was dispatched
+    /// within `window`: [`UniqueDispatch::Dispatched`] with its message id,
+    /// or [`UniqueDispatch::Duplicate`] with the rest of the window, nothing
+    /// sent.
+    ///
+    /// The key (`unique:<job name>:<key>` in `claims`) is claimed for
+    /// `window` and never completed: it frees itself when the window ends.
+    /// A store error, or a key or window the store refuses, sends nothing
+    /// ([`UniqueDispatchError::Claim`]). A send refused before the binding
+    /// was called ([`EdgeErrorKind::Unsupported`]: above
+    /// [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES);
+    /// [`EdgeErrorKind::Encode`]) gives the key back, so the caller may try
+    /// again at once; an error of the call itself
+    /// ([`EdgeErrorKind::Uncertain`]) keeps the key for the window. Either
+    /// way the error is [`UniqueDispatchError::Dispatch`].
+    ///
+    /// It prevents duplicate dispatches, not duplicate runs: a handler that
+    /// must run once claims in the handler ([`jobrail::run_once`]).
+    pub async fn dispatch_unique<S, P>(
+        &self,
+        claims: &S,
+        key: &str,
+        window: Duration,
+        job: &Job<P>,
+        payload: &P,
+    ) -> Result<UniqueDispatch, UniqueDispatchError<EdgeError>>
+    where
+        S: ClaimStore + ?Sized,
+        P: Serialize,
+    {
+        jobrail::dispatch_unique(
+            claims,
+            job.name(),
+            key,
+            window,
+            || self.dispatch(job, payload),
+            certainly_unsent,
+        )
+        .await
+    }
+
     /// Dispatches several jobs in one request; returns their ids.
     pub async fn dispatch_batch<P: Serialize>(
         &self,
@@ -112,4 +161,11 @@ impl EdgeProducer {
             .await
             .map_err(|e| EdgeError::new(EdgeErrorKind::Uncertain, e.to_string()))
     }
+}
+
+/// Whether a send that failed with `error` certainly enqueued nothing: it
+/// was refused before the binding was called (size, delay, encoding). Only
+/// the binding's own call fails as [`EdgeErrorKind::Uncertain`].
+fn certainly_unsent(error: &EdgeError) -> bool {
+    error.kind != EdgeErrorKind::Uncertain
 }

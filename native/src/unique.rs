@@ -3,38 +3,27 @@
 
 use std::time::Duration;
 
-use jobrail::{Claim, ClaimError, ClaimStore, Job};
+use jobrail::{ClaimStore, Job};
 use serde::Serialize;
 
 use crate::driver::{DriverError, ErrorKind};
 use crate::producer::{DispatchOptions, Producer};
 
-/// What [`Producer::dispatch_unique`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum UniqueDispatch {
-    /// The job was sent: its message id.
-    Dispatched(String),
-    /// A job with the same key was dispatched within the window: nothing was
-    /// sent. The window ends in `remaining`.
-    Duplicate {
-        /// Until the key may be dispatched again.
-        remaining: Duration,
-    },
-}
+/// What [`Producer::dispatch_unique`] did: the job's message id, or a
+/// duplicate and the rest of its window ([`jobrail::UniqueDispatch`]).
+pub use jobrail::UniqueDispatch;
 
-/// Why [`Producer::dispatch_unique`] failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum UniqueDispatchError {
-    /// The claim store did not answer (or refused the key or the window):
-    /// nothing was sent.
-    #[error("unique dispatch: {0}")]
-    Claim(#[from] ClaimError),
-    /// The dispatch failed. The key stays taken for the window only if the
-    /// backend may have accepted the message ([`ErrorKind::Uncertain`]);
-    /// otherwise it was given back, and the dispatch may be repeated.
-    #[error("unique dispatch: {0}")]
-    Dispatch(#[from] DriverError),
+/// Why [`Producer::dispatch_unique`] failed: the claim store's error
+/// (nothing was sent), or the driver's. The key stays taken for the window
+/// only if the backend may have accepted the message
+/// ([`ErrorKind::Uncertain`]); otherwise it was given back, and the
+/// dispatch may be repeated.
+pub type UniqueDispatchError = jobrail::UniqueDispatchError<DriverError>;
+
+impl From<DriverError> for UniqueDispatchError {
+    fn from(e: DriverError) -> Self {
+        jobrail::UniqueDispatchError::Dispatch(e)
+    }
 }
 
 impl Producer {
@@ -49,6 +38,8 @@ impl Producer {
     /// certainly did not reach the backend (refused, encode error), the
     /// claim is released so the caller can try again at once; if it may
     /// have ([`ErrorKind::Uncertain`]), the key stays taken for the window.
+    /// The rule is [`jobrail::dispatch_unique`], shared with the edge's
+    /// producer.
     ///
     /// This prevents duplicate *dispatches*; it does not make the handler
     /// run once (redelivery still repeats it): for that, claim in the
@@ -110,27 +101,15 @@ impl Producer {
         S: ClaimStore + ?Sized,
         P: Serialize,
     {
-        let key = format!("unique:{}:{key}", job.name());
-        let fence = match claims.claim(&key, window).await? {
-            Claim::Claimed { fence } => fence,
-            Claim::Held { remaining } => return Ok(UniqueDispatch::Duplicate { remaining }),
-            // Nothing here completes a unique key; a store shared with code
-            // that did holds it for good.
-            Claim::Done => {
-                return Ok(UniqueDispatch::Duplicate {
-                    remaining: Duration::MAX,
-                })
-            }
-        };
-        match self.dispatch_with(job, payload, options).await {
-            Ok(id) => Ok(UniqueDispatch::Dispatched(id)),
-            Err(e) => {
-                if e.kind() != ErrorKind::Uncertain {
-                    let _ = claims.release(&key, fence).await;
-                }
-                Err(e.into())
-            }
-        }
+        jobrail::dispatch_unique(
+            claims,
+            job.name(),
+            key,
+            window,
+            || self.dispatch_with(job, payload, options),
+            |e: &DriverError| e.kind() != ErrorKind::Uncertain,
+        )
+        .await
     }
 }
 
@@ -139,10 +118,23 @@ mod tests {
     use std::collections::BTreeMap;
     use std::sync::Arc;
 
-    use jobrail::MemoryClaims;
+    use jobrail::{Claim, ClaimError, MemoryClaims};
 
     use super::*;
     use crate::{Driver, MemoryDriver};
+
+    /// A multi-threaded runtime can spawn a unique dispatch (checked when
+    /// this compiles).
+    #[allow(dead_code)]
+    fn dispatch_unique_is_send<S: ClaimStore, P: Serialize + Sync>(
+        producer: &Producer,
+        claims: &S,
+        job: &Job<P>,
+        payload: &P,
+    ) {
+        fn send<T: Send>(_: T) {}
+        send(producer.dispatch_unique(claims, "k", Duration::ZERO, job, payload));
+    }
 
     fn job() -> Job<u64> {
         Job::<u64>::builder("rebuild").queue("q").build().unwrap()
@@ -222,6 +214,25 @@ mod tests {
         assert!(matches!(
             claims.claim("unique:pairs:k3", window).await.unwrap(),
             Claim::Claimed { .. }
+        ));
+    }
+
+    /// `?` turns a driver's error and a store's into a unique dispatch's.
+    #[test]
+    fn errors_convert_with_the_question_mark() {
+        fn driver() -> Result<(), UniqueDispatchError> {
+            Err(DriverError::new("memory", ErrorKind::Stopped, "stopped"))?
+        }
+        fn store() -> Result<(), UniqueDispatchError> {
+            Err(ClaimError::Invalid("no key".into()))?
+        }
+        assert!(matches!(
+            driver(),
+            Err(UniqueDispatchError::Dispatch(e)) if e.kind() == ErrorKind::Stopped
+        ));
+        assert!(matches!(
+            store(),
+            Err(UniqueDispatchError::Claim(ClaimError::Invalid(_)))
         ));
     }
 

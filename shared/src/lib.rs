@@ -41,6 +41,8 @@
 //!   ([`Overrides`]).
 //! - `claim`: running an effect once, through a claim on a business key
 //!   ([`ClaimStore`], [`run_once`], [`Claim`]).
+//! - `unique`: one dispatch per key and time window, on a claim store
+//!   ([`dispatch_unique`]).
 //! - `runtime`, `cancel`, `context`: injected time, cancellation, and what a
 //!   handler knows about its execution ([`Runtime`], [`CancelToken`],
 //!   [`JobContext`]).
@@ -104,6 +106,7 @@ mod replay;
 mod runtime;
 mod settle;
 mod stats;
+mod unique;
 
 pub use crate::metrics::describe_metrics;
 pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
@@ -143,3 +146,4 @@ pub use settle::{
     DEFAULT_UNKNOWN_NAME_ATTEMPTS, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
 pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
+pub use unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};

@@ -39,12 +39,19 @@
 //! or an error as above, when no row was written. The conformance suite of
 //! claim stores runs on D1 through these routes.
 //!
-//! The test routes (`POST /dispatch`, `GET /log`, `/claims`) are off unless the
-//! operator sets the secret `TEST_ROUTES_TOKEN` (`wrangler secret put
-//! TEST_ROUTES_TOKEN`); a request must then carry it as
-//! `Authorization: Bearer <token>`. Without the secret, or without the right
-//! token, they answer 404 and 401, so a deployed worker opens nothing to
-//! strangers.
+//! `POST /dispatch-unique` (`{"key", "window_ms", "report_id"}`) sends a
+//! healthy report through [`jobrail_edge::EdgeProducer::dispatch_unique`]
+//! on `CLAIMS_DB`, unless one with the same key went out within the window:
+//! `{"dispatched": id}` or `{"duplicate": remaining_ms}`, an error as above
+//! (`{"error": "dispatch", ...}` for the send's own). The log's events carry
+//! their payload, so a test finds the runs of a report by its id.
+//!
+//! The test routes (`POST /dispatch`, `/dispatch-unique`, `GET /log`,
+//! `/claims`) are off unless the operator sets the secret
+//! `TEST_ROUTES_TOKEN` (`wrangler secret put TEST_ROUTES_TOKEN`); a request
+//! must then carry it as `Authorization: Bearer <token>`. Without the
+//! secret, or without the right token, they answer 404 and 401, so a
+//! deployed worker opens nothing to strangers.
 
 use jobrail::Registry;
 
@@ -55,8 +62,11 @@ pub fn jobs() -> Result<Registry, String> {
     registry
         .register(&job, report_job::handle)
         .map_err(|e| e.to_string())?;
+    // The test log's events carry the report (its id names it in tests).
     #[cfg(target_arch = "wasm32")]
-    registry.event_sink(std::sync::Arc::new(edge::LogSink));
+    registry
+        .event_sink(std::sync::Arc::new(edge::LogSink))
+        .events_include_payload(true);
     Ok(registry)
 }
 
@@ -79,11 +89,11 @@ mod edge {
 
     use jobrail::{
         run_once, Claim, ClaimError, ClaimStore, Envelope, Event, EventSink, JobError, Once,
-        Outcome, SettlementError,
+        Outcome, SettlementError, UniqueDispatch, UniqueDispatchError,
     };
     use jobrail_edge::failures::FailureKeeper;
     use jobrail_edge::{D1Claims, EdgeProducer};
-    use report_job::BuildReport;
+    use report_job::{Behaviour, BuildReport};
     use serde::Deserialize;
     use serde_json::json;
     use wasm_bindgen::prelude::*;
@@ -550,6 +560,54 @@ mod edge {
         Response::from_json(&json!({ "effects": effects }))
     }
 
+    /// What `POST /dispatch-unique` accepts.
+    #[derive(Deserialize)]
+    struct DispatchUnique {
+        /// The uniqueness key.
+        key: String,
+        /// The window, in milliseconds (fractions allowed).
+        window_ms: f64,
+        /// The report to send (a healthy one).
+        report_id: u64,
+    }
+
+    /// One report through `EdgeProducer::dispatch_unique` on `CLAIMS_DB`.
+    async fn dispatch_unique(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
+        let body: DispatchUnique = match req.json().await {
+            Ok(body) => body,
+            Err(e) => return bad_request(e),
+        };
+        let window = match Duration::try_from_secs_f64(body.window_ms / 1000.0) {
+            Ok(window) => window,
+            Err(e) => return bad_request(format!("`window_ms` {}: {e}", body.window_ms)),
+        };
+        let fail = |e: jobrail_edge::EdgeError| worker::Error::RustError(e.to_string());
+        let producer = EdgeProducer::from_env(&ctx.env, REPORTS).map_err(fail)?;
+        let job = report_job::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
+        let store = claims_store(&ctx.env)?;
+        let report = BuildReport {
+            report_id: body.report_id,
+            behaviour: Behaviour::Healthy,
+        };
+        let answer = match producer
+            .dispatch_unique(&store, &body.key, window, &job, &report)
+            .await
+        {
+            Ok(UniqueDispatch::Dispatched(id)) => json!({ "dispatched": id }),
+            Ok(UniqueDispatch::Duplicate { remaining }) => json!({
+                "duplicate": u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX),
+            }),
+            Err(UniqueDispatchError::Claim(e)) => claim_error(&e),
+            Err(UniqueDispatchError::Dispatch(e)) => json!({
+                "error": "dispatch",
+                "kind": format!("{:?}", e.kind),
+                "message": e.to_string(),
+            }),
+            Err(other) => json!({ "error": "unknown", "message": other.to_string() }),
+        };
+        Response::from_json(&answer)
+    }
+
     /// `Some(response)` refusing the request unless the operator set the secret
     /// and the request carries it.
     fn refused(req: &Request, env: &Env) -> Option<Result<Response>> {
@@ -587,6 +645,7 @@ mod edge {
         Router::new()
             .get("/health", |_, _| Response::ok("ok"))
             .post_async("/dispatch", dispatch)
+            .post_async("/dispatch-unique", dispatch_unique)
             .get_async("/log", log)
             .post_async("/claims", claims)
             .post_async("/claims/run-once", claims_run_once)

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use jobrail::FailureKind;
 
-use crate::model::{Abandon, Eff, Entry, Ev, Settled, World};
+use crate::model::{Abandon, ClaimAnswer, ClaimOp, Eff, Entry, Ev, Semantics, Settled, World};
 use crate::scenario::{panics, Kind, Scenario, Step};
 use crate::Backend;
 
@@ -78,7 +78,9 @@ pub fn fate(world: &World, n: u64) -> Fate {
 
 /// The messages invariant 11 compares with a run of each alone: those that
 /// shared a Cloudflare batch with a message whose code panicked, and whose
-/// own script never panics.
+/// own script never panics. A charging message is left out: its fate hangs
+/// on the other messages of its key and on the claims crashes left behind
+/// (invariant 13 holds it to the claim's rules instead).
 pub fn alone_candidates(sc: &Scenario, world: &World) -> Vec<u64> {
     let st = world.lock();
     let mut mates = BTreeSet::new();
@@ -90,7 +92,7 @@ pub fn alone_candidates(sc: &Scenario, world: &World) -> Vec<u64> {
     mates.retain(|n| {
         sc.msgs
             .iter()
-            .any(|m| m.n == *n && !m.script.iter().any(panics))
+            .any(|m| m.n == *n && m.key.is_none() && !m.script.iter().any(panics))
     });
     mates.into_iter().collect()
 }
@@ -98,7 +100,7 @@ pub fn alone_candidates(sc: &Scenario, world: &World) -> Vec<u64> {
 /// One broken invariant.
 #[derive(Debug, Clone)]
 pub struct Violation {
-    /// The invariant's number (1 to 12; 0 = the simulation itself).
+    /// The invariant's number (1 to 13; 0 = the simulation itself).
     pub invariant: u8,
     /// The message concerned.
     pub msg: Option<u64>,
@@ -131,6 +133,40 @@ pub struct Report {
     pub summary: String,
     /// The scenario, described.
     pub scenario: String,
+    /// What the charging job's claims did (all zero without one).
+    pub claims: ClaimStats,
+}
+
+/// What the charging job's claims did in one run: evidence that the
+/// scenario exercised invariant 13.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClaimStats {
+    /// Runs with a charging job (one run: 0 or 1).
+    pub charging: u32,
+    /// Charges (effects) in the ledger.
+    pub effects: u32,
+    /// Claims answered `Done` (a duplicate or a redelivery skipped).
+    pub done: u32,
+    /// Claims answered `Held`.
+    pub held: u32,
+    /// `Held` answers on a claim whose holder died (its lease ran out).
+    pub held_by_dead: u32,
+    /// Keys taken over by a new claim after a dead holder's lease ended.
+    pub taken_over: u32,
+    /// Failure records whose cause is a held claim (a held key at the cap).
+    pub held_at_cap: u32,
+}
+
+impl std::ops::AddAssign for ClaimStats {
+    fn add_assign(&mut self, o: Self) {
+        self.charging += o.charging;
+        self.effects += o.effects;
+        self.done += o.done;
+        self.held += o.held;
+        self.held_by_dead += o.held_by_dead;
+        self.taken_over += o.taken_over;
+        self.held_at_cap += o.held_at_cap;
+    }
 }
 
 impl Report {
@@ -208,6 +244,10 @@ struct D {
     abandoned: Option<Abandon>,
     record: bool,
     abandoned_after_record: bool,
+    /// The failure record's error text.
+    reason: Option<String>,
+    /// The last execution found its key held by another claim.
+    last_held: bool,
 }
 
 fn expected(eff: Eff, last_allowed: bool) -> &'static str {
@@ -311,6 +351,7 @@ pub fn check(
                         ds[*d].execs += 1;
                         ds[*d].last_step = step.clone();
                         ds[*d].last_eff = None;
+                        ds[*d].last_held = step.starts_with("Claim(Held");
                     }
                 }
                 Ev::Interrupted {
@@ -324,6 +365,7 @@ pub fn check(
                         ds[*d].execs -= executions;
                         ds[*d].last_step.clear();
                         ds[*d].last_eff = None;
+                        ds[*d].last_held = false;
                     }
                 }
                 Ev::ExecResult { delivery, eff } => {
@@ -358,10 +400,11 @@ pub fn check(
                         }
                     }
                 }
-                Ev::Record { delivery } => {
+                Ev::Record { delivery, reason } => {
                     records += 1;
                     if let Some(d) = idx.get(delivery) {
                         ds[*d].record = true;
+                        ds[*d].reason = Some(reason.clone());
                     }
                 }
                 Ev::Removed(how) => removed.push(how.clone()),
@@ -511,13 +554,19 @@ pub fn check(
         // delivery's execution: one execution per delivery.
         let edge = backend == Backend::Cloudflare;
         let per_delivery = if edge { 1 } else { job.tier_one };
+        // A charging message's execution that found its key done or held
+        // ran no step, and did not panic: the premise fails.
+        let skipped = entries
+            .iter()
+            .any(|e| matches!(&e.ev, Ev::Exec { step, .. } if step.starts_with("Claim(")));
         let always_panics = plan.kind == Kind::Valid
             && job.cap != 0
             && plan.script.len() as u32 >= job.cap * per_delivery
             && plan
                 .script
                 .iter()
-                .all(|s| matches!(s, Step::PanicBefore | Step::PanicInside));
+                .all(|s| matches!(s, Step::PanicBefore | Step::PanicInside))
+            && !skipped;
         if always_panics && undisturbed {
             let got = fate_of(&entries);
             let at_cap = ds.last().is_some_and(|d| {
@@ -655,8 +704,27 @@ pub fn check(
                     );
                 }
             }
+            // 13c. A delivery whose last execution found its key held fails
+            // at the cap with the held claim as its cause (the retries
+            // before it are held to the remaining lease under 8).
+            if let (true, Settled::Fail { kind, .. }, true) = (d.last_held, settled, accepted) {
+                let cause = d.reason.as_deref().unwrap_or_default();
+                if *kind != FailureKind::AttemptsExhausted
+                    || !cause.contains("is held by another worker")
+                {
+                    push(
+                        13,
+                        n,
+                        format!(
+                            "(13c) delivery {} (attempt {}) found its key held and failed as {kind:?} with the cause {cause:?}, not the held claim",
+                            d.id, d.attempt
+                        ),
+                    );
+                }
+            }
         }
     }
+    let claims = check_claims(sc, &st.trace, &st.ledger, &mut v);
     if st.deliveries > 20_000 {
         v.push(Violation {
             invariant: 9,
@@ -671,7 +739,7 @@ pub fn check(
         end_time.as_secs_f64()
     );
     let scenario = format!(
-        "  jobs: {}\n  concurrency {}, queues {:?}, faults {:?}",
+        "  jobs: {}\n  concurrency {}, queues {:?}, faults {:?}\n  charging {:?}",
         sc.jobs
             .iter()
             .map(|j| format!(
@@ -687,7 +755,8 @@ pub fn check(
             q.dedup();
             q
         },
-        sc.faults
+        sc.faults,
+        sc.charging
     );
     Report {
         seed,
@@ -696,5 +765,253 @@ pub fn check(
         trace: st.trace.clone(),
         summary,
         scenario,
+        claims,
     }
+}
+
+/// A live claim in the model of the claim rules.
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    fence: u64,
+    until: Duration,
+    msg: u64,
+    /// `Held` answers it gave.
+    held: u32,
+}
+
+/// A business key in the model of the claim rules.
+#[derive(Debug, Default)]
+struct Key {
+    /// The latest fence given out.
+    fence: u64,
+    /// The latest claim, unless released or completed (it may have ended).
+    hold: Option<Hold>,
+    /// Completed: by which message, when.
+    done: Option<(u64, Duration)>,
+    /// Charges: message, fence, when.
+    effects: Vec<(u64, u64, Duration)>,
+}
+
+/// Invariant 13, on the charging job: the claim operations of the trace
+/// replayed against a model of the claim rules (fences grow by one; a key is
+/// claimed only when not done and no lease is live; `Held` tells the live
+/// lease's remaining time exactly; `Done` only after a completion; a
+/// completion or release only by the live latest claim), the ledger of
+/// charges, and every acknowledgement of a charging message.
+fn check_claims(
+    sc: &Scenario,
+    trace: &[Entry],
+    ledger: &BTreeMap<String, Vec<(u64, u64)>>,
+    v: &mut Vec<Violation>,
+) -> ClaimStats {
+    let mut stats = ClaimStats::default();
+    if sc.charging.is_none() {
+        return stats;
+    }
+    stats.charging = 1;
+    let mut push = |sub: &str, msg: Option<u64>, text: String| {
+        v.push(Violation {
+            invariant: 13,
+            msg,
+            text: format!("({sub}) {text}"),
+        })
+    };
+    let key_of: BTreeMap<u64, &String> = sc
+        .msgs
+        .iter()
+        .filter_map(|m| m.key.as_ref().map(|k| (m.n, k)))
+        .collect();
+    let mut keys: BTreeMap<&str, Key> = BTreeMap::new();
+    // A holder that did not die gives its claim back the instant its
+    // execution ends: completes it after a success, releases it after an
+    // error or a panic (at the edge a panic aborts the instance: nothing
+    // runs after it). By delivery: the claim its execution holds, and what
+    // it owes once the execution ended.
+    let edge = sc.sem == Semantics::Cloudflare;
+    let mut holding: BTreeMap<u64, (String, u64)> = BTreeMap::new();
+    let mut owed: BTreeMap<u64, (String, ClaimOp, Eff)> = BTreeMap::new();
+    for e in trace {
+        let (at, n) = (e.at, e.msg.unwrap_or_default());
+        match &e.ev {
+            Ev::Claim {
+                delivery: Some(d),
+                key,
+                op,
+                answer,
+            } => {
+                if let Some((k, want, eff)) = owed.remove(d) {
+                    if (k.as_str(), want) != (key.as_str(), *op) {
+                        push("13c", Some(n), format!("delivery {d}'s execution ended with {eff:?} and owed {want:?} of `{k}`; {op:?} of `{key}` came first"));
+                    }
+                }
+                if let (ClaimOp::Claim(_), ClaimAnswer::Claimed(fence)) = (op, answer) {
+                    holding.insert(*d, (key.clone(), *fence));
+                }
+            }
+            Ev::ExecResult {
+                delivery: Some(d),
+                eff,
+            } => {
+                if let Some((key, fence)) = holding.remove(d) {
+                    let want = match eff {
+                        Eff::Ok => Some(ClaimOp::Complete(fence)),
+                        Eff::Panic if edge => None,
+                        _ => Some(ClaimOp::Release(fence)),
+                    };
+                    if let Some(want) = want {
+                        owed.insert(*d, (key, want, *eff));
+                    }
+                }
+            }
+            Ev::Interrupted { delivery: d, .. } | Ev::Abandoned { delivery: d, .. } => {
+                // Cut short (its instance crashed) or lost track of.
+                holding.remove(d);
+                owed.remove(d);
+            }
+            Ev::Exec {
+                delivery: Some(d), ..
+            }
+            | Ev::Accepted { delivery: d, .. }
+            | Ev::Refused { delivery: d, .. }
+            | Ev::Record { delivery: d, .. } => {
+                if let Some((key, want, eff)) = owed.remove(d) {
+                    push("13c", Some(n), format!("delivery {d}'s execution ended with {eff:?} at {at:?} and never gave its claim of `{key}` back ({want:?} owed)"));
+                }
+            }
+            _ => {}
+        }
+        match &e.ev {
+            Ev::Claim {
+                key, op, answer, ..
+            } => {
+                let k = keys.entry(key.as_str()).or_default();
+                let live = k.hold.filter(|h| h.until > at);
+                match (op, answer) {
+                    (ClaimOp::Claim(lease), ClaimAnswer::Claimed(fence)) => {
+                        if let Some((by, when)) = k.done {
+                            push("13a", Some(n), format!("`{key}` claimed (fence {fence}) at {at:?}, after m{by} completed it at {when:?}"));
+                        }
+                        if let Some(h) = live {
+                            push("13c", Some(n), format!("`{key}` claimed again (fence {fence}) at {at:?} while m{}'s claim (fence {}) runs until {:?}", h.msg, h.fence, h.until));
+                        }
+                        if *fence != k.fence + 1 {
+                            push(
+                                "13c",
+                                Some(n),
+                                format!(
+                                    "`{key}` claimed with fence {fence} after fence {}",
+                                    k.fence
+                                ),
+                            );
+                        }
+                        if let Some(dead) = k.hold.filter(|h| h.until <= at) {
+                            // Its holder neither completed nor released it.
+                            stats.taken_over += 1;
+                            stats.held_by_dead += dead.held;
+                        }
+                        k.fence = *fence;
+                        k.hold = Some(Hold {
+                            fence: *fence,
+                            until: at + *lease,
+                            msg: n,
+                            held: 0,
+                        });
+                    }
+                    (ClaimOp::Claim(_), ClaimAnswer::Done) => {
+                        stats.done += 1;
+                        if k.done.is_none() {
+                            push("13b", Some(n), format!("`{key}` answered done at {at:?} though no claim of it was completed"));
+                        }
+                    }
+                    (ClaimOp::Claim(_), ClaimAnswer::Held(remaining)) => {
+                        stats.held += 1;
+                        match (live, k.done) {
+                            (Some(h), None) if h.until - at == *remaining => {
+                                if let Some(h) = k.hold.as_mut() {
+                                    h.held += 1;
+                                }
+                            }
+                            _ => push("13c", Some(n), format!("`{key}` answered held for {remaining:?} at {at:?}; the live claim: {live:?}, done: {:?}", k.done)),
+                        }
+                    }
+                    (ClaimOp::Complete(fence), answer) => {
+                        let accepted = live.is_some_and(|h| h.fence == *fence) && k.done.is_none();
+                        let charged = k.effects.last().is_some_and(|c| c.1 == *fence && c.0 == n);
+                        match answer {
+                            ClaimAnswer::Ok if accepted && charged => {
+                                k.done = Some((n, at));
+                                k.hold = None;
+                            }
+                            ClaimAnswer::Ok => push("13a", Some(n), format!("`{key}` completed by fence {fence} at {at:?}: live claim {live:?}, done {:?}, charged under it: {charged}", k.done)),
+                            _ => push("13a", Some(n), format!("the completion of `{key}` by fence {fence} at {at:?} answered {answer:?} after its charge (live claim {live:?}): the charge may happen again")),
+                        }
+                    }
+                    (ClaimOp::Release(fence), answer) => {
+                        let accepted = live.is_some_and(|h| h.fence == *fence) && k.done.is_none();
+                        match (answer, accepted) {
+                            (ClaimAnswer::Ok, true) => k.hold = None,
+                            (ClaimAnswer::Lost, false) => {}
+                            _ => push("13c", Some(n), format!("the release of `{key}` by fence {fence} at {at:?} answered {answer:?}; the live claim: {live:?}")),
+                        }
+                    }
+                    (op, answer) => push(
+                        "13",
+                        Some(n),
+                        format!("{op:?} of `{key}` at {at:?} answered {answer:?}"),
+                    ),
+                }
+            }
+            Ev::Effect { key, fence, .. } => {
+                let k = keys.entry(key.as_str()).or_default();
+                let live = k.hold.filter(|h| h.until > at);
+                if !live.is_some_and(|h| h.fence == *fence && h.msg == n) {
+                    push("13a", Some(n), format!("`{key}` charged at {at:?} under fence {fence}, not the live claim {live:?}"));
+                }
+                if let Some(first) = k.effects.first() {
+                    push("13a", Some(n), format!("`{key}` charged again at {at:?} (fence {fence}); m{} charged it at {:?} (fence {})", first.0, first.2, first.1));
+                }
+                k.effects.push((n, *fence, at));
+            }
+            Ev::Record { reason, .. } if reason.contains("is held by another worker") => {
+                stats.held_at_cap += 1;
+            }
+            Ev::Accepted {
+                settled: Settled::Ack,
+                ..
+            } => {
+                if let Some(key) = key_of.get(&n) {
+                    let charges = keys.get(key.as_str()).map_or(0, |k| k.effects.len());
+                    if charges != 1 {
+                        push("13b", Some(n), format!("m{n} acknowledged as a success at {at:?} with {charges} charges of `{key}`"));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    for (d, (key, want, eff)) in owed {
+        push("13c", None, format!("delivery {d}'s execution ended with {eff:?} and never gave its claim of `{key}` back ({want:?} owed)"));
+    }
+    for (key, k) in &keys {
+        stats.effects += k.effects.len() as u32;
+        let booked = ledger.get(*key).map_or(0, Vec::len);
+        if booked > 1 || booked != k.effects.len() {
+            push(
+                "13a",
+                None,
+                format!(
+                    "`{key}` has {booked} charges in the ledger ({} in the trace)",
+                    k.effects.len()
+                ),
+            );
+        }
+        if !k.effects.is_empty() && k.done.is_none() {
+            push(
+                "13b",
+                None,
+                format!("`{key}` was charged but never completed"),
+            );
+        }
+    }
+    stats
 }

@@ -22,7 +22,19 @@
 //! malformed, with unknown job names, undecodable or invalid), one outcome
 //! script per message (one scripted outcome per handler execution, then
 //! success) and up to four faults (crash, graceful shutdown, refused
-//! settlements, lost connection, a handler that kills its worker). The [`model`] backends mimic memory,
+//! settlements, lost connection, a handler that kills its worker). One seed
+//! in four also makes one of its jobs *charging*: its messages carry a
+//! business key drawn from one to three (several messages share a key, as
+//! duplicate dispatches of one order do), and its handler (`charge`) runs
+//! each scripted execution inside the real `jobrail::run_once`, on one
+//! `MemoryClaims` per run that every consumer and edge instance share, on
+//! the simulation's clock, with a lease longer than any execution (so a
+//! lease ends only for a holder that died). The charge happens when a
+//! claimed execution succeeds: the run's ledger records it then, and the
+//! completion follows with no await in between (atomic, as Postgres's
+//! `complete_in` makes them). An execution that finds its key done runs no
+//! step and succeeds; one that finds it held runs no step and asks for a
+//! retry after the remaining lease. The [`model`] backends mimic memory,
 //! RabbitMQ, SQS, NATS JetStream and Cloudflare Queues (attempt counting,
 //! redelivery timing, what reject and fail do) and record one trace. The
 //! Cloudflare host (`cloudflare`) drives the edge's batch loop as the
@@ -69,7 +81,36 @@
 //! 12. A message that panics on every execution ends in exactly one failure
 //!     record, on the delivery at its cap; at the edge, where the crash ends
 //!     the delivery's execution, after exactly one execution per delivery
-//!     (natively tier one retries the panic within the delivery).
+//!     (natively tier one retries the panic within the delivery). An
+//!     execution of a charging message that found its key done or held did
+//!     not panic: the message is left out.
+//! 13. Effects happen once (the charging job). The claim operations of the
+//!     trace are replayed against a model of the claim rules (fences grow
+//!     by one; `Held` tells the live lease's remaining time exactly; `Done`
+//!     follows a completion; a completion or release only by the live latest
+//!     claim).
+//!     - 13a. At most one charge per business key, whatever the crashes,
+//!       shutdowns, panics and redeliveries; every charge happens under the
+//!       key's live latest claim and its completion is accepted.
+//!     - 13b. A charging message acknowledged as a success (its handler ran
+//!       the charge, or found the key done) has exactly one charge of its
+//!       key behind it; `Done` is answered only after a completion, and a
+//!       charged key is completed.
+//!     - 13c. A key held by a holder that died (a killed worker, a crashed
+//!       consumer, a crashed edge instance) is not claimed again before its
+//!       lease ends. Meanwhile its deliveries settle by the ordinary rules:
+//!       a retry after at least the remaining lease (checked under 8, the
+//!       held answer being a `RetryAfter` of that time), or at the cap a
+//!       failure whose cause is the held claim. Conversely, a holder that
+//!       did not die gives its claim back the instant its execution ends:
+//!       completed after a success, released after an error or (natively,
+//!       where it unwinds) a panic.
+//!
+//!     The outcome table (8) takes a done key's execution as a success and
+//!     a held one's as that `RetryAfter`; execution counts (2, 10) count
+//!     them as the executions they are. Invariant 11 leaves charging
+//!     messages out: their fate hangs on their key's other messages and on
+//!     the claims crashes left behind.
 //!
 //! The clock is the real `jobrail_native::TokioRuntime`, whose clock follows
 //! tokio's paused time (the simulation found that it did not: breaker
@@ -85,12 +126,13 @@ use rand::Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+mod charge;
 pub mod check;
 mod cloudflare;
 pub mod model;
 pub mod scenario;
 
-pub use check::{Report, Violation};
+pub use check::{ClaimStats, Report, Violation};
 use model::{Abandon, Ev, MState, Model, Semantics, World};
 use scenario::{Fault, Kind, Scenario};
 
@@ -308,8 +350,13 @@ fn outgoing(sc: &Scenario, m: &scenario::MsgPlan) -> (String, Vec<u8>) {
                 format!("not an envelope {}", m.n).into_bytes(),
             )
         }
-        Kind::Valid => Envelope::new(job.clone(), serde_json::json!({"n": m.n, "invalid": false})),
-        Kind::Invalid => Envelope::new(job.clone(), serde_json::json!({"n": m.n, "invalid": true})),
+        Kind::Valid | Kind::Invalid => {
+            let mut payload = serde_json::json!({"n": m.n, "invalid": m.kind == Kind::Invalid});
+            if let Some(key) = &m.key {
+                payload["key"] = key.clone().into();
+            }
+            Envelope::new(job.clone(), payload)
+        }
         Kind::UnknownName => Envelope::new("job-nobody-knows", serde_json::json!({"n": m.n})),
         Kind::Undecodable => Envelope::new(job.clone(), serde_json::json!({"n": "text"})),
     };

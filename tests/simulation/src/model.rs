@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use jobrail::{Event, EventKind, EventSink, FailureKind, FailureRecord, Settlement};
+use jobrail::{Event, EventKind, EventSink, FailureKind, FailureRecord, MemoryClaims, Settlement};
 use jobrail_native::{
-    Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
+    Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription, TokioRuntime,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -198,6 +198,9 @@ pub enum Ev {
     Record {
         /// The delivery.
         delivery: u64,
+        /// The first line of the record's error text (a panic's backtrace,
+        /// which follows, differs from run to run).
+        reason: String,
     },
     /// The backend removed the message for good (how).
     Removed(String),
@@ -216,6 +219,27 @@ pub enum Ev {
         /// The other messages of the batch.
         mates: Vec<u64>,
     },
+    /// A charging handler's operation on the claim store, and its answer.
+    Claim {
+        /// The delivery whose execution made it.
+        delivery: Option<u64>,
+        /// The business key.
+        key: String,
+        /// The operation.
+        op: ClaimOp,
+        /// The store's answer.
+        answer: ClaimAnswer,
+    },
+    /// The charge of `key` happened: the scripted execution under the claim
+    /// `fence` succeeded (its completion follows with no await between).
+    Effect {
+        /// The delivery whose execution charged.
+        delivery: Option<u64>,
+        /// The business key.
+        key: String,
+        /// The claim's fence.
+        fence: u64,
+    },
     /// Cloudflare: a batch-mate's panic reset the instance while this
     /// delivery was being worked on; its `executions` so far are void (their
     /// script steps are put back) and the delivery runs again.
@@ -225,6 +249,34 @@ pub enum Ev {
         /// The executions cut short.
         executions: u32,
     },
+}
+
+/// An operation on the claim store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOp {
+    /// `claim` for this lease.
+    Claim(Duration),
+    /// `complete` of this fence.
+    Complete(u64),
+    /// `release` of this fence.
+    Release(u64),
+}
+
+/// What the claim store answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimAnswer {
+    /// `claim`: this execution holds the key under this fence.
+    Claimed(u64),
+    /// `claim`: the key is done.
+    Done,
+    /// `claim`: another holder's lease runs this much more.
+    Held(Duration),
+    /// `complete` or `release` succeeded.
+    Ok,
+    /// `complete` or `release`: the claim was lost.
+    Lost,
+    /// Any other error.
+    Error(String),
 }
 
 /// A trace entry: when, which message, what.
@@ -315,15 +367,19 @@ pub(crate) struct State {
     pub(crate) cf_work_end: BTreeMap<u64, Duration>,
     /// Cloudflare: the failure record just sent through the failure queue
     /// (its settlement), or refused; the message's `ack` or `retry` follows.
-    cf_sent: Option<Result<Settled, Settled>>,
+    cf_sent: Option<Result<(Settled, String), Settled>>,
     /// Cloudflare: a platform call waiting for the event that reports it.
     cf_call: Option<(u64, u64, CfCall)>,
     /// Cloudflare: the script steps each delivery has consumed in the
-    /// current run of its invocation (put back if a crash voids them).
-    pub(crate) cf_consumed: BTreeMap<u64, Vec<crate::scenario::Step>>,
+    /// current run of its invocation (put back if a crash voids them), one
+    /// per execution (`None`: an execution that ran no step).
+    pub(crate) cf_consumed: BTreeMap<u64, Vec<Option<crate::scenario::Step>>>,
     /// The broker's own delivery limit, in deliveries (see
     /// `Scenario::broker_limit`).
     pub(crate) broker_limit: Option<u32>,
+    /// The charging job's ledger: the charges of each business key, by
+    /// message and claim fence, as they happened.
+    pub(crate) ledger: BTreeMap<String, Vec<(u64, u64)>>,
 }
 
 /// What a Cloudflare message was marked with during an invocation.
@@ -355,6 +411,10 @@ pub struct World {
     pub(crate) notify: Notify,
     /// A handler killed its worker: the run loop crashes the consumer.
     pub(crate) crash_requested: Notify,
+    /// The claim store of the charging job, shared by every consumer
+    /// incarnation and instance (as a database would be), on the
+    /// simulation's clock.
+    pub(crate) claims: MemoryClaims,
 }
 
 impl World {
@@ -385,9 +445,11 @@ impl World {
                 cf_call: None,
                 cf_consumed: BTreeMap::new(),
                 broker_limit: None,
+                ledger: BTreeMap::new(),
             }),
             notify: Notify::new(),
             crash_requested: Notify::new(),
+            claims: MemoryClaims::with_clock(Arc::new(TokioRuntime)),
         })
     }
 
@@ -814,7 +876,18 @@ impl World {
             }
             Settlement::Fail(_) => {
                 if !resumed {
-                    self.log(&mut st, Some(n), Ev::Record { delivery: id });
+                    let reason = match settlement {
+                        Settlement::Fail(r) => first_line(&r.reason),
+                        _ => String::new(),
+                    };
+                    self.log(
+                        &mut st,
+                        Some(n),
+                        Ev::Record {
+                            delivery: id,
+                            reason,
+                        },
+                    );
                     if sem != Semantics::Memory {
                         return Ok(None);
                     }
@@ -1145,6 +1218,11 @@ impl World {
     }
 }
 
+/// The first line of `text`.
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().to_string()
+}
+
 /// Whole seconds, rounded up, as the edge asks the platform for a delay.
 fn whole_seconds(d: Duration) -> u32 {
     (d.as_secs() + u64::from(d.subsec_nanos() > 0)) as u32
@@ -1171,12 +1249,14 @@ impl World {
             .collect()
     }
 
-    /// Cloudflare: a script step consumed by an execution of `delivery`.
-    pub(crate) fn cf_consumed(st: &mut State, delivery: u64, step: &crate::scenario::Step) {
+    /// Cloudflare: an execution of `delivery` ran, consuming `step` of its
+    /// script (`None`: a charging handler's execution that found its key
+    /// done or held and ran no step).
+    pub(crate) fn cf_consumed(st: &mut State, delivery: u64, step: Option<&crate::scenario::Step>) {
         st.cf_consumed
             .entry(delivery)
             .or_default()
-            .push(step.clone());
+            .push(step.cloned());
     }
 
     /// Cloudflare: the edge sent `text` through the failure queue. `Err`:
@@ -1186,11 +1266,14 @@ impl World {
             return Ok(());
         }
         let mut st = self.lock();
-        let settled = match serde_json::from_str::<FailureRecord>(text) {
-            Ok(r) => Settled::Fail {
-                kind: r.kind,
-                executions: r.executions,
-            },
+        let (settled, reason) = match serde_json::from_str::<FailureRecord>(text) {
+            Ok(r) => (
+                Settled::Fail {
+                    kind: r.kind,
+                    executions: r.executions,
+                },
+                first_line(&r.reason),
+            ),
             Err(e) => {
                 st.violations
                     .push((None, 0, format!("the failure record does not decode: {e}")));
@@ -1209,7 +1292,7 @@ impl World {
             st.cf_sent = Some(Err(settled));
             return Err(());
         }
-        st.cf_sent = Some(Ok(settled));
+        st.cf_sent = Some(Ok((settled, reason)));
         Ok(())
     }
 
@@ -1230,8 +1313,15 @@ impl World {
         }
         let call = match (st.cf_sent.take(), call) {
             (None, call) => call,
-            (Some(Ok(record)), CfCall::Ack { .. }) => {
-                self.log(&mut st, Some(n), Ev::Record { delivery: id });
+            (Some(Ok((record, reason))), CfCall::Ack { .. }) => {
+                self.log(
+                    &mut st,
+                    Some(n),
+                    Ev::Record {
+                        delivery: id,
+                        reason,
+                    },
+                );
                 CfCall::Ack {
                     record: Some(record),
                 }
@@ -1400,7 +1490,7 @@ impl World {
             }
             let n = st.dlvs[&id].msg;
             let script = st.scripts.entry(n).or_default();
-            script.splice(0..0, steps.iter().cloned());
+            script.splice(0..0, steps.iter().flatten().cloned());
             self.log(
                 &mut st,
                 Some(n),

@@ -15,7 +15,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Eff, Ev, Semantics, Sink, World};
+use crate::model::{Eff, Ev, Semantics, Sink, State, World};
 use jobrail_native::TokioRuntime;
 
 /// One scripted handler execution.
@@ -127,6 +127,8 @@ pub struct MsgPlan {
     pub at: Duration,
     /// Script.
     pub script: Script,
+    /// The business key a charging job's message carries.
+    pub key: Option<String>,
 }
 
 /// A generated fault.
@@ -164,7 +166,27 @@ pub struct Scenario {
     /// or the least the drivers accept, [`jobrail::deliveries_needed`] for
     /// the largest cap. A message the broker ends by it is a violation.
     pub broker_limit: Option<u32>,
+    /// The charging job, if the seed has one.
+    pub charging: Option<Charging>,
 }
+
+/// A charging job: its handler runs each scripted execution inside
+/// `jobrail::run_once` on the business key its message carries, and the
+/// effect (the charge) happens when the execution succeeds.
+#[derive(Debug, Clone)]
+pub struct Charging {
+    /// The job's index.
+    pub job: usize,
+    /// The lease of every claim: longer than any execution
+    /// ([`LONGEST_EXECUTION`]), so only a holder that died lets it end.
+    pub lease: Duration,
+    /// How many business keys its messages share.
+    pub keys: u32,
+}
+
+/// The longest a scripted execution runs: a cooperative cancel waits up to
+/// 20 s; a hang, past a timeout of at most 5 s, 6 s; everything else at once.
+pub const LONGEST_EXECUTION: Duration = Duration::from_secs(20);
 
 /// The payload of every job.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -174,6 +196,9 @@ pub struct Payload {
     /// Refused by the validation hook.
     #[serde(default)]
     pub invalid: bool,
+    /// A charging job's business key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 fn ms(r: &mut ChaCha8Rng, lo: u64, hi: u64) -> Duration {
@@ -272,6 +297,7 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
             kind,
             at: ms(r, 0, spread * 1000),
             script,
+            key: None,
         });
     }
     msgs.sort_by_key(|m| (m.at, m.n));
@@ -299,6 +325,7 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
         faults,
         batch: r.gen_range(1..=5),
         broker_limit: None,
+        charging: None,
     };
     let limited = matches!(sem, Semantics::Rabbit | Semantics::Sqs | Semantics::Nats)
         && r.gen_bool(0.5)
@@ -334,13 +361,26 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
             _ => {}
         }
     }
+    // Charging: one job in four seeds runs its effect once per business key
+    // (drawn last, so everything else a seed generates stays as it was).
+    if r.gen_bool(0.25) {
+        let job = r.gen_range(0..sc.jobs.len());
+        let keys = r.gen_range(1..=3);
+        let lease = LONGEST_EXECUTION + ms(r, 1_000, 60_000);
+        for m in &mut sc.msgs {
+            if m.job == job && matches!(m.kind, Kind::Valid | Kind::Invalid) {
+                m.key = Some(format!("order-{}", r.gen_range(0..keys)));
+            }
+        }
+        sc.charging = Some(Charging { job, lease, keys });
+    }
     sc
 }
 
 /// What a `PanicBefore` step panics with.
-const PANIC_BEFORE: &str = "sim: panic before the handler's future";
+pub(crate) const PANIC_BEFORE: &str = "sim: panic before the handler's future";
 /// What a `PanicInside` step panics with.
-const PANIC_INSIDE: &str = "sim: panic inside the handler's future";
+pub(crate) const PANIC_INSIDE: &str = "sim: panic inside the handler's future";
 
 /// The length of an always-panicking script: more than the largest cap
 /// (5) times the largest tier one (3).
@@ -368,6 +408,7 @@ pub fn alone(sc: &Scenario, n: u64) -> Scenario {
         faults: Vec::new(),
         batch: 1,
         broker_limit: None,
+        charging: sc.charging.clone(),
     }
 }
 
@@ -458,15 +499,19 @@ fn step_name(s: &Step) -> String {
     format!("{s:?}")
 }
 
-/// Records the start of an execution; returns the step, delivery and the world.
-fn begin(world: &World, n: u64, ctx: &JobContext) -> (Step, Option<u64>) {
-    let mut st = world.lock();
-    let idx = st
-        .dlvs
+/// The delivery of message `n` an execution with `ctx` belongs to.
+pub(crate) fn delivery_of(st: &State, n: u64, ctx: &JobContext) -> Option<u64> {
+    st.dlvs
         .iter()
         .filter(|(_, d)| d.msg == n && d.attempt == ctx.attempt() && !d.ended)
         .map(|(&id, _)| id)
-        .next_back();
+        .next_back()
+}
+
+/// Records the start of an execution; returns the step and the delivery.
+pub(crate) fn begin(world: &World, n: u64, ctx: &JobContext) -> (Step, Option<u64>) {
+    let mut st = world.lock();
+    let idx = delivery_of(&st, n, ctx);
     let script = st.scripts.entry(n).or_default();
     let step = if script.is_empty() {
         Step::Ok
@@ -475,7 +520,7 @@ fn begin(world: &World, n: u64, ctx: &JobContext) -> (Step, Option<u64>) {
     };
     if world.sem == Semantics::Cloudflare {
         if let Some(d) = idx {
-            World::cf_consumed(&mut st, d, &step);
+            World::cf_consumed(&mut st, d, Some(&step));
         }
     }
     world.log(
@@ -491,12 +536,12 @@ fn begin(world: &World, n: u64, ctx: &JobContext) -> (Step, Option<u64>) {
     (step, idx)
 }
 
-fn result(world: &World, n: u64, delivery: Option<u64>, eff: Eff) {
+pub(crate) fn result(world: &World, n: u64, delivery: Option<u64>, eff: Eff) {
     let mut st = world.lock();
     world.log(&mut st, Some(n), Ev::ExecResult { delivery, eff });
 }
 
-async fn run_step(
+pub(crate) async fn run_step(
     world: Arc<World>,
     ctx: JobContext,
     n: u64,
@@ -568,7 +613,7 @@ async fn run_step(
 /// Builds a fresh registry (a new process) for the scenario.
 pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) -> Registry {
     let mut registry = Registry::new();
-    for plan in &sc.jobs {
+    for (j, plan) in sc.jobs.iter().enumerate() {
         let mut b = Job::<Payload>::builder(plan.name.clone())
             .queue(plan.queue.clone())
             .retry(plan.cap)
@@ -619,6 +664,15 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
             });
         }
         let job = b.build().expect("valid job");
+        if let Some(charging) = sc.charging.as_ref().filter(|c| c.job == j) {
+            let (world, lease, timeout) = (world.clone(), charging.lease, plan.timeout);
+            registry
+                .register(&job, move |ctx: JobContext, p: Payload| {
+                    crate::charge::handler(world.clone(), ctx, p, lease, breaker.clone(), timeout)
+                })
+                .expect("register");
+            continue;
+        }
         let world = world.clone();
         let timeout = plan.timeout;
         registry

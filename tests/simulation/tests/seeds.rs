@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use jobrail_simulation::{run_seed, Backend};
+use jobrail_simulation::{run_seed, Backend, ClaimStats};
 
 /// Seeds per backend (a debug build on 2 cores: about 40 s in all).
 const SEEDS: u64 = 1500;
@@ -17,8 +17,10 @@ fn fixed_seeds_hold_every_invariant() {
     for backend in Backend::ALL {
         let t = Instant::now();
         let mut failing = 0;
+        let mut claims = ClaimStats::default();
         for seed in 0..SEEDS {
             let report = run_seed(seed, Some(backend));
+            claims += report.claims;
             if !report.ok() {
                 failing += 1;
                 if failures.len() < 5 {
@@ -27,10 +29,43 @@ fn fixed_seeds_hold_every_invariant() {
             }
         }
         println!(
-            "{}: {SEEDS} seeds, {failing} failing, {:.2}s",
+            "{}: {SEEDS} seeds, {failing} failing, {:.2}s; claims: {} seeds charging, {} charges, {} done, {} held ({} by a dead holder), {} keys taken over, {} held at the cap",
             backend.name(),
-            t.elapsed().as_secs_f64()
+            t.elapsed().as_secs_f64(),
+            claims.charging,
+            claims.effects,
+            claims.done,
+            claims.held,
+            claims.held_by_dead,
+            claims.taken_over,
+            claims.held_at_cap
         );
+        // Invariant 13 must have something to hold: charges, duplicates
+        // skipped, keys held, and keys held by dead holders then taken over.
+        let ClaimStats {
+            charging,
+            effects,
+            done,
+            held,
+            held_by_dead,
+            taken_over,
+            held_at_cap,
+        } = claims;
+        let evidence = [
+            charging,
+            effects,
+            done,
+            held,
+            held_by_dead,
+            taken_over,
+            held_at_cap,
+        ];
+        if evidence.contains(&0) {
+            failures.push(format!(
+                "{}: the fixed seeds do not exercise the claims: {claims:?}",
+                backend.name()
+            ));
+        }
     }
     println!("total {:.2}s", started.elapsed().as_secs_f64());
     if !failures.is_empty() {
@@ -52,8 +87,15 @@ fn a_seed_replays_identically() {
             .map(|e| format!("{} {:?} {:?} {:?}", e.seq, e.at, e.msg, e.ev))
             .collect::<Vec<_>>()
     };
-    // Seed 29 at the edge: a panic resumed, an execution cut short, a worker killed.
-    for (seed, backend) in [(7, Backend::Rabbit), (29, Backend::Cloudflare)] {
+    // Seed 29 at the edge: a panic resumed, an execution cut short, a worker
+    // killed. Seeds 44 on RabbitMQ and 70 at the edge charge: duplicates
+    // skipped, keys held, a crashed holder's lease waited out.
+    for (seed, backend) in [
+        (7, Backend::Rabbit),
+        (29, Backend::Cloudflare),
+        (44, Backend::Rabbit),
+        (70, Backend::Cloudflare),
+    ] {
         let a = run_seed(seed, Some(backend));
         let b = run_seed(seed, Some(backend));
         assert_eq!(text(&a), text(&b), "seed {seed} on {}", backend.name());

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use jobrail_simulation::{run_seed, Backend};
+use jobrail_simulation::{run_seed, Backend, ClaimStats};
 
 fn usage() -> ExitCode {
     eprintln!(
@@ -72,8 +72,10 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let mut failing = 0;
     let mut by_invariant: BTreeMap<u8, u64> = BTreeMap::new();
+    let mut claims = ClaimStats::default();
     for s in from..from + n {
         let report = run_seed(s, backend);
+        claims += report.claims;
         if !report.ok() {
             failing += 1;
             for inv in report.invariants() {
@@ -94,7 +96,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "{n} seeds from {from}: {failing} failing; by invariant {by_invariant:?}; {:.1}s",
+        "{n} seeds from {from}: {failing} failing; by invariant {by_invariant:?}; {:.1}s\n  claims: {claims:?}",
         started.elapsed().as_secs_f64()
     );
     if failing > 0 {

@@ -2,7 +2,7 @@
 //! outbox's crash test (`tests/outbox.rs`).
 //!
 //! `outbox_relay_crash rabbitmq <table>` runs one pass of an
-//! [`OutboxRelay`](jobrail_native::postgres::OutboxRelay) over the outbox
+//! [`OutboxRelay`] over the outbox
 //! table `<table>` (database at `DATABASE_URL`), publishing to RabbitMQ at
 //! `RABBITMQ_URL` (feature `rabbitmq`) through a driver that, once the
 //! broker has confirmed a batch, prints `confirmed N` and aborts the

@@ -115,6 +115,12 @@ pub(super) fn stream_create(
     })
 }
 
+/// Whether the server refused a stream because another stream holds its
+/// subjects.
+pub(super) fn is_subject_overlap(e: &CreateStreamError) -> bool {
+    matches!(e.kind(), CreateStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_SUBJECT_OVERLAP)
+}
+
 /// Looking up the consumer `name` on `stream` failed; `None` when it does
 /// not exist.
 pub(super) fn consumer_lookup(

@@ -137,7 +137,12 @@ impl NatsDriver {
                 )))
             }
         };
-        for _ in 0..2 {
+        // A refusal for overlapping subjects may be our own stream, declared
+        // a moment ago by another process (the server can answer a racing
+        // create that way instead of "name in use"): look again before
+        // reporting it.
+        let mut overlap = None;
+        for _ in 0..3 {
             match js.get_stream(name).await {
                 Ok(stream) => return check(stream),
                 Err(e) => {
@@ -153,16 +158,21 @@ impl NatsDriver {
                 }
                 // None: declared concurrently by someone else, inspect theirs.
                 Err(e) => {
-                    if let Some(err) = errors::stream_create(name, subject, e) {
-                        return Err(err);
+                    let overlapping = errors::is_subject_overlap(&e);
+                    match errors::stream_create(name, subject, e) {
+                        None => {}
+                        Some(err) if overlapping => overlap = Some(err),
+                        Some(err) => return Err(err),
                     }
                 }
             }
         }
-        Err(error(
-            ErrorKind::Connection,
-            format!("stream `{name}` kept changing while it was declared"),
-        ))
+        Err(overlap.unwrap_or_else(|| {
+            error(
+                ErrorKind::Connection,
+                format!("stream `{name}` kept changing while it was declared"),
+            )
+        }))
     }
 
     fn wanted_consumer(&self) -> pull::Config {

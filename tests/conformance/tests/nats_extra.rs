@@ -452,3 +452,33 @@ async fn eight_concurrent_batches_all_finish() {
 async fn concurrent_batches_and_single_dispatches_all_finish() {
     concurrent_dispatches("nats-batches-mixed", 8, 1000, 32, 50).await;
 }
+
+/// Drivers on separate connections declaring one new queue's stream at the
+/// same instant all succeed: the server may answer the losers' create with
+/// "subjects overlap" (the winner's stream already holds the subject)
+/// rather than "name in use", and that is the same stream, not a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drivers_declaring_one_stream_at_once_all_succeed() {
+    let backend = nats(Duration::from_secs(2));
+    let h = Harness::new(&backend, "nats-declare-race").await;
+    let mut drivers = Vec::new();
+    for _ in 0..6 {
+        drivers.push(backend.driver().await);
+    }
+    for round in 0..8 {
+        let queue = format!("{}-{round}", h.queue);
+        let mut sends = tokio::task::JoinSet::new();
+        for (i, driver) in drivers.iter().enumerate() {
+            let (driver, queue) = (driver.clone(), queue.clone());
+            sends.spawn(async move { driver.send(&queue, outgoing(&format!("m{i}"), None)).await });
+        }
+        while let Some(sent) = sends.join_next().await {
+            sent.unwrap()
+                .unwrap_or_else(|e| panic!("round {round}: a concurrent declaration failed: {e}"));
+        }
+        assert_eq!(
+            drivers[0].stored_count(&queue).await.unwrap(),
+            drivers.len() as u64
+        );
+    }
+}

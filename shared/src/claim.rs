@@ -525,67 +525,53 @@ mod tests {
         (MemoryClaims::with_clock(Arc::new(runtime.clone())), runtime)
     }
 
+    fn claim(store: &MemoryClaims, key: &str, lease: Duration) -> Claim {
+        block_on(store.claim(key, lease)).unwrap()
+    }
+
     #[test]
     fn a_claim_is_exclusive_until_its_lease_ends() {
         let (store, runtime) = store();
         let lease = Duration::from_secs(10);
-        assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
-            Claim::Claimed { fence: 1 }
-        );
+        assert_eq!(claim(&store, "k", lease), Claim::Claimed { fence: 1 });
         runtime.advance(Duration::from_secs(4));
         assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
+            claim(&store, "k", lease),
             Claim::Held {
                 remaining: Duration::from_secs(6)
             }
         );
         runtime.advance(Duration::from_secs(6));
-        assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
-            Claim::Claimed { fence: 2 }
-        );
+        assert_eq!(claim(&store, "k", lease), Claim::Claimed { fence: 2 });
         // The first holder's completion is too late: the key has a newer claim.
         assert!(matches!(
             block_on(store.complete("k", 1)),
             Err(ClaimError::Lost { fence: 1, .. })
         ));
         block_on(store.complete("k", 2)).unwrap();
-        assert_eq!(block_on(store.claim("k", lease)).unwrap(), Claim::Done);
+        assert_eq!(claim(&store, "k", lease), Claim::Done);
     }
 
     #[test]
     fn a_completion_after_the_lease_is_lost_even_if_nobody_took_the_key() {
         let (store, runtime) = store();
         let lease = Duration::from_secs(1);
-        assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
-            Claim::Claimed { fence: 1 }
-        );
+        assert_eq!(claim(&store, "k", lease), Claim::Claimed { fence: 1 });
         runtime.advance(lease);
         assert!(matches!(
             block_on(store.complete("k", 1)),
             Err(ClaimError::Lost { .. })
         ));
-        assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
-            Claim::Claimed { fence: 2 }
-        );
+        assert_eq!(claim(&store, "k", lease), Claim::Claimed { fence: 2 });
     }
 
     #[test]
     fn release_and_extend() {
         let (store, runtime) = store();
         let lease = Duration::from_secs(2);
-        assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
-            Claim::Claimed { fence: 1 }
-        );
+        assert_eq!(claim(&store, "k", lease), Claim::Claimed { fence: 1 });
         block_on(store.release("k", 1)).unwrap();
-        assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
-            Claim::Claimed { fence: 2 }
-        );
+        assert_eq!(claim(&store, "k", lease), Claim::Claimed { fence: 2 });
         block_on(store.extend("k", 2, Duration::from_secs(10))).unwrap();
         runtime.advance(Duration::from_secs(5));
         block_on(store.complete("k", 2)).unwrap();
@@ -593,7 +579,7 @@ mod tests {
             block_on(store.release("k", 2)),
             Err(ClaimError::Lost { .. })
         ));
-        assert_eq!(block_on(store.claim("k", lease)).unwrap(), Claim::Done);
+        assert_eq!(claim(&store, "k", lease), Claim::Done);
     }
 
     #[test]
@@ -620,7 +606,7 @@ mod tests {
     fn run_once_settles_held_keys_as_a_retry_and_failed_effects_release() {
         let (store, runtime) = store();
         let lease = Duration::from_secs(30);
-        block_on(store.claim("k", lease)).unwrap();
+        claim(&store, "k", lease);
         runtime.advance(Duration::from_secs(10));
         let held = block_on(run_once(&store, "k", lease, |_| async {
             Ok::<_, JobError>(())
@@ -635,11 +621,9 @@ mod tests {
         }))
         .unwrap_err();
         assert_eq!(failed.outcome(), Outcome::Permanent);
-        assert_eq!(
-            block_on(store.claim("other", lease)).unwrap(),
-            Claim::Claimed { fence: 2 }
-        );
+        assert_eq!(claim(&store, "other", lease), Claim::Claimed { fence: 2 });
     }
+
     #[test]
     fn a_panicking_effect_releases_its_claim() {
         let (store, _) = store();
@@ -653,7 +637,7 @@ mod tests {
         }));
         assert!(caught.is_err(), "the panic goes on to the caller");
         assert_eq!(
-            block_on(store.claim("k", lease)).unwrap(),
+            claim(&store, "k", lease),
             Claim::Claimed { fence: 2 },
             "the key is free at once, not held for the lease"
         );

@@ -143,9 +143,9 @@ pub(crate) fn feed_breaker(spec: &JobSpec, result: &Result<(), JobError>) {
     }
     match result {
         Ok(()) => breaker.record_success(),
-        // A claim held by another worker says nothing about the dependency.
-        Err(err) if matches!(err.outcome(), Outcome::RetryAfter(_)) && err.is::<ClaimHeld>() => {}
         Err(err) => match err.outcome() {
+            // A claim held by another worker says nothing about the dependency.
+            Outcome::RetryAfter(_) if err.is::<ClaimHeld>() => {}
             Outcome::Ordinary | Outcome::RetryAfter(_) => breaker.record_failure(),
             Outcome::Permanent | Outcome::Reject | Outcome::Cancelled | Outcome::BreakerOpen => {}
         },

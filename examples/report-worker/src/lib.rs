@@ -43,8 +43,9 @@
 //! healthy report through [`jobrail_edge::EdgeProducer::dispatch_unique`]
 //! on `CLAIMS_DB`, unless one with the same key went out within the window:
 //! `{"dispatched": id}` or `{"duplicate": remaining_ms}`, an error as above
-//! (`{"error": "dispatch", ...}` for the send's own). The log's events carry
-//! their payload, so a test finds the runs of a report by its id.
+//! (`{"error": "dispatch", ...}` for the send's own). The log's events keep
+//! their report's id (and nothing else of the payload), so a test finds the
+//! runs of a report by it.
 //!
 //! The test routes (`POST /dispatch`, `/dispatch-unique`, `GET /log`,
 //! `/claims`) are off unless the operator sets the secret
@@ -351,10 +352,10 @@ mod edge {
         .with_status(400))
     }
 
-    /// A lease given in milliseconds.
-    fn lease(ms: Option<f64>) -> std::result::Result<Duration, String> {
-        let ms = ms.ok_or("`lease_ms` is missing")?;
-        Duration::try_from_secs_f64(ms / 1000.0).map_err(|e| format!("`lease_ms` {ms}: {e}"))
+    /// The duration of the request's field `name`, given in milliseconds.
+    fn millis(name: &str, ms: Option<f64>) -> std::result::Result<Duration, String> {
+        let ms = ms.ok_or(format!("`{name}` is missing"))?;
+        Duration::try_from_secs_f64(ms / 1000.0).map_err(|e| format!("`{name}` {ms}: {e}"))
     }
 
     /// A claim error as JSON (the native adapter maps it back).
@@ -382,7 +383,7 @@ mod edge {
         let key = op.key.as_str();
         let answer = match op.op.as_str() {
             "claim" => {
-                let lease = match lease(op.lease_ms) {
+                let lease = match millis("lease_ms", op.lease_ms) {
                     Ok(lease) => lease,
                     Err(e) => return bad_request(e),
                 };
@@ -403,7 +404,7 @@ mod edge {
                 let done = match op.op.as_str() {
                     "complete" => store.complete(key, fence).await,
                     "release" => store.release(key, fence).await,
-                    _ => match lease(op.lease_ms) {
+                    _ => match millis("lease_ms", op.lease_ms) {
                         Ok(lease) => store.extend(key, fence, lease).await,
                         Err(e) => return bad_request(e),
                     },
@@ -441,7 +442,7 @@ mod edge {
             Ok(body) => body,
             Err(e) => return bad_request(e),
         };
-        let lease = match lease(Some(body.lease_ms)) {
+        let lease = match millis("lease_ms", Some(body.lease_ms)) {
             Ok(lease) => lease,
             Err(e) => return bad_request(e),
         };
@@ -587,9 +588,9 @@ mod edge {
             Ok(body) => body,
             Err(e) => return bad_request(e),
         };
-        let window = match Duration::try_from_secs_f64(body.window_ms / 1000.0) {
+        let window = match millis("window_ms", Some(body.window_ms)) {
             Ok(window) => window,
-            Err(e) => return bad_request(format!("`window_ms` {}: {e}", body.window_ms)),
+            Err(e) => return bad_request(e),
         };
         let fail = |e: jobrail_edge::EdgeError| worker::Error::RustError(e.to_string());
         let producer = EdgeProducer::from_env(&ctx.env, REPORTS).map_err(fail)?;

@@ -22,6 +22,7 @@
 
 pub mod claims;
 pub mod crash;
+pub mod edge;
 pub mod failures;
 pub mod fixture;
 pub mod gated;

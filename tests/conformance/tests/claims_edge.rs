@@ -33,10 +33,10 @@ struct EdgeClaims {
 
 impl EdgeClaims {
     fn open() -> Self {
-        let base = std::env::var("EDGE_URL")
-            .expect("EDGE_URL names the worker under `wrangler dev` (tests/run sets it)");
-        let token = std::env::var("EDGE_TOKEN")
-            .expect("EDGE_TOKEN is the worker's TEST_ROUTES_TOKEN (tests/run sets both)");
+        let (base, token) = (
+            jobrail_conformance::edge::base(),
+            jobrail_conformance::edge::token(),
+        );
         EdgeClaims {
             agent: ureq::AgentBuilder::new()
                 .timeout(Duration::from_secs(30))

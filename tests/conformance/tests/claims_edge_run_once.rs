@@ -10,35 +10,14 @@
 //! `EDGE_URL` with the bearer token `EDGE_TOKEN` (`tests/run` starts it
 //! and runs them with `--ignored`).
 
+use jobrail_conformance::edge::{base, fresh, post, token};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-fn base() -> String {
-    std::env::var("EDGE_URL")
-        .expect("EDGE_URL names the worker under `wrangler dev` (tests/run sets it)")
-}
-
-fn token() -> String {
-    std::env::var("EDGE_TOKEN")
-        .expect("EDGE_TOKEN is the worker's TEST_ROUTES_TOKEN (tests/run sets both)")
-}
-
-fn post(path: &str, body: Value) -> Value {
-    ureq::post(&format!("{}{path}", base()))
-        .set("Authorization", &format!("Bearer {}", token()))
-        .send_json(body)
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
-        .into_json()
-        .expect("JSON answer")
-}
-
 /// A key no other run used (the worker's D1 persists between runs).
 fn fresh_key(what: &str) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap();
-    format!("edge-run-once:{what}:{}", now.as_nanos())
+    format!("edge-run-once:{what}:{}", fresh())
 }
 
 fn effects(key: &str) -> Vec<Value> {

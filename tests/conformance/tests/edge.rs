@@ -10,6 +10,7 @@
 //! instance started with a short invocation budget. The test routes need the
 //! bearer token `EDGE_TOKEN` (the worker's `TEST_ROUTES_TOKEN` secret).
 
+use jobrail_conformance::edge::{base, fresh, log, post, token};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,42 +22,6 @@ use report_job::{Behaviour, BuildReport};
 use serde_json::{json, Value};
 
 const PATIENCE: Duration = Duration::from_secs(60);
-
-fn base() -> String {
-    std::env::var("EDGE_URL")
-        .expect("EDGE_URL names the worker under `wrangler dev` (tests/run sets it)")
-}
-
-fn token() -> String {
-    std::env::var("EDGE_TOKEN")
-        .expect("EDGE_TOKEN is the worker's TEST_ROUTES_TOKEN (tests/run sets both)")
-}
-
-fn post(path: &str, body: Value) -> Value {
-    ureq::post(&format!("{}{path}", base()))
-        .set("Authorization", &format!("Bearer {}", token()))
-        .send_json(body)
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
-        .into_json()
-        .expect("JSON answer")
-}
-
-fn log() -> Vec<Value> {
-    ureq::get(&format!("{}/log", base()))
-        .set("Authorization", &format!("Bearer {}", token()))
-        .call()
-        .expect("GET /log")
-        .into_json()
-        .expect("JSON log")
-}
-
-/// A report id no earlier run used (the worker's log persists).
-fn fresh_id() -> u64 {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap();
-    now.as_micros() as u64
-}
 
 /// One settlement as the tests compare it: the attempt, what happened, and
 /// the handler executions it took.
@@ -268,7 +233,7 @@ fn plain(steps: &[(f64, Step)]) -> Vec<(u64, String, u64)> {
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn edge_settles_every_outcome_like_native() {
-    let base_id = fresh_id();
+    let base_id = fresh();
     let (reports, envelopes, raw) = main_phase_messages(base_id);
     let answer = post(
         "/dispatch",
@@ -451,7 +416,7 @@ fn run_natively(
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn budget_defers_what_cannot_start_in_time() {
-    let base_id = fresh_id();
+    let base_id = fresh();
     let answer = post(
         "/dispatch",
         json!({ "batch": [report(base_id, Behaviour::Slow), report(base_id + 1, Behaviour::Healthy)] }),
@@ -486,7 +451,7 @@ fn budget_defers_what_cannot_start_in_time() {
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn panics_are_contained() {
-    let base_id = fresh_id();
+    let base_id = fresh();
     let once = post(
         "/dispatch",
         json!({ "reports": [report(base_id, Behaviour::Panics)] }),
@@ -632,7 +597,7 @@ fn batch_scenario(labelled: Vec<(String, BuildReport)>) {
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn a_panic_does_not_fail_its_batch() {
-    let base_id = fresh_id();
+    let base_id = fresh();
     let mut labelled = vec![(
         "AlwaysPanics".to_string(),
         report(base_id, Behaviour::AlwaysPanics),
@@ -651,7 +616,7 @@ fn a_panic_does_not_fail_its_batch() {
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn a_mixed_batch_of_twenty_settles_like_native() {
-    let base_id = fresh_id();
+    let base_id = fresh();
     let mut labelled = vec![];
     for round in 0..2u64 {
         for (i, b) in BEHAVIOURS.iter().enumerate() {
@@ -675,7 +640,7 @@ fn test_routes_refuse_a_request_without_the_token() {
     );
     let post = ureq::post(&format!("{}/dispatch", base()))
         .set("Authorization", "Bearer not-the-token")
-        .send_json(json!({ "reports": [report(fresh_id(), Behaviour::Healthy)] }));
+        .send_json(json!({ "reports": [report(fresh(), Behaviour::Healthy)] }));
     assert!(
         matches!(post, Err(ureq::Error::Status(401, _))),
         "POST /dispatch with a wrong token: {post:?}"
@@ -694,7 +659,7 @@ fn delayed_dispatch_waits() {
         .as_millis() as f64;
     let answer = post(
         "/dispatch",
-        json!({ "reports": [report(fresh_id(), Behaviour::Healthy)], "delay_seconds": 2 }),
+        json!({ "reports": [report(fresh(), Behaviour::Healthy)], "delay_seconds": 2 }),
     );
     let id = answer["reports"][0].as_str().unwrap().to_string();
     let log = wait_terminal(std::slice::from_ref(&id));
@@ -712,7 +677,7 @@ fn delayed_dispatch_waits() {
 #[test]
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn concurrency_runs_a_batch_at_once() {
-    let base_id = fresh_id();
+    let base_id = fresh();
     let batch: Vec<_> = (0..4)
         .map(|i| report(base_id + i, Behaviour::Slow))
         .collect();
@@ -754,7 +719,7 @@ fn misconfigured_worker_hands_messages_back() {
         .expect("EDGE_WRANGLER_LOG names this instance's wrangler dev output");
     let answer = post(
         "/dispatch",
-        json!({ "reports": [report(fresh_id(), Behaviour::Healthy)] }),
+        json!({ "reports": [report(fresh(), Behaviour::Healthy)] }),
     );
     let id = answer["reports"][0].as_str().unwrap().to_string();
     let started = Instant::now();
@@ -801,7 +766,7 @@ fn padded_envelope(id: u64, size: usize) -> Envelope {
 #[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
 fn a_message_at_the_size_limit_round_trips() {
     const LIMIT: usize = 128_000;
-    let over = padded_envelope(fresh_id(), LIMIT + 1);
+    let over = padded_envelope(fresh(), LIMIT + 1);
     let refused = ureq::post(&format!("{}/dispatch", base()))
         .set("Authorization", &format!("Bearer {}", token()))
         .send_json(json!({ "envelopes": [over] }));
@@ -812,7 +777,7 @@ fn a_message_at_the_size_limit_round_trips() {
             LIMIT + 1
         ),
     }
-    let at = padded_envelope(fresh_id(), LIMIT);
+    let at = padded_envelope(fresh(), LIMIT);
     let answer = post("/dispatch", json!({ "envelopes": [at] }));
     let id = answer["envelopes"][0].as_str().unwrap().to_string();
     assert_eq!(id, at.id);

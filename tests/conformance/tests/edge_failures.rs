@@ -10,21 +10,12 @@
 //! `EDGE_FAILURES_TOKEN` (the worker's `FAILURES_TOKEN`; `EDGE_TOKEN` when
 //! unset). The tests share one store, so they must not overlap.
 
+use jobrail_conformance::edge::{base, fresh, log, token};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
 const PATIENCE: Duration = Duration::from_secs(60);
-
-fn base() -> String {
-    std::env::var("EDGE_URL")
-        .expect("EDGE_URL names the worker under `wrangler dev` (tests/run sets it)")
-}
-
-fn token() -> String {
-    std::env::var("EDGE_TOKEN")
-        .expect("EDGE_TOKEN is the worker's TEST_ROUTES_TOKEN (tests/run sets both)")
-}
 
 fn keeper_token() -> String {
     std::env::var("EDGE_FAILURES_TOKEN").unwrap_or_else(|_| token())
@@ -67,24 +58,6 @@ fn dispatch(body: Value) -> Value {
         .expect("JSON answer")
 }
 
-fn log() -> Vec<Value> {
-    ureq::get(&format!("{}/log", base()))
-        .set("Authorization", &format!("Bearer {}", token()))
-        .call()
-        .expect("GET /log")
-        .into_json()
-        .expect("JSON log")
-}
-
-/// A report id no earlier run used (the worker's state persists).
-fn fresh_id() -> u64 {
-    std::thread::sleep(Duration::from_micros(2));
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64
-}
-
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -96,7 +69,7 @@ fn now_ms() -> u64 {
 /// their message ids.
 fn fail_reports(count: usize) -> Vec<String> {
     let reports: Vec<Value> = (0..count)
-        .map(|_| json!({ "report_id": fresh_id(), "behaviour": "missing" }))
+        .map(|_| json!({ "report_id": fresh(), "behaviour": "missing" }))
         .collect();
     dispatch(json!({ "reports": reports }))["reports"]
         .as_array()
@@ -308,7 +281,7 @@ fn concurrent_replays_of_one_record_send_one_copy() {
 #[ignore = "needs the report worker under wrangler dev (tests/run)"]
 fn poison_is_kept_refused_and_sent_only_when_forced() {
     // A malformed envelope: its record keeps the raw body.
-    let raw = format!("{{not an envelope {}", fresh_id());
+    let raw = format!("{{not an envelope {}", fresh());
     dispatch(json!({ "raw": [raw.clone()] }));
     let is_raw = |raw: String| {
         move |e: &Value| e["record"]["raw_body"]["data"].as_str() == Some(raw.as_str())
@@ -333,7 +306,7 @@ fn poison_is_kept_refused_and_sent_only_when_forced() {
     assert_eq!(again[0]["kind"], "malformed_envelope");
 
     // A body on the failure queue that is not a record at all is kept.
-    let text = format!("not a record {}", fresh_id());
+    let text = format!("not a record {}", fresh());
     dispatch(json!({ "failed_raw": [text.clone()] }));
     let is_text = |text: String| move |e: &Value| e["body"]["data"].as_str() == Some(text.as_str());
     let entry = wait_entries("the failure queue's stray body", 1, is_text(text.clone())).remove(0);
@@ -368,7 +341,7 @@ fn purge_one_older_than_and_all() {
     for id in &later {
         wait_entries("a failed report", 1, with_message(id));
     }
-    dispatch(json!({ "failed_raw": [format!("stray {}", fresh_id())] }));
+    dispatch(json!({ "failed_raw": [format!("stray {}", fresh())] }));
     wait_entries("a stray body", 1, |e| e["record"].is_null());
 
     // One, by message id.

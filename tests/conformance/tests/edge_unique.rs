@@ -10,7 +10,7 @@
 //! runs them with `--ignored`). Each test uses its own keys and report ids,
 //! so they may run in parallel with each other.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use jobrail_conformance::edge::{base, fresh, log, post, token};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -18,51 +18,6 @@ use serde_json::{json, Value};
 
 /// How long a dispatched report may take to show up settled in the log.
 const PATIENCE: Duration = Duration::from_secs(60);
-
-fn base() -> String {
-    std::env::var("EDGE_URL")
-        .expect("EDGE_URL names the worker under `wrangler dev` (tests/run sets it)")
-}
-
-fn token() -> String {
-    std::env::var("EDGE_TOKEN")
-        .expect("EDGE_TOKEN is the worker's TEST_ROUTES_TOKEN (tests/run sets both)")
-}
-
-fn post(path: &str, body: Value) -> Value {
-    ureq::post(&format!("{}{path}", base()))
-        .set("Authorization", &format!("Bearer {}", token()))
-        .send_json(body)
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
-        .into_json()
-        .expect("JSON answer")
-}
-
-fn log() -> Vec<Value> {
-    ureq::get(&format!("{}/log", base()))
-        .set("Authorization", &format!("Bearer {}", token()))
-        .call()
-        .expect("GET /log")
-        .into_json()
-        .expect("JSON log")
-}
-
-/// Microseconds since the epoch, never the same twice in this process:
-/// report ids and keys no earlier run used (the worker's log and D1
-/// persist between runs).
-fn fresh() -> u64 {
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64;
-    let previous = LAST
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |last| {
-            Some(now.max(last + 1))
-        })
-        .unwrap();
-    now.max(previous + 1)
-}
 
 fn dispatch_unique(key: &str, window_ms: u64, report_id: u64) -> Value {
     post(

@@ -1018,17 +1018,26 @@ impl KillRun {
     }
 }
 
+/// Whether `kind` lives in the orchestrator's process (memory), where
+/// killing a worker kills the queue: then the fault's row says so.
+fn one_process(suite: &mut Suite, kind: Kind, fault: Fault) -> bool {
+    if kind != Kind::Memory {
+        return false;
+    }
+    suite.rows.push(Row::na(
+        kind,
+        fault,
+        "the memory driver lives in one process: killing it kills the queue",
+    ));
+    true
+}
+
 /// Kill load: `--jobs` jobs, three workers (concurrency 8), a random worker
 /// SIGKILLed every 0.7–1.5 s and restarted at once, `--kills` times. Recovery:
 /// from the last kill until every id is accounted for.
 async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), String> {
     let kind = env.kind;
-    if kind == Kind::Memory {
-        suite.rows.push(Row::na(
-            kind,
-            Fault::Kill,
-            "the memory driver lives in one process: killing it kills the queue",
-        ));
+    if one_process(suite, kind, Fault::Kill) {
         return Ok(());
     }
     let n = if kind == Kind::Sqs {
@@ -1091,12 +1100,7 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
 #[cfg(feature = "postgres")]
 async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), String> {
     let kind = env.kind;
-    if kind == Kind::Memory {
-        suite.rows.push(Row::na(
-            kind,
-            Fault::Charge,
-            "the memory driver lives in one process: killing it kills the queue",
-        ));
+    if one_process(suite, kind, Fault::Charge) {
         return Ok(());
     }
     let n = if kind == Kind::Sqs {

@@ -411,18 +411,9 @@ impl Registry {
         runtime: &Arc<dyn Runtime>,
         cancel: &CancelToken,
     ) -> Processed {
-        let mut envelope = match EnvelopeView::decode(delivery.body) {
-            Ok(envelope) => envelope,
-            Err(e) => return self.malformed(delivery, e),
-        };
-        let Some(job) = self.jobs.get(&*envelope.job) else {
-            let settlement = settle_unknown_name(
-                &envelope.job,
-                delivery.attempt,
-                self.unknown_name_attempts,
-                self.unknown_name_delay,
-            );
-            return self.finish(delivery, &envelope, settlement, RunSummary::default());
+        let (mut envelope, job) = match self.route(delivery) {
+            Ok(routed) => routed,
+            Err(unrunnable) => return *unrunnable,
         };
         let spec = job.spec();
         let payload = envelope.payload.get();
@@ -561,19 +552,14 @@ impl Registry {
     /// job's retry policy and cap apply as they do where panics unwind. The
     /// host calls it once it is running again, before anything else runs the
     /// delivery. A body that is not a known job's envelope is settled as
-    /// [`Registry::process`] would settle it, without running anything.
+    /// [`Registry::process`] settles it (the same decision: a malformed
+    /// envelope's failure record, the unknown-name retry and, at its cap, its
+    /// record), without running anything. A known job's payload is not
+    /// decoded again: its decoder may be what brought the host down.
     pub fn crashed(&self, delivery: Incoming<'_>, panic_message: &str) -> Processed {
-        let Ok(envelope) = Envelope::decode(delivery.body) else {
-            return self.recover(
-                delivery,
-                &Panicked::new(panic_message.to_string(), String::new()),
-            );
-        };
-        let Some(job) = self.jobs.get(&envelope.job) else {
-            return self.recover(
-                delivery,
-                &Panicked::new(panic_message.to_string(), String::new()),
-            );
+        let (envelope, job) = match self.route(delivery) {
+            Ok(routed) => routed,
+            Err(unrunnable) => return *unrunnable,
         };
         let spec = job.spec();
         let result: Result<(), JobError> = Err(JobError::from(Panicked::new(
@@ -595,6 +581,40 @@ impl Registry {
             message_id: None,
         };
         self.finish(delivery, &envelope, decision, summary)
+    }
+
+    /// The one decision for a body no handler can run, shared by
+    /// [`Registry::process`] and [`Registry::crashed`]: a body that is not
+    /// an envelope fails at once with its record; an envelope of a job no
+    /// handler is registered for follows the unknown-name rule (a retry,
+    /// then its record at the cap). Otherwise the envelope (its payload
+    /// still raw: nothing of the job's own code has run) and its job.
+    #[allow(clippy::type_complexity)]
+    fn route<'b>(
+        &self,
+        delivery: Incoming<'b>,
+    ) -> Result<(EnvelopeView<'b>, &dyn ErasedJob), Box<Processed>> {
+        let envelope = match EnvelopeView::decode(delivery.body) {
+            Ok(envelope) => envelope,
+            Err(e) => return Err(Box::new(self.malformed(delivery, e))),
+        };
+        match self.jobs.get(&*envelope.job) {
+            Some(job) => Ok((envelope, job.as_ref())),
+            None => {
+                let settlement = settle_unknown_name(
+                    &envelope.job,
+                    delivery.attempt,
+                    self.unknown_name_attempts,
+                    self.unknown_name_delay,
+                );
+                Err(Box::new(self.finish(
+                    delivery,
+                    &envelope,
+                    settlement,
+                    RunSummary::default(),
+                )))
+            }
+        }
     }
 
     /// A body that is not an envelope (or one of a newer format): a terminal

@@ -181,6 +181,37 @@ proptest! {
     fn damaged_envelopes_end_by_the_rule(body in damaged()) {
         check(&body);
     }
+
+    /// A crash report ([`jobrail::Registry::settle_crashed`]) settles a body
+    /// it cannot run as delivering it would, on any delivery, the
+    /// unknown-name cap included.
+    #[test]
+    fn crash_reports_settle_unrunnable_bodies_as_delivery_does(
+        body in prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..200),
+            envelope_text().prop_map(String::into_bytes),
+            damaged(),
+        ],
+        attempt in prop_oneof![1u32..=12, Just(0), Just(u32::MAX)],
+    ) {
+        PIPELINE.with(|p| p.check_crashed(&body, attempt));
+    }
+}
+
+/// The crash-report property above reaches the bodies it is about: a
+/// malformed envelope, an unknown name below and at its cap.
+#[test]
+fn crash_reports_of_each_unrunnable_kind() {
+    let unknown = |attempt| {
+        format!(r#"{{"v":1,"id":"m-{attempt}","job":"stranger","payload":1,"dispatched_at_ms":0}}"#)
+    };
+    PIPELINE.with(|p| {
+        p.check_crashed(b"not an envelope", 1);
+        p.check_crashed(&[0xff, 0xfe, 0x00], 4);
+        for attempt in [1, 9, 10, 11] {
+            p.check_crashed(unknown(attempt).as_bytes(), attempt);
+        }
+    });
 }
 
 /// The structured strategies reach every ending, so the properties above

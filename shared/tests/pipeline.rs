@@ -185,24 +185,38 @@ fn a_crashed_execution_settles_like_a_caught_panic() {
     );
 }
 
-/// A crash blamed on a body that is not a known job's envelope is handed
-/// back after a pause, never run and never dropped.
+/// A crash blamed on a body that is not a known job's envelope settles as
+/// delivering it would: a malformed body fails at once with its record, an
+/// unknown name is retried by the unknown-name rule and fails with its
+/// record at the cap. Nothing runs. (`tests/decoder.rs` checks the same on
+/// generated bodies and attempts.)
 #[test]
-fn a_crash_on_an_unknown_body_is_handed_back_after_a_pause() {
+fn a_crash_on_a_body_it_cannot_run_settles_as_delivery_would() {
+    use jobrail::FailureKind;
     let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
     let (registry, _sink) = setup();
-    for body in [
-        b"not an envelope".to_vec(),
-        Envelope::new("nobody", serde_json::json!(1)).encode(),
+    let unknown = Envelope::new("nobody", serde_json::json!(1)).encode();
+    for (body, attempt, expected) in [
+        (b"not an envelope".to_vec(), 1, Some(FailureKind::MalformedEnvelope)),
+        (unknown.clone(), 1, None),
+        (unknown, 10, Some(FailureKind::UnknownName)),
     ] {
         let seen = Arc::default();
-        let handle = Handle::new(body, &seen);
-        block_on(registry.settle_crashed("q", handle, "boom", &runtime));
-        let seen = seen.lock().unwrap();
-        assert!(
-            matches!(seen[0], Settlement::Retry { delay: Some(d), shutdown: false } if d == jobrail::PANICKED_BACKOFF_DELAY),
-            "{seen:?}"
-        );
+        let handle = Handle::new(body.clone(), &seen).at(attempt);
+        let crashed = block_on(registry.settle_crashed("q", handle, "boom", &runtime));
+        let delivered = Arc::default();
+        let handle = Handle::new(body, &delivered).at(attempt);
+        block_on(registry.deliver("q", handle, &runtime, &CancelToken::new()));
+        let (seen, delivered) = (seen.lock().unwrap(), delivered.lock().unwrap());
+        match (expected, &seen[0], &delivered[0]) {
+            (Some(kind), Settlement::Fail(record), Settlement::Fail(same)) => {
+                assert_eq!((record.kind, same.kind), (kind, kind));
+                assert_eq!(record.reason, same.reason);
+            }
+            (None, retry @ Settlement::Retry { .. }, same) => assert_eq!(retry, same),
+            (expected, seen, _) => panic!("expected {expected:?}, settled with {seen:?}"),
+        }
+        assert_eq!(crashed.processed.event.executions, 0);
     }
 }
 

@@ -13,6 +13,14 @@
 //!   decode, the decoded envelope when only the payload did not fit;
 //!
 //! and nothing panics: one settlement is requested, one event emitted.
+//!
+//! [`Pipeline::check_crashed`] checks the crash report of the same body
+//! ([`Registry::settle_crashed`], what the edge calls after a panic aborted
+//! the instance) against [`Registry::deliver`] on the same delivery: a body
+//! that is not a known job's envelope is settled exactly as `deliver` settles
+//! it (a malformed envelope's failure record, the unknown-name retry or, at
+//! its cap, its failure record), a known job's as one failed execution; the
+//! crash report never runs anything.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -97,6 +105,76 @@ impl Pipeline {
             runs,
             events,
             runtime: Arc::new(VirtualRuntime::new()),
+        }
+    }
+
+    /// Settles `body` on delivery `attempt` through `deliver` and, apart,
+    /// through `settle_crashed` (see the module docs for the rule checked).
+    pub(crate) fn check_crashed(&self, body: &[u8], attempt: u32) {
+        let settle = |crashed: bool| {
+            self.runs.store(0, Ordering::SeqCst);
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let handle = Handle::new(body.to_vec(), &seen).at(attempt);
+            let delivered = futures_executor::block_on(async {
+                if crashed {
+                    self.registry
+                        .settle_crashed("orders", handle, "boom", &self.runtime)
+                        .await
+                } else {
+                    self.registry
+                        .deliver("orders", handle, &self.runtime, &CancelToken::new())
+                        .await
+                }
+            });
+            assert!(delivered.outcome.is_ok(), "{:?}", delivered.outcome);
+            let seen = seen.lock().unwrap().clone();
+            assert_eq!(seen.len(), 1, "exactly one settlement: {seen:?}");
+            let runs = self.runs.load(Ordering::SeqCst);
+            (seen[0].clone(), delivered.processed.event, runs)
+        };
+        let (processed, processed_event, _) = settle(false);
+        let (crashed, crashed_event, runs) = settle(true);
+        assert_eq!(runs, 0, "a crash report runs nothing");
+        let known = Envelope::decode(body).is_ok_and(|envelope| envelope.job == JOB);
+        let shown = || String::from_utf8_lossy(body).into_owned();
+        if known {
+            // One failed execution, by the job's policy (3 attempts).
+            assert_eq!(crashed_event.executions, 1, "{}", shown());
+            match &crashed {
+                Settlement::Retry {
+                    delay: _,
+                    shutdown: false,
+                } => assert!(attempt < 3, "attempt {attempt}: {crashed:?}"),
+                Settlement::Fail(record) => {
+                    assert!(attempt >= 3, "attempt {attempt}: {record:?}");
+                    assert_eq!(record.executions, 1);
+                }
+                other => panic!("{}: a crashed execution settled as {other:?}", shown()),
+            }
+            return;
+        }
+        assert_eq!(
+            crashed_event.kind.name(),
+            processed_event.kind.name(),
+            "{}",
+            shown()
+        );
+        assert_eq!(crashed_event.executions, 0);
+        assert_eq!(
+            (&crashed_event.job, &crashed_event.message_id),
+            (&processed_event.job, &processed_event.message_id)
+        );
+        match (&processed, &crashed) {
+            (Settlement::Fail(a), Settlement::Fail(b)) => {
+                assert_eq!(
+                    (a.kind, &a.reason, &a.raw_body, &a.envelope, a.attempt),
+                    (b.kind, &b.reason, &b.raw_body, &b.envelope, b.attempt),
+                    "{}",
+                    shown()
+                );
+                assert_eq!((&a.job, &a.message_id), (&b.job, &b.message_id));
+            }
+            (a, b) => assert_eq!(a, b, "{}", shown()),
         }
     }
 

@@ -64,10 +64,11 @@ fn store_key(job_name: &str, key: &str) -> String {
 /// Sends a job unless one of `job_name` with the same `key` was dispatched
 /// within `window`: the rule behind every producer's `dispatch_unique`.
 ///
-/// - The store key `unique:<job name>:<key>` is claimed for `window` (a key
-///   of at most [`MAX_CLAIM_KEY_BYTES`](crate::MAX_CLAIM_KEY_BYTES) bytes in
-///   all, a window of 1 ms to [`MAX_CLAIM_LEASE`](crate::MAX_CLAIM_LEASE):
-///   checked before any I/O, [`UniqueDispatchError::Claim`]). The claim is
+/// - The store key `unique:<job name>:<key>` is claimed for `window` (a
+///   non-empty `key`, at most [`MAX_CLAIM_KEY_BYTES`](crate::MAX_CLAIM_KEY_BYTES)
+///   bytes in all, a window of 1 ms to [`MAX_CLAIM_LEASE`](crate::MAX_CLAIM_LEASE):
+///   checked before any I/O, [`UniqueDispatchError::Claim`] with
+///   [`ClaimError::Invalid`]). The claim is
 ///   never completed: the key frees itself when the window ends.
 /// - If this call holds the key, `send` runs once; its value comes back as
 ///   [`UniqueDispatch::Dispatched`].
@@ -116,7 +117,12 @@ where
     Fut: Future<Output = Result<T, E>>,
     C: FnOnce(&E) -> bool,
 {
+    // The business key itself must be one the claim rules take (an empty
+    // key would still make a store key, `unique:<job>:`), and so must the
+    // store key: both before the store or the send is called.
+    crate::claim::validate_claim(key, window)?;
     let key = store_key(job_name, key);
+    crate::claim::validate_claim(&key, window)?;
     let fence = match claims.claim(&key, window).await? {
         Claim::Claimed { fence } => fence,
         Claim::Held { remaining } => return Ok(UniqueDispatch::Duplicate { remaining }),
@@ -322,6 +328,85 @@ mod tests {
         // The longest window is accepted.
         let longest = dispatch(&claims, "rebuild", "k", MAX_CLAIM_LEASE, &sends, None);
         assert!(matches!(longest, Ok(UniqueDispatch::Dispatched(1))));
+    }
+
+    /// A store that would answer every claim, and counts the calls that
+    /// reached it.
+    #[derive(Default)]
+    struct Counting {
+        inner: MemoryClaims,
+        calls: std::sync::atomic::AtomicU32,
+    }
+
+    impl ClaimStore for Counting {
+        fn claim<'a>(
+            &'a self,
+            key: &'a str,
+            lease: Duration,
+        ) -> crate::BoxFuture<'a, Result<Claim, ClaimError>> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.claim(key, lease)
+        }
+        fn complete<'a>(
+            &'a self,
+            key: &'a str,
+            fence: u64,
+        ) -> crate::BoxFuture<'a, Result<(), ClaimError>> {
+            self.inner.complete(key, fence)
+        }
+        fn release<'a>(
+            &'a self,
+            key: &'a str,
+            fence: u64,
+        ) -> crate::BoxFuture<'a, Result<(), ClaimError>> {
+            self.inner.release(key, fence)
+        }
+        fn extend<'a>(
+            &'a self,
+            key: &'a str,
+            fence: u64,
+            lease: Duration,
+        ) -> crate::BoxFuture<'a, Result<(), ClaimError>> {
+            self.inner.extend(key, fence, lease)
+        }
+    }
+
+    /// An empty business key (whose store key, `unique:<job>:`, the claim
+    /// rules would take), and every key or window those rules refuse, are
+    /// refused before the store or the send is called, as invalid input.
+    #[test]
+    fn an_empty_or_invalid_key_is_refused_before_any_io() {
+        let claims = Counting::default();
+        let sends = Cell::new(0);
+        let long = "k".repeat(MAX_CLAIM_KEY_BYTES);
+        for (key, window) in [
+            ("", Duration::from_secs(60)),
+            ("k", Duration::ZERO),
+            ("k", MAX_CLAIM_LEASE + Duration::from_millis(1)),
+            (long.as_str(), Duration::from_secs(1)),
+        ] {
+            let send = || async {
+                sends.set(sends.get() + 1);
+                Ok::<_, SendFailed>(())
+            };
+            let refused = block_on(dispatch_unique(
+                &claims, "rebuild", key, window, send, unsent,
+            ));
+            match refused {
+                Err(UniqueDispatchError::Claim(ClaimError::Invalid(why))) => {
+                    if key.is_empty() {
+                        assert!(why.contains("empty"), "{why}");
+                    }
+                }
+                other => panic!("{key:?} {window:?}: {other:?}"),
+            }
+        }
+        assert_eq!(sends.get(), 0, "nothing sent");
+        assert_eq!(
+            claims.calls.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "the store was never called"
+        );
     }
 
     #[test]

@@ -197,7 +197,11 @@ fn a_crash_on_a_body_it_cannot_run_settles_as_delivery_would() {
     let (registry, _sink) = setup();
     let unknown = Envelope::new("nobody", serde_json::json!(1)).encode();
     for (body, attempt, expected) in [
-        (b"not an envelope".to_vec(), 1, Some(FailureKind::MalformedEnvelope)),
+        (
+            b"not an envelope".to_vec(),
+            1,
+            Some(FailureKind::MalformedEnvelope),
+        ),
         (unknown.clone(), 1, None),
         (unknown, 10, Some(FailureKind::UnknownName)),
     ] {

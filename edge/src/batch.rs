@@ -295,7 +295,10 @@ impl<M: QueueMessage, B: Bindings> DeliveryHandle for EdgeMessage<'_, M, B> {
 }
 
 /// Carries out a settlement. On failure the message is marked for
-/// redelivery with the consumer's default delay, so it is never lost.
+/// redelivery after [`jobrail::REFUSED_SETTLEMENT_HOLD`], so it is never
+/// lost, and never back at once: the platform has no lease of its own, and
+/// the consumer's `retry_delay` (none by default) would turn a refused
+/// settlement into a hot loop.
 async fn settle<M: QueueMessage, B: Bindings>(
     consumer: &EdgeConsumer,
     message: &M,
@@ -303,7 +306,8 @@ async fn settle<M: QueueMessage, B: Bindings>(
     bindings: &B,
 ) -> Result<(), EdgeError> {
     let keep = |error: EdgeError| {
-        let _ = message.retry(None);
+        let hold = jobrail::whole_seconds_up(jobrail::REFUSED_SETTLEMENT_HOLD);
+        let _ = message.retry(Some(u32::try_from(hold).unwrap_or(u32::MAX)));
         Err(error)
     };
     match settlement {

@@ -301,6 +301,11 @@ impl Wrangler {
     ///    queues and other than itself: a record that could not be kept
     ///    after every retry would be deleted by the platform.
     ///
+    /// 7. `retry.backoff`: a job declares retry delays longer than the
+    ///    platform's 24 hours ([`jobrail::check_job_retry_delay`] against
+    ///    [`MAX_DELAY`](crate::MAX_DELAY)); likewise
+    ///    `unknown_name_retry_delay` for the registry's unknown-name delay.
+    ///
     /// Also `wrangler.queues.consumers.max_retries` (above the platform's
     /// limit of 100) and `wrangler.queues.consumers` (a job
     /// queue with more than one consumer entry).
@@ -361,6 +366,26 @@ impl Wrangler {
                     }
                 }
             }
+        }
+
+        // The platform holds a retry at most 24 hours: a longer declared
+        // delay would be refused on every retry (and the message held for
+        // the refused-settlement hold each time, spending a delivery).
+        for spec in registry.specs() {
+            if let Err(e) = jobrail::check_job_retry_delay(spec, crate::limits::MAX_DELAY) {
+                problems.push(invalid(&spec.name, "retry.backoff", e.to_string()));
+            }
+        }
+        let unknown_delay = registry.unknown_name_retry_delay_setting();
+        if unknown_delay > crate::limits::MAX_DELAY {
+            problems.push(invalid(
+                "*",
+                "unknown_name_retry_delay",
+                format!(
+                    "the unknown-name retry delay of {unknown_delay:?} is above the platform's longest \
+                     retry delay of 24 hours"
+                ),
+            ));
         }
 
         let mut consumed = BTreeMap::new();
@@ -894,6 +919,49 @@ name = "w-staging"
             .check(&r, None)
             .unwrap_err();
         assert!(reasons(&problems).contains("above the platform's limit"));
+    }
+
+    #[test]
+    fn rule_7_no_declared_delay_is_longer_than_the_platform_holds() {
+        let w = Wrangler::parse(&toml_with("jobs", 10)).unwrap();
+        let mut r = Registry::new();
+        // 1 h, 2 h, ... 16 h, then 24 h, 24 h: at the limit.
+        let at_limit = Job::<u32>::builder("daily")
+            .queue("jobs")
+            .retry(8)
+            .backoff(
+                Duration::from_secs(3600),
+                2.0,
+                Duration::from_secs(24 * 3600),
+            )
+            .build()
+            .unwrap();
+        r.register(&at_limit, |_: JobContext, _: u32| async { Ok(()) })
+            .unwrap();
+        r.unknown_name_attempts(small_unknown_cap());
+        assert!(w.check(&r, None).is_ok());
+        let beyond = Job::<u32>::builder("weekly")
+            .queue("jobs")
+            .retry(5)
+            .backoff(Duration::from_secs(86_400), 2.0, Duration::ZERO)
+            .build()
+            .unwrap();
+        r.register(&beyond, |_: JobContext, _: u32| async { Ok(()) })
+            .unwrap();
+        r.unknown_name_retry_delay(Duration::from_secs(86_401));
+        let problems = w.check(&r, None).unwrap_err();
+        assert_eq!(
+            fields(&problems),
+            [
+                ("weekly".into(), "retry.backoff".into()),
+                ("*".into(), "unknown_name_retry_delay".into())
+            ]
+        );
+        assert!(
+            reasons(&problems).contains("691200s"),
+            "{}",
+            reasons(&problems)
+        );
     }
 
     #[test]

@@ -427,7 +427,8 @@ fn a_failed_failure_queue_send_keeps_the_message() {
 
     let report = cf.message(&id);
     // Delivery 2 reached the cap, but its record could not be sent: the
-    // message was kept (retried with the consumer's retry_delay), not lost.
+    // message was kept, held 30 s as a lease would hold it (never handed
+    // straight back, which would loop), not lost.
     let refused = &report.deliveries[1];
     assert!(
         refused.events.iter().all(|e| e.refused.is_some()),
@@ -437,7 +438,7 @@ fn a_failed_failure_queue_send_keeps_the_message() {
     assert_eq!(
         refused.call,
         Some(Call::Retry {
-            delay_seconds: None
+            delay_seconds: Some(30)
         })
     );
     // Redelivered, run again, and recorded once the send worked.

@@ -173,15 +173,22 @@ impl Consumer {
     /// taking deliveries (each subscription is closed, so the backend sends
     /// no more), cancel the active handlers' contexts, and join every active
     /// delivery (each settles with its own fresh budget).
-    /// Fails at once if the driver refuses a job ([`Driver::check_job`]),
-    /// a backend's delivery limit is below what a job needs
+    /// Fails at once if the driver refuses a job ([`Driver::check_job`]), a
+    /// job (or the unknown-name rule) declares a retry delay longer than the
+    /// driver's `max_retry_delay` ([`jobrail::check_retry_delays`]), a
+    /// backend's delivery limit is below what a job needs
     /// ([`Driver::delivery_limit`], [`jobrail::check_delivery_limit`]), or a
     /// queue cannot be subscribed.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
         for spec in self.registry.specs() {
             self.driver.check_job(spec)?;
         }
-        let counts_shutdown_returns = self.driver.capabilities().counts_shutdown_returns;
+        let capabilities = self.driver.capabilities();
+        if let Some(longest) = capabilities.max_retry_delay {
+            jobrail::check_retry_delays(&self.registry, longest)
+                .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Config, e))?;
+        }
+        let counts_shutdown_returns = capabilities.counts_shutdown_returns;
         for queue in self.registry.queues() {
             let limit = self.driver.delivery_limit(&queue).await?;
             jobrail::check_delivery_limit(&self.registry, &queue, limit, counts_shutdown_returns)

@@ -13,8 +13,20 @@ use jobrail::{BoxError, BoxFuture, DeliveryHandle, Instant, Settlement, Settleme
 #[non_exhaustive]
 pub struct Capabilities {
     /// Longest retry delay a settlement can request; longer ones fail with
-    /// [`ErrorKind::Unsupported`]. `None`: no limit.
+    /// [`ErrorKind::Unsupported`] (and the message is held for
+    /// [`refused_hold`](Self::refused_hold)). `None`: no limit. A consumer
+    /// refuses to start when a job declares a longer delay
+    /// ([`jobrail::check_retry_delays`]).
     pub max_retry_delay: Option<Duration>,
+    /// The least time a message whose settlement the backend refused (a
+    /// retry too long, a failure record it did not take, a settlement that
+    /// timed out) stays away before it is delivered again: the backend's
+    /// lease (SQS's visibility timeout, JetStream's AckWait, each renewed at
+    /// half its length while a handler runs, so half of it after the last
+    /// renewal), or the hold of a backend without one (the memory driver's
+    /// and RabbitMQ's `refused_hold`). A refused settlement never brings a
+    /// message back sooner: it never becomes a hot loop.
+    pub refused_hold: Duration,
     /// Whether a message can be dispatched with a delay.
     pub delayed_dispatch: bool,
     /// Whether a rejected message is dropped (`true`) or left for the
@@ -76,6 +88,7 @@ impl Capabilities {
     pub fn full() -> Self {
         Capabilities {
             max_retry_delay: None,
+            refused_hold: jobrail::REFUSED_SETTLEMENT_HOLD,
             delayed_dispatch: true,
             reject_drops: true,
             redelivery_hint: Duration::ZERO,

@@ -17,12 +17,41 @@ use crate::support::{lock, Lifecycle};
 const NAME: &str = "memory";
 
 /// Settings for the memory driver.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct MemoryConfig {
     /// Longest retry delay a settlement may request (`None`: no limit).
-    /// Longer requests fail as [`ErrorKind::Unsupported`] and the message
-    /// stays queued.
+    /// Longer requests fail as [`ErrorKind::Unsupported`] and the message is
+    /// held for [`refused_hold`](Self::refused_hold); a consumer refuses to
+    /// start with a job that declares longer delays.
     pub max_retry_delay: Option<Duration>,
+    /// How long a message whose retry the driver refused is held before it
+    /// is delivered again (default [`jobrail::REFUSED_SETTLEMENT_HOLD`], 30
+    /// s), as a broker's visibility timeout or AckWait would hold it: a
+    /// refused settlement never becomes a hot loop.
+    pub refused_hold: Duration,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        MemoryConfig {
+            max_retry_delay: None,
+            refused_hold: jobrail::REFUSED_SETTLEMENT_HOLD,
+        }
+    }
+}
+
+impl MemoryConfig {
+    /// Sets [`max_retry_delay`](Self::max_retry_delay).
+    pub fn max_retry_delay(mut self, max: Option<Duration>) -> Self {
+        self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`refused_hold`](Self::refused_hold).
+    pub fn refused_hold(mut self, hold: Duration) -> Self {
+        self.refused_hold = hold;
+        self
+    }
 }
 
 #[derive(Debug)]
@@ -118,7 +147,10 @@ impl Inner {
 ///
 /// A delivery dropped without settlement (a crashed handler task, a consumer
 /// that went away) goes back to the front of its queue with its count kept,
-/// so it is redelivered with a higher attempt number, as a broker would.
+/// so it is redelivered with a higher attempt number, as a broker would. A
+/// retry the driver refuses (a delay above
+/// [`MemoryConfig::max_retry_delay`]) is held for
+/// [`MemoryConfig::refused_hold`] first, as a broker's lease would hold it.
 ///
 /// It has no size limit ([`Capabilities::max_message_bytes`] is `None`):
 /// a message is only as large as memory allows.
@@ -295,6 +327,7 @@ impl Driver for MemoryDriver {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             max_retry_delay: self.inner.config.max_retry_delay,
+            refused_hold: self.inner.config.refused_hold,
             ..Capabilities::full()
         }
     }
@@ -617,11 +650,22 @@ impl Delivery for MemoryDelivery {
                 let delay = delay.unwrap_or(Duration::ZERO);
                 if let Some(max) = self.driver.inner.config.max_retry_delay {
                     if delay > max {
-                        // Leave the message queued (Drop puts it back).
+                        // Kept, but held as a lease would hold it: handed
+                        // straight back, it would loop.
+                        let hold = self.driver.inner.config.refused_hold;
+                        let stored = self
+                            .stored
+                            .take()
+                            .expect("unsettled delivery has its message");
+                        let _ = self.release(None);
+                        self.driver.enqueue_later(&self.queue, stored, hold)?;
                         return Err(DriverError::new(
                             NAME,
                             ErrorKind::Unsupported,
-                            format!("retry delay {delay:?} exceeds this driver's maximum {max:?}"),
+                            format!(
+                                "retry delay {delay:?} exceeds this driver's maximum {max:?}; the \
+                                 message is held for {hold:?} (refused_hold), then delivered again"
+                            ),
                         ));
                     }
                 }

@@ -103,10 +103,12 @@ async fn reject_drops_and_fail_keeps_a_record() {
     assert_eq!(driver.failure_records("q"), [record]);
 }
 
-#[tokio::test]
-async fn too_long_a_retry_is_refused_and_the_message_kept() {
+#[tokio::test(start_paused = true)]
+async fn too_long_a_retry_is_refused_and_the_message_held_then_kept() {
+    let hold = Duration::from_secs(5);
     let driver = MemoryDriver::new(MemoryConfig {
         max_retry_delay: Some(Duration::from_secs(1)),
+        refused_hold: hold,
     });
     driver.send("q", message()).await.unwrap();
     let mut sub = driver.subscribe("q", 1).await.unwrap();
@@ -119,7 +121,13 @@ async fn too_long_a_retry_is_refused_and_the_message_kept() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported);
-    assert_eq!(driver.ready("q"), 1);
+    assert!(err.to_string().contains("held for 5s"), "{err}");
+    assert_eq!((driver.ready("q"), driver.depth("q")), (0, 1), "held");
+    tokio::time::sleep(hold - Duration::from_millis(1)).await;
+    assert_eq!(driver.ready("q"), 0);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let again = sub.next().await.unwrap().unwrap();
+    assert_eq!(again.attempt(), 2);
 }
 
 #[tokio::test]
@@ -133,4 +141,128 @@ async fn delayed_dispatch_is_refused_where_unsupported() {
         .build()
         .unwrap();
     Producer::new(driver).dispatch(&job, &1).await.unwrap();
+}
+
+/// A registry of one job on `q` whose handler counts its executions and
+/// fails as `outcome` says.
+fn counted(
+    job: &jobrail::Job<u32>,
+    outcome: fn() -> jobrail::JobError,
+) -> (jobrail::Registry, Arc<std::sync::atomic::AtomicU32>) {
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counter = runs.clone();
+    let mut registry = jobrail::Registry::new();
+    registry
+        .register(job, move |_: jobrail::JobContext, _: u32| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move { Err(outcome()) }
+        })
+        .unwrap();
+    (registry, runs)
+}
+
+/// A job whose declared backoff asks for more than the driver's longest
+/// retry delay is refused when the consumer starts, naming the job, its
+/// longest delay and the limit; so is an unknown-name delay beyond it. A
+/// job whose longest delay fits starts.
+#[tokio::test(start_paused = true)]
+async fn a_backoff_beyond_the_longest_delay_is_refused_at_start() {
+    let driver = Arc::new(MemoryDriver::new(MemoryConfig {
+        max_retry_delay: Some(Duration::from_secs(1)),
+        ..MemoryConfig::default()
+    }));
+    let too_long = jobrail::Job::<u32>::builder("slow-retries")
+        .queue("q")
+        .retry(5)
+        .backoff(Duration::from_millis(200), 2.0, Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let (registry, runs) = counted(&too_long, || jobrail::JobError::new("no"));
+    let started = jobrail_native::Consumer::builder(driver.clone(), registry)
+        .build()
+        .spawn();
+    let err = started.shutdown().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    let text = err.to_string();
+    for part in ["`slow-retries`", "1.6s", "1s"] {
+        assert!(text.contains(part), "{part} in {text}");
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+    // 200 ms, 400 ms, 800 ms: within the limit.
+    let fits = jobrail::Job::<u32>::builder("fits")
+        .queue("q")
+        .retry(4)
+        .backoff(Duration::from_millis(200), 2.0, Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let (mut registry, _) = counted(&fits, || jobrail::JobError::new("no"));
+    registry.unknown_name_retry_delay(Duration::from_secs(1));
+    let consumer = jobrail_native::Consumer::builder(driver.clone(), registry)
+        .build()
+        .spawn();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    consumer.shutdown().await.unwrap();
+
+    // The registry's unknown-name delay (30 s by default) is a retry too.
+    let (mut registry, _) = counted(&fits, || jobrail::JobError::new("no"));
+    registry.unknown_name_retry_delay(Duration::from_secs(30));
+    let err = jobrail_native::Consumer::builder(driver.clone(), registry)
+        .build()
+        .spawn()
+        .shutdown()
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("unknown"), "{err}");
+}
+
+/// A delay chosen at run time (`retry_after` beyond the limit) cannot be
+/// checked at start: the driver refuses that retry and holds the message
+/// for its refused-settlement hold, as a broker's lease would, instead of
+/// handing it straight back. Before: thousands of executions in 300 ms.
+#[tokio::test(start_paused = true)]
+async fn a_refused_retry_holds_the_message_instead_of_looping() {
+    let hold = Duration::from_secs(30);
+    let driver = Arc::new(MemoryDriver::new(MemoryConfig {
+        max_retry_delay: Some(Duration::from_secs(1)),
+        ..MemoryConfig::default()
+    }));
+    assert_eq!(driver.capabilities().refused_hold, hold, "the default hold");
+    let job = jobrail::Job::<u32>::builder("waits")
+        .queue("q")
+        .retry(5)
+        .build()
+        .unwrap();
+    let (mut registry, runs) = counted(&job, || {
+        jobrail::JobError::retry_after("later", Duration::from_secs(10))
+    });
+    registry.unknown_name_retry_delay(Duration::from_secs(1));
+    let consumer = jobrail_native::Consumer::builder(driver.clone(), registry)
+        .build()
+        .spawn();
+    Producer::new(driver.clone())
+        .dispatch(&job, &1)
+        .await
+        .unwrap();
+    let runs_after = |d: Duration| {
+        let runs = runs.clone();
+        async move {
+            tokio::time::sleep(d).await;
+            runs.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    };
+    assert_eq!(runs_after(Duration::from_millis(300)).await, 1);
+    assert_eq!(
+        runs_after(hold - Duration::from_millis(400)).await,
+        1,
+        "held for the hold"
+    );
+    assert_eq!(runs_after(Duration::from_millis(200)).await, 2);
+    assert_eq!(driver.depth("q"), 1, "in flight or held, never lost");
+    // Five deliveries take at least four holds, then the cap ends it.
+    assert_eq!(runs_after(hold * 4).await, 5);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(driver.failure_records("q").len(), 1, "the cap recorded it");
+    consumer.shutdown().await.unwrap();
 }

@@ -29,6 +29,8 @@
 //!   entry point every host calls ([`Registry::deliver`], [`DeliveryHandle`]).
 //! - `limit`: the broker-limit rule every host checks before consuming
 //!   ([`check_delivery_limit`]).
+//! - `retry_delay`: the delay-limit rule: no job declares a retry delay its
+//!   backend cannot hold ([`check_retry_delays`], [`longest_retry_delay`]).
 //! - `executor`: tier one, in-process retries inside a delivery.
 //! - `breaker`: the circuit breaker per named dependency ([`CircuitBreaker`]).
 //! - `record`, `event`, `stats`, `budget`: what an operator sees
@@ -103,6 +105,7 @@ mod record;
 mod redact;
 mod registry;
 mod replay;
+mod retry_delay;
 mod runtime;
 mod settle;
 mod stats;
@@ -140,10 +143,14 @@ pub use replay::{
     failure_entry_id, poison_reason, replay_id, replay_message, Replay, ReplayRefused,
     REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
 };
+pub use retry_delay::{
+    check_job_retry_delay, check_retry_delays, longest_retry_delay, DelayOf, RetryDelayError,
+    CUSTOM_BACKOFF_EVALUATIONS,
+};
 pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
 pub use settle::{
     deliveries_needed, exceeds_crash_bound, Failure, FailureKind, Settlement, UnknownNameAttempts,
-    DEFAULT_UNKNOWN_NAME_ATTEMPTS, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
+    DEFAULT_UNKNOWN_NAME_ATTEMPTS, REFUSED_SETTLEMENT_HOLD, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
 pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
 pub use unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};

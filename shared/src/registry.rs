@@ -357,6 +357,13 @@ impl Registry {
         self
     }
 
+    /// The delay set with [`Registry::unknown_name_retry_delay`] (30 s
+    /// unless changed): a backend with a longest retry delay must hold it
+    /// ([`crate::check_retry_delays`]).
+    pub fn unknown_name_retry_delay_setting(&self) -> Duration {
+        self.unknown_name_delay
+    }
+
     /// The event sink set with [`Registry::event_sink`], if any (a host that
     /// adds its own sink forwards to it).
     pub fn current_event_sink(&self) -> Option<Arc<dyn EventSink>> {

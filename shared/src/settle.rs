@@ -19,6 +19,12 @@ pub(crate) const UNKNOWN_NAME_RETRY_DELAY: Duration = Duration::from_secs(30);
 pub const DEFAULT_UNKNOWN_NAME_ATTEMPTS: u32 = 10;
 /// The fresh budget every settlement gets, detached from shutdown.
 pub const SETTLEMENT_BUDGET: Duration = Duration::from_secs(30);
+/// How long a message whose settlement the backend refused stays away, on a
+/// backend without a lease of its own (the memory driver and RabbitMQ by
+/// default, the edge): as long as a default SQS visibility timeout or
+/// JetStream AckWait, so that a refused settlement never becomes a hot
+/// loop on any backend.
+pub const REFUSED_SETTLEMENT_HOLD: Duration = Duration::from_secs(30);
 
 /// What the rules decide for a delivery: [`settle`]'s answer.
 ///

@@ -758,7 +758,8 @@ impl NatsDelivery {
 }
 
 impl Drop for NatsDelivery {
-    /// Frees its slot; unsettled: `-NAK` so the message comes back now.
+    /// Frees its slot; unsettled (never asked to settle: a handler task that
+    /// died): `-NAK` so the message comes back now.
     fn drop(&mut self) {
         if let Some(id) = self.lease {
             self.window.release(id);
@@ -804,7 +805,7 @@ impl Delivery for NatsDelivery {
                 "the nats driver has been stopped; the message is redelivered after AckWait",
             ));
         }
-        match settlement {
+        let result = match settlement {
             Settlement::Ack => self.reply(AckKind::Ack, Confirm::Double, "ack").await,
             Settlement::Reject => self.reply(AckKind::Term, Confirm::Double, "term").await,
             Settlement::Retry { shutdown: true, .. } => self.hand_back().await,
@@ -820,7 +821,15 @@ impl Delivery for NatsDelivery {
                 }
             },
             Settlement::Fail(record) => self.fail(record).await,
+        };
+        if result.is_err() {
+            // Refused (a failure record or a shutdown copy the server did
+            // not take, a delay it cannot express): no `-NAK` when dropped,
+            // which would bring the message back at once, again and again;
+            // the server redelivers it when AckWait ends.
+            self.settled = true;
         }
+        result
     }
 }
 

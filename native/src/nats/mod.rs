@@ -467,6 +467,8 @@ impl Driver for NatsDriver {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             max_retry_delay: None,
+            // Progress renews AckWait every half of it while a handler runs.
+            refused_hold: self.inner.config.ack_wait / 2,
             delayed_dispatch: false,
             reject_drops: true,
             redelivery_hint: self.inner.config.ack_wait,

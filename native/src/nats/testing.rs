@@ -41,12 +41,32 @@ impl NatsDriver {
         queue: &str,
         bytes: i32,
     ) -> Result<(), DriverError> {
+        self.limit_stream_message_size(queue, &self.stream_name(queue), bytes)
+            .await
+    }
+
+    /// Sets `queue`'s failure stream's `max_msg_size` (declaring it first):
+    /// a longer failure record is then refused by the server.
+    pub async fn limit_failure_record_size(
+        &self,
+        queue: &str,
+        bytes: i32,
+    ) -> Result<(), DriverError> {
+        self.limit_stream_message_size(queue, &self.failure_stream_name(queue), bytes)
+            .await
+    }
+
+    async fn limit_stream_message_size(
+        &self,
+        queue: &str,
+        name: &str,
+        bytes: i32,
+    ) -> Result<(), DriverError> {
         self.declare(queue).await?;
         let link = self.link().await?;
-        let name = self.stream_name(queue);
         let mut stream = link
             .js
-            .get_stream(&name)
+            .get_stream(name)
             .await
             .map_err(|e| errors::connection(format!("stream `{name}`"), e))?;
         let mut config = stream

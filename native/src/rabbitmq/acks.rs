@@ -263,6 +263,20 @@ impl AckRuns {
         }
     }
 
+    /// Requests a nack with requeue of `tag` once `hold` has passed (a
+    /// delivery whose settlement failed: handed straight back, it could
+    /// loop). Until then the delivery counts as running, so no multiple ack
+    /// covers it. Needs a tokio runtime, as [`requeue_later`](Self::requeue_later).
+    pub(super) fn requeue_after(self: &Arc<Self>, tag: u64, hold: Duration) {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let runs = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                runs.request_single(tag, Single::Requeue, None);
+            });
+        }
+    }
+
     fn request_single(self: &Arc<Self>, tag: u64, kind: Single, waiter: Waiter) {
         let mut state = lock(&self.state);
         state.running.remove(&tag);

@@ -67,6 +67,15 @@ pub struct RabbitConfig {
     /// so a longer body is refused before anything is sent instead of
     /// closing the publishing channel on the broker.
     pub max_message_bytes: usize,
+    /// How long a delivery whose settlement failed (a retry delay above the
+    /// largest bucket, a republish or failure record the broker did not
+    /// confirm) is held unacknowledged before it is returned to its queue
+    /// (default [`jobrail::REFUSED_SETTLEMENT_HOLD`], 30 s): RabbitMQ has no
+    /// lease of its own, and a message handed straight back would be
+    /// redelivered at once, again and again. Reported as
+    /// [`Capabilities::refused_hold`](crate::Capabilities::refused_hold). It
+    /// keeps a prefetch slot while held; a closed channel returns it sooner.
+    pub refused_hold: Duration,
     /// How long acks wait behind a delivery still running (lower in the
     /// channel's tag order) to be merged with it into one
     /// `basic.ack multiple=true`, counted from when that delivery was
@@ -100,6 +109,7 @@ impl RabbitConfig {
             delivery_limit: None,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             consumer_timeout: Duration::from_secs(30 * 60),
+            refused_hold: jobrail::REFUSED_SETTLEMENT_HOLD,
             ack_gap_wait: super::acks::GAP_WAIT,
             connection_name: "jobrail-native".into(),
             ca_certificates: None,
@@ -212,6 +222,12 @@ impl RabbitConfig {
         if self.confirm_timeout.is_zero() || self.operation_timeout.is_zero() {
             return Err(config_error("timeouts must be positive"));
         }
+        if self.refused_hold.is_zero() {
+            return Err(config_error(
+                "refused_hold must be positive: a delivery whose settlement failed would come back at \
+                 once, again and again",
+            ));
+        }
         Ok(())
     }
 }
@@ -228,6 +244,7 @@ impl fmt::Debug for RabbitConfig {
             .field("delivery_limit", &self.delivery_limit)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("consumer_timeout", &self.consumer_timeout)
+            .field("refused_hold", &self.refused_hold)
             .field("ack_gap_wait", &self.ack_gap_wait)
             .field("connection_name", &self.connection_name)
             .field(

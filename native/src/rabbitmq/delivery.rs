@@ -322,28 +322,14 @@ impl RabbitDelivery {
         self.runs.single(self.tag, Single::Reject).await
     }
 
-    async fn requeue(&mut self) -> Result<(), DriverError> {
-        self.check_channel()?;
-        self.settled = true;
-        self.runs.single(self.tag, Single::Requeue).await
-    }
-
     async fn forward(
         &mut self,
         delay: Option<Duration>,
         shutdown: bool,
     ) -> Result<(), DriverError> {
-        let target = match self.driver.route_for_delay(&self.queue, delay).await {
-            Ok(target) => target,
-            Err(e) if e.kind() == ErrorKind::Unsupported => {
-                // Keep the message: back to the queue, counted as a delivery.
-                if let Err(requeue) = self.requeue().await {
-                    warn!(queue = %self.queue, "could not requeue after a refused retry: {requeue}");
-                }
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
+        // Refused (a delay above the largest bucket): `settle` holds the
+        // message, then returns it to the queue.
+        let target = self.driver.route_for_delay(&self.queue, delay).await?;
         let shutdowns = self.shutdowns.saturating_add(u32::from(shutdown));
         self.driver
             .republish(
@@ -381,8 +367,8 @@ impl RabbitDelivery {
 }
 
 impl Drop for RabbitDelivery {
-    /// Unsettled: return the message to the queue now rather than when the
-    /// channel closes.
+    /// Unsettled (never asked to settle: a handler task that died): return
+    /// the message to the queue now rather than when the channel closes.
     fn drop(&mut self) {
         if self.settled || !self.runs.channel().status().connected() {
             return;
@@ -413,12 +399,23 @@ impl Delivery for RabbitDelivery {
             ));
         }
         self.check_channel()?;
-        match settlement {
+        let result = match settlement {
             Settlement::Ack => self.ack().await,
             Settlement::Reject => self.reject().await,
             Settlement::Retry { delay, shutdown } => self.forward(*delay, *shutdown).await,
             Settlement::Fail(record) => self.fail(record).await,
+        };
+        if result.is_err() && !self.settled {
+            // Refused before any frame for this delivery was written (a
+            // retry too long, a republish or a failure record the broker
+            // did not confirm): hold it unacknowledged, as a lease would,
+            // then return it to the queue. Handed straight back it would
+            // come back at once, again and again.
+            self.settled = true;
+            self.runs
+                .requeue_after(self.tag, self.driver.inner.config.refused_hold);
         }
+        result
     }
 }
 

@@ -437,6 +437,7 @@ impl Driver for RabbitDriver {
         let config = &self.inner.config;
         Capabilities {
             max_retry_delay: config.delay_buckets.last().copied(),
+            refused_hold: config.refused_hold,
             delayed_dispatch: true,
             reject_drops: true,
             redelivery_hint: Duration::ZERO,

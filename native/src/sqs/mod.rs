@@ -252,9 +252,7 @@ use aws_sdk_sqs::Client;
 pub use config::{SqsConfig, SqsCredentialSource, SqsCredentials, SqsKeys};
 use delivery::SqsSubscription;
 
-#[cfg(doc)]
-use crate::driver::ErrorKind;
-use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
+use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 use crate::failures::{Admin, FailureStore};
 use crate::support::Lifecycle;
 
@@ -341,6 +339,8 @@ impl Driver for SqsDriver {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             max_retry_delay: Some(MAX_VISIBILITY),
+            // The visibility is extended every half of it while a handler runs.
+            refused_hold: self.inner.config.visibility_timeout / 2,
             delayed_dispatch: true,
             reject_drops: false,
             redelivery_hint: self.inner.config.visibility_timeout,
@@ -381,6 +381,37 @@ impl Driver for SqsDriver {
 
     async fn stop(&self) -> Result<(), DriverError> {
         self.mark_stopped();
+        Ok(())
+    }
+
+    /// Refuses a job that can hold a delivery and then ask for a retry delay
+    /// that together pass 12 hours: a retry's visibility counts from the
+    /// receive ([`MAX_VISIBILITY`]), so the longest hold (every in-process
+    /// attempt at its timeout, plus tier one's waits) and the longest
+    /// declared delay must fit in it. A job without a timeout has no known
+    /// hold: only its delay is checked (by the consumer, against
+    /// `max_retry_delay`).
+    fn check_job(&self, spec: &jobrail::JobSpec) -> Result<(), DriverError> {
+        let (Some(hold), Some(delay)) = (
+            jobrail::longest_hold(spec),
+            jobrail::longest_retry_delay(spec),
+        ) else {
+            return Ok(());
+        };
+        let delay_secs = Duration::from_secs(jobrail::whole_seconds_up(delay));
+        if hold.saturating_add(delay_secs) > MAX_VISIBILITY {
+            return Err(DriverError::new(
+                NAME,
+                ErrorKind::Config,
+                format!(
+                    "job `{}` can hold a delivery for {hold:?} (its timeout times its in-process \
+                     attempts, plus tier-one waits) and then asks for a retry delay of up to \
+                     {delay:?}: SQS counts a retry's visibility from the receive, at most 12 h, so \
+                     that retry would be refused; shorten the job's timeout, tier one or backoff",
+                    spec.name
+                ),
+            ));
+        }
         Ok(())
     }
 

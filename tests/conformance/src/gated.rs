@@ -129,8 +129,10 @@ pub async fn long_handler_keeps_its_delivery(backend: &dyn Backend) {
 }
 
 /// A retry whose delay is above the backend's `max_retry_delay` is refused
-/// as unsupported, and the message is kept: it comes back with the same
-/// body and a higher attempt, and once acknowledged it is gone.
+/// as unsupported, and the message is kept, but held: it comes back with
+/// the same body and a higher attempt no sooner than the backend's
+/// `refused_hold` (its lease), never at once, and once acknowledged it is
+/// gone.
 pub async fn refused_retry_delay_keeps_the_message(backend: &dyn Backend) {
     let h = Harness::new(backend, "refused-delay").await;
     let capabilities = h.driver.capabilities();
@@ -138,6 +140,8 @@ pub async fn refused_retry_delay_keeps_the_message(backend: &dyn Backend) {
         .max_retry_delay
         .expect("registered only for backends with a maximum retry delay");
     let hold = capabilities.redelivery_hint;
+    let refused_hold = capabilities.refused_hold;
+    assert!(!refused_hold.is_zero(), "a refused settlement is held");
     h.driver
         .send(&h.queue, message("kept", b"keep me"))
         .await
@@ -152,8 +156,19 @@ pub async fn refused_retry_delay_keeps_the_message(backend: &dyn Backend) {
         })
         .await
         .expect_err("a retry delay above max_retry_delay was accepted");
+    let refused_at = Instant::now();
     assert_eq!(refused.kind(), ErrorKind::Unsupported, "{refused}");
-    let again = next_within(&mut subscription, h.patience + hold, "the kept message").await;
+    let again = next_within(
+        &mut subscription,
+        h.patience + refused_hold * 2 + hold,
+        "the kept message",
+    )
+    .await;
+    let away = refused_at.elapsed();
+    assert!(
+        away >= refused_hold,
+        "back after {away:?}, sooner than the refused-settlement hold of {refused_hold:?}"
+    );
     assert_eq!(again.body(), b"keep me");
     assert_eq!(again.attempt(), 2);
     again.settle(&Settlement::Ack).await.unwrap();

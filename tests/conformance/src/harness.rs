@@ -270,6 +270,7 @@ impl Harness {
     /// Starts a consumer of `registry` (its events go to [`Harness::events`]).
     pub fn start(&self, mut registry: Registry, concurrency: usize) -> ConsumerHandle {
         registry.event_sink(Arc::new(self.events.clone()));
+        fit_unknown_name_delay(&mut registry, self.driver.as_ref());
         Consumer::builder(self.driver.clone(), registry)
             .concurrency(concurrency)
             .build()
@@ -304,10 +305,23 @@ impl Harness {
         mut registry: Registry,
     ) -> ConsumerHandle {
         registry.event_sink(Arc::new(self.events.clone()));
+        fit_unknown_name_delay(&mut registry, driver.as_ref());
         Consumer::builder(driver, registry)
             .concurrency(4)
             .build()
             .spawn()
+    }
+}
+
+/// Lowers the registry's unknown-name delay (30 s unless a scenario set
+/// it) to the backend's longest retry delay where that is shorter (the
+/// suite's RabbitMQ buckets end at seconds), which a consumer would
+/// otherwise refuse at start ([`jobrail::check_retry_delays`]).
+pub fn fit_unknown_name_delay(registry: &mut Registry, driver: &dyn Driver) {
+    if let Some(longest) = driver.capabilities().max_retry_delay {
+        if registry.unknown_name_retry_delay_setting() > longest {
+            registry.unknown_name_retry_delay(longest);
+        }
     }
 }
 

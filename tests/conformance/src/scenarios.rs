@@ -676,10 +676,19 @@ mod futures_like {
 /// and the message is handled by the next worker, attempt count not discounted.
 pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown").await;
+    // A backoff long enough that a retry by it would show (at most the
+    // backend's longest delay, which a consumer checks at start).
+    let long = h
+        .driver
+        .capabilities()
+        .max_retry_delay
+        .map_or(Duration::from_secs(60), |max| {
+            max.min(Duration::from_secs(60))
+        });
     let job = h
         .job("shutdown")
         .retry(5)
-        .backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
+        .backoff(long, 1.0, Duration::ZERO)
         .build()
         .unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
@@ -805,9 +814,18 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
     );
     h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
     let (event, error) = h.events.wait_settlement_failure(h.patience).await;
+    let refused_at = Instant::now();
     assert!(matches!(event.kind, EventKind::Retried { .. }), "{event:?}");
     assert!(error.contains("unsupported"), "{error}");
-    h.events.wait_count(h.patience, "succeeded", 1).await;
+    let refused_hold = h.driver.capabilities().refused_hold;
+    h.events
+        .wait_count(h.patience + refused_hold * 2, "succeeded", 1)
+        .await;
+    assert!(
+        refused_at.elapsed() >= refused_hold,
+        "redelivered {:?} after the refusal, sooner than the hold of {refused_hold:?}",
+        refused_at.elapsed()
+    );
     assert_eq!(
         h.events.names(),
         ["succeeded"],

@@ -21,6 +21,8 @@ impl Memory {
         // A maximum delay lets the suite provoke a refused settlement.
         let config = MemoryConfig {
             max_retry_delay: Some(Duration::from_secs(3600)),
+            // Short, so the suite sees a refused settlement's message again.
+            refused_hold: Duration::from_millis(500),
         };
         Memory {
             driver: MemoryDriver::new(config),

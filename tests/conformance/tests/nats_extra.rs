@@ -15,7 +15,7 @@ use jobrail_conformance::fixture::{Fixture, Nats};
 use jobrail_conformance::harness::outgoing;
 use jobrail_conformance::scenarios::Work;
 use jobrail_conformance::servers::{NatsServer, Relay};
-use jobrail_conformance::Harness;
+use jobrail_conformance::{Backend, Harness};
 use jobrail_native::nats::NatsConfig;
 use jobrail_native::{DispatchOptions, Driver, ErrorKind};
 
@@ -342,6 +342,55 @@ async fn server_refusal_in_a_batch_is_that_message_alone() {
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
     assert!(results[2].is_ok(), "{:?}", results[2]);
     assert_eq!(driver.stored_count(&queue).await.unwrap(), 2);
+}
+
+/// A failure record the server refuses (over the failure stream's
+/// `max_msg_size`) is a refused settlement: the delivery is not `-NAK`ed,
+/// which would bring it back at once, again and again; it comes back when
+/// AckWait ends, and once the record fits it is recorded and gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_failure_record_waits_for_ack_wait() {
+    let ack_wait = Duration::from_secs(2);
+    let backend = nats(ack_wait);
+    let h = Harness::new(&backend, "nats-record-refused").await;
+    let driver = backend.driver().await;
+    driver
+        .limit_failure_record_size(&h.queue, 64)
+        .await
+        .unwrap();
+    let job = h.job("record-refused").retry(5).build().unwrap();
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counter = runs.clone();
+    let mut registry = jobrail::Registry::new();
+    registry
+        .register(&job, move |_: jobrail::JobContext, _: Work| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Err(jobrail::JobError::permanent("no")) }
+        })
+        .unwrap();
+    let consumer = h.start(registry, 1);
+    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let (_, error) = h.events.wait_settlement_failure(h.patience).await;
+    let refused_at = tokio::time::Instant::now();
+    assert!(error.contains("refused the publish"), "{error}");
+    let ran = || runs.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(ack_wait / 2 - MS(100)).await;
+    assert_eq!(ran(), 1, "not handed back at once");
+    driver
+        .limit_failure_record_size(&h.queue, 1 << 20)
+        .await
+        .unwrap();
+    h.events
+        .wait_count(h.patience + ack_wait, "failed", 1)
+        .await;
+    assert!(
+        refused_at.elapsed() >= ack_wait / 2,
+        "{:?}",
+        refused_at.elapsed()
+    );
+    assert_eq!(ran(), 2, "one redelivery, after AckWait");
+    assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
+    consumer.shutdown().await.unwrap();
 }
 
 /// One lease ticker renews every delivery a subscription holds: four

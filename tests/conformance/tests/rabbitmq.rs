@@ -19,6 +19,8 @@ fn config() -> RabbitConfig {
     let mut config = RabbitConfig::new(url())
         .delay_buckets(BUCKETS_MS.iter().map(|ms| Duration::from_millis(*ms)));
     config.connection_name = "conformance".into();
+    // A refused settlement's message is held this long before it returns.
+    config.refused_hold = Duration::from_secs(1);
     // The size scenarios send a message at the limit: 1 MiB, not the broker's 128 MiB.
     config.max_message_bytes = 1 << 20;
     config

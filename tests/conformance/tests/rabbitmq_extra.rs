@@ -36,6 +36,7 @@ fn url() -> String {
 fn rabbit(buckets_ms: &[u64]) -> Fixture<RabbitMq> {
     let mut config = RabbitConfig::new(url()).delay_buckets(buckets_ms.iter().map(|ms| MS(*ms)));
     config.connection_name = "conformance-extra".into();
+    config.refused_hold = MS(1000);
     Fixture::new(config)
 }
 

@@ -100,6 +100,7 @@ fn untrusting_config() -> RabbitConfig {
     ))
     .delay_buckets(BUCKETS_MS.iter().map(|ms| Duration::from_millis(*ms)));
     config.connection_name = "conformance-tls".into();
+    config.refused_hold = Duration::from_secs(1);
     config
 }
 

@@ -100,7 +100,7 @@ pub fn alone_candidates(sc: &Scenario, world: &World) -> Vec<u64> {
 /// One broken invariant.
 #[derive(Debug, Clone)]
 pub struct Violation {
-    /// The invariant's number (1 to 13; 0 = the simulation itself).
+    /// The invariant's number (1 to 14; 0 = the simulation itself).
     pub invariant: u8,
     /// The message concerned.
     pub msg: Option<u64>,
@@ -281,6 +281,34 @@ fn matches(want: &str, eff: Eff, s: &Settled) -> bool {
     }
 }
 
+/// When the run's faults happened that may hand a message back sooner than
+/// a refused settlement's hold: crashes, restarts and lost connections (a
+/// closed channel returns what it held), instance panics and lost
+/// invocations at the edge (their marks are lost with them), by time, one
+/// entry per time.
+pub(crate) fn handing_back_faults(trace: &[Entry]) -> Vec<Duration> {
+    let mut times: Vec<Duration> = trace
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.ev,
+                Ev::Fault(_)
+                    | Ev::InstancePanic { .. }
+                    | Ev::Abandoned {
+                        reason: Abandon::Crash
+                            | Abandon::ConnectionLost
+                            | Abandon::InvocationAborted
+                            | Abandon::WorkerKilled,
+                        ..
+                    }
+            )
+        })
+        .map(|e| e.at)
+        .collect();
+    times.dedup();
+    times
+}
+
 /// Checks every invariant for a finished run; `alone` holds how the
 /// messages of [`alone_candidates`] end when each runs by itself.
 pub fn check(
@@ -317,6 +345,10 @@ pub fn check(
     for e in &st.trace {
         end_time = end_time.max(e.at);
     }
+    let faults = handing_back_faults(&st.trace);
+    let fault_between =
+        |from: Duration, to: Duration| faults.iter().any(|t| *t >= from && *t <= to);
+    let refused_hold = sc.sem.refused_hold();
     let nqueues = {
         let mut q: Vec<&String> = sc.jobs.iter().map(|j| &j.queue).collect();
         q.sort();
@@ -649,6 +681,35 @@ pub fn check(
                                 d.id,
                                 next.id,
                                 next.at - *at
+                            ),
+                        );
+                    }
+                }
+            }
+            // 14. A refused settlement is held as a lease would hold it:
+            // the message's next delivery comes no sooner than the
+            // backend's refused-settlement hold, unless a fault came
+            // between (which may return it at once, as a crash does).
+            // A delivery already lost to a fault (its connection, its
+            // invocation) was handed back by that fault, not by the refusal.
+            let lost = !matches!(
+                d.abandoned,
+                None | Some(Abandon::Refused | Abandon::Unsupported)
+            );
+            if !*accepted && !lost {
+                // (A next delivery that began before the refusal was not
+                // brought by it either.)
+                if let Some((next, gap)) = ds
+                    .get(i + 1)
+                    .and_then(|next| Some((next, next.at.checked_sub(*at)?)))
+                {
+                    if gap < refused_hold && !fault_between(*at, next.at) {
+                        push(
+                            14,
+                            n,
+                            format!(
+                                "settlement {settled:?} of delivery {} was refused and delivery {} came {gap:?} later, sooner than the hold of {refused_hold:?}",
+                                d.id, next.id
                             ),
                         );
                     }

@@ -111,6 +111,13 @@
 //!     them as the executions they are. Invariant 11 leaves charging
 //!     messages out: their fate hangs on their key's other messages and on
 //!     the claims crashes left behind.
+//! 14. A refused settlement never becomes a hot loop: after a settlement
+//!     the backend refused, the message's next delivery comes no sooner
+//!     than the backend's hold (its lease: SQS's visibility, NATS's
+//!     AckWait; 30 s where it has none: memory, RabbitMQ, the edge), unless
+//!     a crash, restart, lost connection or instance panic came between.
+//!     [`run_refusing`] holds every backend to the rate this implies with
+//!     every settlement refused.
 //!
 //! The clock is the real `jobrail_native::TokioRuntime`, whose clock follows
 //! tokio's paused time (the simulation found that it did not: breaker
@@ -236,6 +243,140 @@ pub fn run_seed(seed: u64, backend: Option<Backend>) -> Report {
     }
     drop(rt);
     check::check(seed, backend, &sc, &world, &alone)
+}
+
+/// Virtual time [`run_refusing`] runs for after the last dispatch.
+pub const REFUSING_HORIZON: Duration = Duration::from_secs(30 * 60);
+
+/// What a run with every settlement refused showed ([`run_refusing`]).
+#[derive(Debug)]
+pub struct RefusalReport {
+    /// The seed.
+    pub seed: u64,
+    /// The backend simulated.
+    pub backend: Backend,
+    /// Settlements refused in the run.
+    pub refused: usize,
+    /// The most handler executions of one message per hour of the time it
+    /// was in the run (first delivery to the end).
+    pub worst_per_hour: f64,
+    /// What broke the bound (invariant 14, and its rate form), if anything.
+    pub violations: Vec<String>,
+    /// The run's trace and invariant check (the other invariants are not
+    /// expected to hold: nothing is ever settled), for the traces of the
+    /// messages concerned.
+    pub report: Report,
+}
+
+impl RefusalReport {
+    /// The violations, with the traces of the messages concerned.
+    pub fn details(&self) -> String {
+        let mut out = format!(
+            "seed {} backend {} with every settlement refused: {} refusals\n",
+            self.seed,
+            self.backend.name(),
+            self.refused
+        );
+        let mut shown = Vec::new();
+        for v in &self.violations {
+            out.push_str(&format!("  {v}\n"));
+            let m = v.split(['m', ' ', ']']).find_map(|t| t.parse::<u64>().ok());
+            if let Some(m) = m.filter(|m| !shown.contains(m) && shown.len() < 3) {
+                shown.push(m);
+                out.push_str(&format!(
+                    "--- trace of m{m} ---\n{}",
+                    self.report.trace_of(m)
+                ));
+            }
+        }
+        out.push_str(&format!(
+            "replay: cargo run -p jobrail-simulation -- --seed {} --backend {} --refusing\n",
+            self.seed,
+            self.backend.name()
+        ));
+        out
+    }
+}
+
+/// The hot-loop property: seed `seed`'s scenario on `backend` with every
+/// settlement refused from the start ([`Fault::Refuse`] without end, the
+/// seed's other faults left out), for [`REFUSING_HORIZON`] of virtual time.
+/// Nothing is ever settled, so no message ends (but at the edge, where the
+/// platform's `max_retries` dead-letters it, or by a rejection, which asks
+/// nothing of the platform): the check is that no message runs faster than
+/// the backend's refused-settlement hold lets it, on every backend model.
+///
+/// Each message's handler executions stay within its in-process attempts
+/// times (the run time after its first delivery over the hold, plus two,
+/// plus one per crash, restart, lost connection or lost invocation of the
+/// run, each of which may return a message at once); and invariant 14 holds
+/// for every refused delivery.
+pub fn run_refusing(seed: u64, backend: Backend) -> RefusalReport {
+    quiet_panics();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut sc = scenario::generate(&mut rng, backend.sem());
+    sc.faults = vec![(Duration::ZERO, Fault::Refuse(u32::MAX))];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
+    let world = if backend == Backend::Cloudflare {
+        tokio::task::LocalSet::new().block_on(&rt, simulate_for(&sc, REFUSING_HORIZON))
+    } else {
+        rt.block_on(simulate_for(&sc, REFUSING_HORIZON))
+    };
+    drop(rt);
+    let hold = sc.sem.refused_hold();
+    let st = world.lock();
+    let end = st.trace.iter().map(|e| e.at).max().unwrap_or_default();
+    let restarts = check::handing_back_faults(&st.trace).len() as u64;
+    let refused = st
+        .trace
+        .iter()
+        .filter(|e| matches!(e.ev, Ev::Refused { .. }))
+        .count();
+    let mut violations = Vec::new();
+    let mut worst_per_hour = 0.0f64;
+    for plan in &sc.msgs {
+        let mine: Vec<&model::Entry> = st.trace.iter().filter(|e| e.msg == Some(plan.n)).collect();
+        let Some(first) = mine.iter().find(|e| matches!(e.ev, Ev::Delivered { .. })) else {
+            continue;
+        };
+        let executions = mine
+            .iter()
+            .filter(|e| matches!(e.ev, Ev::Exec { .. }))
+            .count() as u64;
+        let span = end.saturating_sub(first.at);
+        let tier_one = u64::from(sc.jobs[plan.job].tier_one.max(1));
+        let bound = tier_one * (span.as_secs() / hold.as_secs().max(1) + 2 + restarts);
+        if executions > bound {
+            violations.push(format!(
+                "m{} ran {executions} times in {span:?} with every settlement refused: more than \
+                 {bound} ({tier_one} in-process attempts per delivery, one delivery per {hold:?} hold)",
+                plan.n
+            ));
+        }
+        let hours = span.as_secs_f64().max(hold.as_secs_f64()) / 3600.0;
+        worst_per_hour = worst_per_hour.max(executions as f64 / hours);
+    }
+    drop(st);
+    let report = check::check(seed, backend, &sc, &world, &BTreeMap::new());
+    violations.extend(
+        report
+            .violations
+            .iter()
+            .filter(|v| v.invariant == 14)
+            .map(ToString::to_string),
+    );
+    RefusalReport {
+        seed,
+        backend,
+        refused,
+        worst_per_hour,
+        violations,
+        report,
+    }
 }
 
 enum Host {
@@ -364,6 +505,12 @@ fn outgoing(sc: &Scenario, m: &scenario::MsgPlan) -> (String, Vec<u8>) {
 }
 
 async fn simulate(sc: &Scenario) -> Arc<World> {
+    simulate_for(sc, HORIZON).await
+}
+
+/// Runs `sc` until every message is done or `horizon` after its last
+/// dispatch.
+async fn simulate_for(sc: &Scenario, horizon: Duration) -> Arc<World> {
     let world = World::new(sc.sem);
     world.lock().broker_limit = sc.broker_limit;
     let clock = Arc::new(TokioRuntime);
@@ -435,7 +582,7 @@ async fn simulate(sc: &Scenario) -> Arc<World> {
         }
     }
     let last = sc.msgs.iter().map(|m| m.at).max().unwrap_or_default();
-    let horizon = t0 + last + HORIZON;
+    let horizon = t0 + last + horizon;
     loop {
         let done = dispatcher.is_finished() && {
             let st = world.lock();

@@ -36,6 +36,21 @@ pub(crate) const LEASE: Duration = Duration::from_secs(30);
 pub(crate) const SQS_MAX: Duration = Duration::from_secs(12 * 3600);
 /// Cloudflare's longest retry delay.
 pub(crate) const CF_MAX: Duration = Duration::from_secs(24 * 3600);
+/// How long a message whose settlement was refused stays away where the
+/// backend has no lease (the memory driver, RabbitMQ, the edge's own retry).
+pub(crate) const REFUSED_HOLD: Duration = jobrail::REFUSED_SETTLEMENT_HOLD;
+
+impl Semantics {
+    /// The least time a message whose settlement was refused stays away:
+    /// the lease (SQS's visibility, NATS's AckWait) or the hold of a
+    /// backend without one.
+    pub fn refused_hold(self) -> Duration {
+        match self {
+            Semantics::Memory | Semantics::Rabbit | Semantics::Cloudflare => REFUSED_HOLD,
+            Semantics::Sqs | Semantics::Nats => LEASE,
+        }
+    }
+}
 /// The RabbitMQ model's delay buckets.
 pub(crate) const BUCKETS: [u64; 7] = [1, 5, 30, 120, 600, 3600, 86400];
 
@@ -475,6 +490,7 @@ impl World {
 
     pub(crate) fn capabilities(&self) -> Capabilities {
         let mut c = Capabilities::full();
+        c.refused_hold = self.sem.refused_hold();
         match self.sem {
             Semantics::Memory => {}
             Semantics::Rabbit => {
@@ -662,14 +678,17 @@ impl World {
         let back = Self::order(st, false);
         let m = st.msgs.get_mut(&n).expect("message");
         m.state = MState::Ready;
+        // A refused settlement is held as a lease would hold it, never
+        // handed straight back.
+        let refused = matches!(reason, Abandon::Refused | Abandon::Unsupported);
         match sem {
             Semantics::Memory => {
-                m.avail = now;
+                m.avail = if refused { now + REFUSED_HOLD } else { now };
                 m.order = front;
             }
             Semantics::Rabbit => {
                 m.dcount += 1;
-                m.avail = now;
+                m.avail = if refused { now + REFUSED_HOLD } else { now };
                 m.order = front;
             }
             Semantics::Sqs => {
@@ -679,7 +698,10 @@ impl World {
             Semantics::Nats => {
                 m.order = back;
                 m.avail = match reason {
-                    Abandon::Crash | Abandon::ConnectionLost => now + LEASE,
+                    Abandon::Crash
+                    | Abandon::ConnectionLost
+                    | Abandon::Refused
+                    | Abandon::Unsupported => now + LEASE,
                     _ => now,
                 };
             }
@@ -1326,10 +1348,13 @@ impl World {
                     record: Some(record),
                 }
             }
-            (Some(Err(settled)), CfCall::Retry(None)) => {
-                // The send failed: the edge keeps the message for redelivery.
+            (Some(Err(settled)), CfCall::Retry(Some(secs)))
+                if Duration::from_secs(u64::from(secs)) == REFUSED_HOLD =>
+            {
+                // The send failed: the edge keeps the message for
+                // redelivery, held as a lease would hold it.
                 self.cf_refuse(&mut st, id, n, settled);
-                st.cf_marks.insert(id, Mark::Retry(None));
+                st.cf_marks.insert(id, Mark::Retry(Some(REFUSED_HOLD)));
                 return Ok(());
             }
             (Some(sent), call) => {

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use jobrail_simulation::{run_seed, Backend, ClaimStats};
+use jobrail_simulation::{run_refusing, run_seed, Backend, ClaimStats};
 
 /// Seeds per backend (a debug build on 2 cores: about 40 s in all).
 const SEEDS: u64 = 1500;
@@ -100,4 +100,34 @@ fn a_seed_replays_identically() {
         let b = run_seed(seed, Some(backend));
         assert_eq!(text(&a), text(&b), "seed {seed} on {}", backend.name());
     }
+}
+
+/// Seeds per backend for the hot-loop property.
+const REFUSING_SEEDS: u64 = 60;
+
+/// With every settlement refused, no backend model runs a message faster
+/// than its refused-settlement hold allows (see `run_refusing`): generated
+/// scenarios, every backend.
+#[test]
+fn every_settlement_refused_never_loops() {
+    let mut failures = Vec::new();
+    for backend in Backend::ALL {
+        let t = Instant::now();
+        let (mut refused, mut worst) = (0, 0.0f64);
+        for seed in 0..REFUSING_SEEDS {
+            let report = run_refusing(seed, backend);
+            refused += report.refused;
+            worst = worst.max(report.worst_per_hour);
+            for v in report.violations.iter().take(3) {
+                failures.push(format!("{} seed {seed}: {v}", backend.name()));
+            }
+        }
+        println!(
+            "{}: {REFUSING_SEEDS} seeds with every settlement refused: {refused} refusals, at most {worst:.0} executions of one message per hour, {:.2}s",
+            backend.name(),
+            t.elapsed().as_secs_f64()
+        );
+        assert!(refused > 0, "{}: nothing was refused", backend.name());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -2,17 +2,19 @@
 //!
 //! `simulate --seeds 1000 [--from 0] [--backend rabbit]` runs many seeds and
 //! prints one line per failing seed and a summary; `simulate --seed S
-//! [--backend B]` replays one seed and prints the offending messages' traces.
+//! [--backend B]` replays one seed and prints the offending messages' traces;
+//! `--refusing` runs the seed with every settlement refused (the hot-loop
+//! property, `run_refusing`).
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use jobrail_simulation::{run_seed, Backend, ClaimStats};
+use jobrail_simulation::{run_refusing, run_seed, Backend, ClaimStats};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all]\n backends: memory rabbit sqs nats cloudflare"
+        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all] [--refusing]\n backends: memory rabbit sqs nats cloudflare"
     );
     ExitCode::from(2)
 }
@@ -25,6 +27,7 @@ fn main() -> ExitCode {
     let mut backend: Option<Backend> = None;
     let mut full = false;
     let mut all = false;
+    let mut refusing = false;
     let mut i = 0;
     while i < args.len() {
         let val = args.get(i + 1).cloned().unwrap_or_default();
@@ -46,9 +49,23 @@ fn main() -> ExitCode {
                 i += 1;
                 continue;
             }
+            "--refusing" => {
+                refusing = true;
+                i += 1;
+                continue;
+            }
             _ => return usage(),
         }
         i += 2;
+    }
+    if let (Some(seed), true) = (seed, refusing) {
+        let report = run_refusing(seed, backend.unwrap_or(Backend::Memory));
+        print!("{}", report.details());
+        return if report.violations.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
     }
     if let Some(seed) = seed {
         let report = run_seed(seed, backend);

@@ -395,6 +395,7 @@ mod tests {
             failed_at_ms,
             envelope: Some(envelope),
             raw_body: None,
+            truncated: None,
         }
     }
 

@@ -320,7 +320,9 @@ async fn settle<M: QueueMessage, B: Bindings>(
         // returns normally acknowledges unmarked messages).
         Settlement::Reject => Ok(()),
         Settlement::Fail(record) => {
-            let text = String::from_utf8_lossy(&record.encode()).into_owned();
+            let text =
+                String::from_utf8_lossy(&record.encode_within(crate::limits::FAILURE_RECORD_BYTES))
+                    .into_owned();
             match &consumer.config.failure_queue {
                 Some(binding) => match bindings.send_text(binding, text).await {
                     Ok(()) => message.ack(),

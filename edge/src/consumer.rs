@@ -232,11 +232,13 @@ fn consumer_for(queue: &str, env: &Env, spec: &WorkerSpec) -> Result<Rc<EdgeCons
     install_panic_hook();
     let registry = (spec.jobs)()?;
     let var = |name: &str| env.var(name).ok().map(|v| v.to_string());
+    let bound = |binding: &str| env.queue(binding).is_ok();
     let consumer = Rc::new(crate::options::build_consumer(
         queue,
         registry,
         &spec.options,
         &var,
+        &bound,
         Arc::new(WorkersRuntime),
     )?);
     CONSUMERS.with(|c| c.borrow_mut().insert(queue.to_string(), consumer.clone()));

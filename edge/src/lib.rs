@@ -38,6 +38,9 @@
 //!   and a delay of 24 hours ([`MAX_DELAY`]), counted in whole seconds.
 //!   Pure.
 //! - `log`: one structured line per settlement ([`LogSink`]).
+//! - [`routes`]: a Worker's own HTTP routes, off until their secret is set
+//!   ([`routes::Access`]: 404 without it, 401 without the token), and
+//!   `routes::send` (wasm32), `POST /send` of the template worker.
 //! - [`testing`] (native): Cloudflare Queues semantics without wrangler.
 //! - `consumer` (wasm32): the platform's objects, the panic hook and the
 //!   resumable invocation behind [`consumer!`].
@@ -135,6 +138,7 @@ pub mod failures;
 mod limits;
 mod log;
 mod options;
+pub mod routes;
 mod settings;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;
@@ -153,9 +157,11 @@ pub use batch::{BatchSummary, Bindings, EdgeConsumer, QueueMessage};
 #[cfg(all(feature = "d1-claims", target_arch = "wasm32"))]
 pub use claims::D1Claims;
 pub use error::{EdgeError, EdgeErrorKind};
-pub use limits::{MAX_DELAY, MAX_MESSAGE_BYTES};
+pub use limits::{FAILURE_RECORD_BYTES, MAX_DELAY, MAX_MESSAGE_BYTES};
 pub use log::LogSink;
-pub use options::{check, Options};
+#[cfg(not(target_arch = "wasm32"))]
+pub use options::check_directory;
+pub use options::{check, check_file, Options};
 #[cfg(target_arch = "wasm32")]
 pub use producer::EdgeProducer;
 #[cfg(target_arch = "wasm32")]
@@ -178,10 +184,15 @@ pub mod __private {
 /// (`E: Display`) and exports the Worker's `queue` handler for wasm32. The
 /// worker's `wrangler.toml`, next to its `Cargo.toml`, is embedded and
 /// checked against the jobs when the consumer starts (see
-/// [`wrangler::Wrangler::check`]); on native targets the macro instead adds a
-/// test, `wrangler_toml_fits_the_jobs`, that runs the same check, so
-/// `cargo test` (which the template's build command runs) refuses a drifted
-/// configuration before anything is deployed.
+/// [`wrangler::Wrangler::check`]): every section of it the Worker can be
+/// running with, given its bindings and variables; a Worker started from a
+/// configuration that is none of them (`wrangler dev -c other.toml`) hands
+/// every message back instead of running it. On native targets the macro
+/// instead adds a test, `wrangler_toml_fits_the_jobs`, that checks every
+/// wrangler configuration in the worker's directory, each with all its
+/// `[env.*]` sections ([`check_directory`]), so `cargo test` (which the
+/// template's build command runs) refuses a drifted configuration, whichever
+/// one `wrangler` would be started with, before anything is deployed.
 ///
 /// Optional, in this order, by name:
 /// - `options = EXPR`: an [`Options`] (failure queue, concurrency; its
@@ -211,8 +222,10 @@ macro_rules! consumer {
         fn wrangler_toml_fits_the_jobs() {
             let options = __QUEUE_EDGE_OPTIONS;
             let registry = $jobs().unwrap_or_else(|e| panic!("the jobs do not build: {e}"));
-            if let Err(problems) = $crate::check(&registry, &options, None) {
-                panic!("{problems}");
+            let (dir, name) = $crate::__wrangler_place!($($wrangler)?);
+            match $crate::check_directory(&registry, &options, std::path::Path::new(dir), name) {
+                Ok(checked) => println!("checked against the jobs: {}", checked.join("; ")),
+                Err(problems) => panic!("{problems}"),
             }
         }
 
@@ -255,6 +268,24 @@ macro_rules! __wrangler_text {
     ($path:literal) => {
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/", $path))
     };
+}
+
+/// The directory and file name of the embedded wrangler.toml.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __wrangler_place {
+    () => {
+        (env!("CARGO_MANIFEST_DIR"), "wrangler.toml")
+    };
+    ($path:literal) => {{
+        let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/", $path));
+        let dir = path.parent().map_or(".", |d| d.to_str().unwrap_or("."));
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("wrangler.toml");
+        (dir, name)
+    }};
 }
 
 #[doc(hidden)]

@@ -31,6 +31,14 @@ pub const MAX_DELAY: Duration = Duration::from_secs(24 * 60 * 60);
 /// the native harness (`jobrail_edge::testing`) both run it.
 pub const MAX_MESSAGE_BYTES: usize = 128_000;
 
+/// The largest failure record the consumer sends to its failure queue:
+/// [`MAX_MESSAGE_BYTES`] less a margin for the metadata the platform counts
+/// too, so a record is never refused for its size. A record that would be
+/// larger (a message near the limit, kept whole in its record, is) is cut to
+/// fit: the first bytes of the body with its length and SHA-256 digest
+/// ([`jobrail::FailureRecord::encode_within`]).
+pub const FAILURE_RECORD_BYTES: usize = MAX_MESSAGE_BYTES - 1_000;
+
 /// Refuses a message body above [`MAX_MESSAGE_BYTES`]. The error (kind
 /// [`EdgeErrorKind::Unsupported`]) names the limit and the body's size; the
 /// body itself stays out of it, as it may hold payload data.

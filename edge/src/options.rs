@@ -67,13 +67,24 @@ pub(crate) const VARIABLES: &[&str] = &[
 ];
 
 /// Builds the consumer of `queue`: the registry with the operator's
-/// variables applied, checked against wrangler.toml (every problem named,
-/// with its job and field), the settlement log installed.
+/// variables applied, checked against the sections of wrangler.toml the
+/// Worker can be running with (every problem named, with its section, job
+/// and field), the settlement log installed. `var` reads the Worker's
+/// variables and `bound` says whether a producer binding exists.
+///
+/// The Worker cannot see which configuration it was started with, only its
+/// bindings and variables, so it checks every section of the embedded
+/// wrangler.toml (the top level and each `[env.*]`) that consumes `queue`
+/// with those bindings and variables ([`Wrangler::could_be_running`]). None:
+/// it was started from a configuration the check never saw (`wrangler dev
+/// -c other.toml`, say), whose consumer settings it cannot know, and it
+/// refuses to build a consumer (the batch is handed back).
 pub(crate) fn build_consumer(
     queue: &str,
     mut registry: Registry,
     options: &Options,
     var: &dyn Fn(&str) -> Option<String>,
+    bound: &dyn Fn(&str) -> bool,
     runtime: Arc<dyn Runtime>,
 ) -> Result<EdgeConsumer, String> {
     let number = |name: &str| -> Result<Option<u64>, String> {
@@ -112,7 +123,7 @@ pub(crate) fn build_consumer(
     if let Some(n) = number("EDGE_CONCURRENCY")? {
         config.concurrency = n as usize;
     }
-    let checked = check(&registry, options, Some(queue))?;
+    let checked = check_running(&registry, options, queue, var, bound)?;
     let config = checked.edge_config(config);
     if options.log_settlements {
         let inner = registry.current_event_sink();
@@ -125,25 +136,360 @@ pub(crate) fn build_consumer(
     EdgeConsumer::with_runtime(registry, config, runtime).map_err(|e| e.to_string())
 }
 
-/// Checks `options.wrangler` against the jobs of `registry`: the queues the
-/// jobs name, the queues of `options.queue_concurrency` and `queue` (the
-/// queue about to be consumed, if given) are all held to every rule of
-/// [`Wrangler::check_consumed`]. The error lists every problem, one per line.
+/// Checks the top level of `options.wrangler` against the jobs of
+/// `registry`: the queues the jobs name, the queues of
+/// `options.queue_concurrency` and `queue` (the queue about to be consumed,
+/// if given) are all held to every rule of [`Wrangler::check_consumed`].
+/// The error lists every problem, one per line. [`check_file`] checks every
+/// section; a Worker checks the sections it can be running with.
 pub fn check(
     registry: &Registry,
     options: &Options,
     queue: Option<&str>,
 ) -> Result<Checked, String> {
     let wrangler = Wrangler::parse(options.wrangler).map_err(|e| format!("wrangler.toml: {e}"))?;
+    check_section(registry, options, &wrangler, queue, "wrangler.toml")
+}
+
+/// One section held to the rules, its problems listed under `file` and the
+/// section's name.
+fn check_section(
+    registry: &Registry,
+    options: &Options,
+    wrangler: &Wrangler,
+    queue: Option<&str>,
+    file: &str,
+) -> Result<Checked, String> {
     let mut also: Vec<&str> = options.queue_concurrency.iter().map(|(q, _)| *q).collect();
     also.extend(queue);
+    let place = match wrangler.env() {
+        None => file.to_string(),
+        Some(_) => format!("{file}, {}", wrangler.section_name()),
+    };
     wrangler
         .check_consumed(registry, options.failure_queue, &also)
         .map_err(|problems| {
             let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
-            format!(
-                "wrangler.toml does not fit the jobs:\n  {}",
-                list.join("\n  ")
-            )
+            format!("{place} does not fit the jobs:\n  {}", list.join("\n  "))
         })
+}
+
+/// The check a Worker runs for `queue` (see [`build_consumer`]): every
+/// section of the embedded wrangler.toml it can be running with must fit
+/// the jobs, and there must be one. Of several, the one whose consumers give
+/// up first decides the platform's `max_retries`.
+fn check_running(
+    registry: &Registry,
+    options: &Options,
+    queue: &str,
+    var: &dyn Fn(&str) -> Option<String>,
+    bound: &dyn Fn(&str) -> bool,
+) -> Result<Checked, String> {
+    let sections =
+        Wrangler::parse_all(options.wrangler).map_err(|e| format!("wrangler.toml: {e}"))?;
+    let mut checked: Option<Checked> = None;
+    for section in sections
+        .iter()
+        .filter(|s| s.could_be_running(queue, bound, var))
+    {
+        let this = check_section(registry, options, section, Some(queue), "wrangler.toml")?;
+        if checked
+            .as_ref()
+            .is_none_or(|c| this.platform_max_retries() < c.platform_max_retries())
+        {
+            checked = Some(this);
+        }
+    }
+    checked.ok_or_else(|| {
+        format!(
+            "the worker consumes `{queue}` from a configuration its wrangler.toml check never saw: no \
+             section of the wrangler.toml built into it (the top level or an [env.*]) consumes \
+             `{queue}` with the producer bindings and [vars] this worker has, so its max_retries \
+             and dead-letter queue are unknown; start it from a checked configuration (wrangler.toml, \
+             or --env with one of its [env.*] sections), or put this configuration in wrangler.toml as \
+             an [env.*] section"
+        )
+    })
+}
+
+/// Checks every section of the wrangler configuration `text` (named `file`
+/// in messages) against the jobs: the top level, and each `[env.*]` that
+/// declares queue consumers (one that declares none consumes nothing, and
+/// is not a consumer of these jobs). Returns the sections checked; the
+/// error lists every problem of every section.
+pub fn check_file(
+    registry: &Registry,
+    options: &Options,
+    text: &str,
+    file: &str,
+) -> Result<Vec<String>, String> {
+    let sections = Wrangler::parse_all(text).map_err(|e| format!("{file}: {e}"))?;
+    let mut checked = Vec::new();
+    let mut problems = Vec::new();
+    for section in &sections {
+        if section.env().is_some() && section.consumers().is_empty() {
+            continue;
+        }
+        match check_section(registry, options, section, None, file) {
+            Ok(_) => checked.push(match section.env() {
+                None => file.to_string(),
+                Some(_) => format!("{file}, {}", section.section_name()),
+            }),
+            Err(problem) => problems.push(problem),
+        }
+    }
+    if problems.is_empty() {
+        Ok(checked)
+    } else {
+        Err(problems.join("\n"))
+    }
+}
+
+/// Checks every wrangler configuration a Worker can be started with from
+/// `dir`, its directory: `embedded` (the file the worker embeds, named
+/// `embedded_name`) and every other TOML file there that is a wrangler
+/// configuration (one with `main`, `compatibility_date` or `queues`), each
+/// with all its sections ([`check_file`]), so that `wrangler dev -c
+/// other.toml` or `--env staging` cannot start a build whose consumer
+/// settings the check never saw. A `wrangler.json` or `wrangler.jsonc`
+/// there is refused: the check reads TOML only. What the consumer macro's
+/// native test runs (the build command runs it first). Returns what was
+/// checked, one line each.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn check_directory(
+    registry: &Registry,
+    options: &Options,
+    dir: &std::path::Path,
+    embedded_name: &str,
+) -> Result<Vec<String>, String> {
+    let mut problems = Vec::new();
+    // (name, text) of every configuration to check, the embedded one first.
+    let mut files = vec![(embedded_name.to_string(), options.wrangler.to_string())];
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut paths: Vec<std::path::PathBuf> =
+        entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    for path in paths {
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if name == embedded_name || !path.is_file() {
+            continue;
+        }
+        if name == "wrangler.json" || name == "wrangler.jsonc" {
+            problems.push(format!(
+                "{name}: a wrangler configuration this check cannot read (it reads TOML): write it \
+                 as a wrangler.toml [env.*] section, or the worker could be started with consumer \
+                 settings nobody checked"
+            ));
+            continue;
+        }
+        if !name.ends_with(".toml") || name == "Cargo.toml" {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        match toml::from_str::<toml::Table>(&text) {
+            Ok(table)
+                if ["main", "compatibility_date", "queues"]
+                    .iter()
+                    .any(|key| table.contains_key(*key)) =>
+            {
+                files.push((name.to_string(), text));
+            }
+            Ok(_) => {}
+            Err(e) if name.starts_with("wrangler") => problems.push(format!("{name}: {e}")),
+            Err(_) => {}
+        }
+    }
+    let mut checked = Vec::new();
+    for (name, text) in &files {
+        match check_file(registry, options, text, name) {
+            Ok(sections) => checked.extend(sections),
+            Err(problem) => problems.push(problem),
+        }
+    }
+    if problems.is_empty() {
+        Ok(checked)
+    } else {
+        Err(problems.join("\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use jobrail::{Job, JobContext, UnknownNameAttempts, VirtualRuntime};
+
+    use super::*;
+
+    fn registry() -> Registry {
+        let job = Job::<u32>::builder("send-welcome-email")
+            .queue("emails")
+            .retry(5)
+            .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let mut registry = Registry::new();
+        registry
+            .register(&job, |_: JobContext, _: u32| async { Ok(()) })
+            .unwrap();
+        registry.unknown_name_attempts(UnknownNameAttempts::limited(3));
+        registry
+    }
+
+    /// A consumer of `queue` giving `max_retries`, with a dead-letter
+    /// queue or not, and the producer binding `binding` to it.
+    fn consumer(table: &str, queue: &str, max_retries: u32, dlq: bool, binding: &str) -> String {
+        let dlq = if dlq {
+            format!("dead_letter_queue = \"{queue}-dlq\"\n")
+        } else {
+            String::new()
+        };
+        format!(
+            "[[{table}queues.producers]]\nqueue = \"{queue}\"\nbinding = \"{binding}\"\n\n\
+             [[{table}queues.consumers]]\nqueue = \"{queue}\"\nmax_retries = {max_retries}\n{dlq}\n"
+        )
+    }
+
+    const GOOD: &str =
+        "name = \"w\"\nmain = \"build/index.js\"\ncompatibility_date = \"2026-04-20\"\n\n";
+
+    fn options(text: &'static str) -> Options {
+        Options {
+            wrangler: text,
+            ..Options::DEFAULT
+        }
+    }
+
+    fn leak(text: String) -> &'static str {
+        Box::leak(text.into_boxed_str())
+    }
+
+    /// Before: only the top level was checked, so an `[env.staging]` that
+    /// drops messages passed.
+    #[test]
+    fn every_environment_is_checked() {
+        let text = leak(format!(
+            "{GOOD}{}{}",
+            consumer("", "emails", 10, true, "EMAILS"),
+            consumer("env.staging.", "emails", 1, false, "EMAILS")
+        ));
+        assert!(
+            check(&registry(), &options(text), None).is_ok(),
+            "the top level fits"
+        );
+        let err = check_file(&registry(), &options(text), text, "wrangler.toml").unwrap_err();
+        assert!(err.contains("wrangler.toml, [env.staging]"), "{err}");
+        assert!(
+            err.contains("max_retries = 1") && err.contains("dead_letter_queue"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("wrangler.toml does not fit"),
+            "the top level fits: {err}"
+        );
+        // An environment without consumers consumes nothing: not checked.
+        let text = leak(format!(
+            "{GOOD}{}[env.docs]\nname = \"docs\"\n",
+            consumer("", "emails", 10, true, "EMAILS")
+        ));
+        let checked = check_file(&registry(), &options(text), text, "wrangler.toml").unwrap();
+        assert_eq!(checked, ["wrangler.toml"]);
+    }
+
+    /// Before: `wrangler dev -c other.toml` was never checked.
+    #[cfg(not(target_arch = "wasm32"))]
+    #[test]
+    fn every_configuration_of_the_directory_is_checked() {
+        let dir = std::env::temp_dir().join(format!(
+            "jobrail-edge-check-{}-{}",
+            std::process::id(),
+            jobrail::new_message_id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = leak(format!(
+            "{GOOD}{}",
+            consumer("", "emails", 10, true, "EMAILS")
+        ));
+        std::fs::write(dir.join("wrangler.toml"), good).unwrap();
+        std::fs::write(dir.join("Cargo.toml"), "[package]\nname = \"w\"\n").unwrap();
+        std::fs::write(dir.join("rustfmt.toml"), "edition = \"2021\"\n").unwrap();
+        let checked = check_directory(&registry(), &options(good), &dir, "wrangler.toml").unwrap();
+        assert_eq!(checked, ["wrangler.toml"]);
+
+        let other = format!("{GOOD}{}", consumer("", "emails", 1, false, "EMAILS"));
+        std::fs::write(dir.join("other.toml"), other).unwrap();
+        let err = check_directory(&registry(), &options(good), &dir, "wrangler.toml").unwrap_err();
+        assert!(err.contains("other.toml does not fit"), "{err}");
+        std::fs::remove_file(dir.join("other.toml")).unwrap();
+
+        std::fs::write(dir.join("wrangler.jsonc"), "{}").unwrap();
+        let err = check_directory(&registry(), &options(good), &dir, "wrangler.toml").unwrap_err();
+        assert!(
+            err.contains("wrangler.jsonc") && err.contains("TOML"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn build(
+        text: &'static str,
+        queue: &str,
+        bindings: &[&str],
+        vars: &[(&str, &str)],
+    ) -> Result<EdgeConsumer, String> {
+        let var = |name: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        };
+        let bound = |binding: &str| bindings.contains(&binding);
+        build_consumer(
+            queue,
+            registry(),
+            &Options {
+                log_settlements: false,
+                ..options(text)
+            },
+            &var,
+            &bound,
+            Arc::new(VirtualRuntime::new()),
+        )
+    }
+
+    /// A Worker checks the sections it can be running with, and refuses
+    /// (the batch is handed back) when it can be running with none: a
+    /// configuration its check never saw.
+    #[test]
+    fn a_worker_refuses_a_configuration_its_check_never_saw() {
+        let text = leak(format!(
+            "{GOOD}{}[env.staging]\n[env.staging.vars]\nSTAGE = \"staging\"\n\n{}",
+            consumer("", "emails", 10, true, "EMAILS"),
+            consumer("env.staging.", "emails", 10, true, "EMAILS_STAGING")
+        ));
+        assert!(build(text, "emails", &["EMAILS"], &[]).is_ok());
+        assert!(build(text, "emails", &["EMAILS_STAGING"], &[("STAGE", "staging")]).is_ok());
+        // Another queue, other bindings, other [vars]: none of the sections.
+        for (queue, bindings, vars) in [
+            ("emails-other", &["EMAILS"][..], &[][..]),
+            ("emails", &["OTHER"][..], &[][..]),
+            ("emails", &["EMAILS_STAGING"][..], &[("STAGE", "prod")][..]),
+        ] {
+            let err = build(text, queue, bindings, vars).err().expect("refused");
+            assert!(err.contains("never saw"), "{queue}: {err}");
+        }
+        // A section the Worker can be running with that does not fit.
+        let text = leak(format!(
+            "{GOOD}{}{}",
+            consumer("", "emails", 10, true, "EMAILS"),
+            consumer("env.staging.", "emails", 1, false, "EMAILS")
+        ));
+        let err = build(text, "emails", &["EMAILS"], &[])
+            .err()
+            .expect("refused");
+        assert!(err.contains("[env.staging]"), "{err}");
+    }
 }

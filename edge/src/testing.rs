@@ -833,11 +833,14 @@ impl CloudflareQueues {
                 shared: self.shared.clone(),
                 clock: self.runtime.clock.clone(),
             }));
+            // The harness's bindings are the producers its wrangler.toml declares.
+            let bound = |binding: &str| self.wrangler.producer_binding(binding).is_some();
             let consumer = build_consumer(
                 &queue,
                 registry,
                 &self.options,
                 &var,
+                &bound,
                 Arc::new(self.runtime.clone()),
             )?;
             let settings = self.wrangler.consumer(&queue).cloned().ok_or_else(|| {

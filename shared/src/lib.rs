@@ -136,7 +136,9 @@ pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
 pub use policy::{
     whole_seconds_up, Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY,
 };
-pub use record::{FailureRecord, RawBody};
+pub use record::{
+    FailureRecord, RawBody, Truncation, TRUNCATED_NAME_BYTES, TRUNCATED_REASON_BYTES,
+};
 pub use redact::json_error;
 pub use registry::{Incoming, Processed, Registry, RegistryError};
 pub use replay::{

@@ -57,6 +57,9 @@ pub fn poison_reason(record: Option<&FailureRecord>) -> Option<String> {
     let Some(record) = record else {
         return Some("the entry is not a failure record".into());
     };
+    if let Some(reason) = truncated_reason(record) {
+        return Some(reason);
+    }
     match record.kind {
         FailureKind::MalformedEnvelope => {
             Some("poison: the message is not an envelope (malformed)".into())
@@ -68,6 +71,18 @@ pub fn poison_reason(record: Option<&FailureRecord>) -> Option<String> {
         _ if record.envelope.is_none() => Some("the record keeps no envelope".into()),
         _ => None,
     }
+}
+
+/// Why a record cut to fit its backend's size limit cannot be replayed,
+/// forced or not: it keeps only the first bytes of the message.
+fn truncated_reason(record: &FailureRecord) -> Option<String> {
+    record.truncated.as_ref().map(|t| {
+        format!(
+            "the record keeps only the first {} of the message's {} bytes (sha256 {}): it was too \
+             large to keep whole, and cannot be sent again",
+            t.kept_bytes, t.body_bytes, t.body_sha256
+        )
+    })
 }
 
 /// What a replay sends: the new message's id and body.
@@ -106,7 +121,8 @@ impl std::error::Error for ReplayRefused {}
 /// replayable record's envelope goes with a new id ([`replay_id`]) and the
 /// replay metadata; a poison entry is refused unless `force`, and forced
 /// sends the original message's bytes (the record's raw body) or, for an
-/// entry that is not a record, the stored body.
+/// entry that is not a record, the stored body. A record cut to fit its
+/// backend's limit ([`FailureRecord::truncated`]) is refused even forced.
 pub fn replay_message(
     entry_id: &str,
     record: Option<&FailureRecord>,
@@ -115,6 +131,13 @@ pub fn replay_message(
     now_ms: u64,
 ) -> Result<Replay, ReplayRefused> {
     let message_id = replay_id(entry_id);
+    if let Some(reason) = record.and_then(truncated_reason) {
+        // Not even forced: the bytes kept are not the message.
+        return Err(ReplayRefused {
+            entry_id: entry_id.to_string(),
+            reason,
+        });
+    }
     let body = match (poison_reason(record), record) {
         (None, Some(record)) => {
             let mut envelope = record
@@ -179,6 +202,20 @@ mod tests {
         assert_eq!(decoded.metadata[REPLAY_OF], id);
         assert_eq!(decoded.metadata[REPLAY_OF_MESSAGE], envelope.id);
         assert_eq!(decoded.metadata[REPLAYED_AT_MS], "1234");
+    }
+
+    #[test]
+    fn a_record_cut_to_fit_is_never_replayed() {
+        let payload = "x".repeat(20_000);
+        let envelope = Envelope::new("job", serde_json::json!({ "big": payload }));
+        let r = record(FailureKind::AttemptsExhausted, Some(&envelope), b"");
+        let cut = FailureRecord::decode(&r.encode_within(4096)).unwrap();
+        assert!(cut.truncated.is_some());
+        for force in [false, true] {
+            let refused = replay_message(&cut.id, Some(&cut), &cut.encode(), force, 1).unwrap_err();
+            assert!(refused.reason.contains("only the first"), "{refused}");
+        }
+        assert!(poison_reason(Some(&cut)).unwrap().contains("too large"));
     }
 
     #[test]

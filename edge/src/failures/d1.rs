@@ -36,10 +36,10 @@ struct Row {
 
 impl Row {
     fn entry(&self) -> KeptFailure {
-        let bytes = if self.body_encoding == "hex" {
-            jobrail::RawBody::Hex(self.body.clone()).to_bytes()
-        } else {
-            self.body.clone().into_bytes()
+        let bytes = match self.body_encoding.as_str() {
+            "hex" => jobrail::RawBody::Hex(self.body.clone()).to_bytes(),
+            "base64" => jobrail::RawBody::Base64(self.body.clone()).to_bytes(),
+            _ => self.body.clone().into_bytes(),
         };
         let mut entry =
             KeptFailure::from_message(&bytes, &self.platform_id, self.stored_at_ms as u64);
@@ -77,10 +77,6 @@ fn refusal(error: RouteError) -> worker::Result<Response> {
 fn server_error(message: String) -> worker::Result<Response> {
     console_error!("{message}");
     refusal(RouteError::new(500, message))
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 thread_local! {
@@ -175,6 +171,7 @@ impl FailureKeeper {
                         let entry = KeptFailure::from_message(&bytes, &platform_id, now);
                         let (body, encoding) = match jobrail::RawBody::from_bytes(&bytes) {
                             jobrail::RawBody::Utf8(text) => (text, "utf8"),
+                            jobrail::RawBody::Base64(data) => (data, "base64"),
                             jobrail::RawBody::Hex(hex) => (hex, "hex"),
                         };
                         self.statement(
@@ -242,24 +239,11 @@ impl FailureKeeper {
         Some(self.serve(req, env, route).await)
     }
 
-    /// The token check: 404 without the secret, 401 without the token.
+    /// The token check ([`crate::routes::Access`]): 404 without the secret,
+    /// 401 without the token.
     fn refused(&self, req: &Request, env: &Env) -> Option<RouteError> {
-        let secret = match env.secret(self.token) {
-            Ok(secret) => secret.to_string(),
-            Err(_) => return Some(RouteError::new(404, "not found")),
-        };
-        if secret.is_empty() {
-            return Some(RouteError::new(404, "not found"));
-        }
-        let given = req
-            .headers()
-            .get("Authorization")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let expected = format!("Bearer {secret}");
-        (!constant_time_eq(given.as_bytes(), expected.as_bytes()))
-            .then(|| RouteError::new(401, "unauthorized"))
+        let (status, text) = crate::routes::Access::check(req, env, self.token).refusal()?;
+        Some(RouteError::new(status, text))
     }
 
     async fn serve(

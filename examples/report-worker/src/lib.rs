@@ -619,28 +619,10 @@ mod edge {
         Response::from_json(&answer)
     }
 
-    /// `Some(response)` refusing the request unless the operator set the secret
-    /// and the request carries it.
+    /// `Some(response)` refusing the request unless the operator set the
+    /// secret and the request carries it (404 and 401).
     fn refused(req: &Request, env: &Env) -> Option<Result<Response>> {
-        let Ok(secret) = env.secret(TOKEN) else {
-            return Some(Response::error("not found", 404));
-        };
-        let expected = format!("Bearer {secret}");
-        let given = req
-            .headers()
-            .get("Authorization")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        if secret.to_string().is_empty() || !constant_time_eq(given.as_bytes(), expected.as_bytes())
-        {
-            return Some(Response::error("unauthorized", 401));
-        }
-        None
-    }
-
-    fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        jobrail_edge::routes::refused(jobrail_edge::routes::Access::check(req, env, TOKEN))
     }
 
     #[event(fetch)]

@@ -219,9 +219,14 @@ impl NatsDriver {
             stored.sequence,
             stored.published
         );
-        self.publish(subject, record.encode(), &id, &[])
-            .await
-            .map(|_| ())
+        // Never over the server's max_payload (less the headers' room): one
+        // that does not fit is cut to fit, as the server would close the
+        // connection on it.
+        let body = match self.max_message_bytes() {
+            Some(limit) => record.encode_within(limit),
+            None => record.encode(),
+        };
+        self.publish(subject, body, &id, &[]).await.map(|_| ())
     }
 
     /// Publishes the copy a graceful shutdown hands back for the message

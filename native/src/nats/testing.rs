@@ -130,19 +130,35 @@ impl NatsDriver {
     ///
     /// [`ErrorKind::Config`]: crate::ErrorKind::Config
     pub async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
-        static INJECTED: AtomicU64 = AtomicU64::new(0);
         let destination = self.destination(queue).await?;
-        // Unique, so the duplicate window never drops an injected body.
-        let id = format!(
-            "injected:{}:{}:{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
-            INJECTED.fetch_add(1, Ordering::Relaxed)
-        );
-        self.publish(&destination.subject, body, &id, &[])
+        self.publish(&destination.subject, body, &injected_id(), &[])
             .await
             .map(|_| ())
     }
+
+    /// Publishes `body` to the work stream of `queue` (declared first) as
+    /// it is, with async-nats and no check of the driver's own (its size
+    /// limit, which leaves room for headers, included): a message as
+    /// another client might send it. The server's `max_payload` still
+    /// applies.
+    pub async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        self.declare(queue).await?;
+        self.publish(&self.subject(queue), body, &injected_id(), &[])
+            .await
+            .map(|_| ())
+    }
+}
+
+/// A message id of its own for each injected body, so the duplicate window
+/// never drops one.
+fn injected_id() -> String {
+    static INJECTED: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "injected:{}:{}:{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+        INJECTED.fetch_add(1, Ordering::Relaxed)
+    )
 }

@@ -243,8 +243,10 @@ impl RabbitDriver {
         let properties = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_message_id(message_id.unwrap_or_default().into());
-        self.publish(failure_queue, &record.encode(), properties)
-            .await
+        // Never over the broker's max_message_size: one that does not fit
+        // is cut to fit (the whole would be refused, again and again).
+        let body = record.encode_within(self.inner.config.max_message_bytes);
+        self.publish(failure_queue, &body, properties).await
     }
 
     /// Publishes persistently to `routing_key` on the default exchange and

@@ -60,6 +60,15 @@ impl RabbitDriver {
         self.publish(&failed, &body, properties).await
     }
 
+    /// Publishes `body` to the work queue `queue` (declared first) as it
+    /// is, with lapin and no check of the driver's own (its
+    /// `max_message_bytes` included): a message as another client might
+    /// send it. The broker's own limit still applies.
+    pub async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        self.declare_work(queue).await?;
+        self.publish(queue, &body, BasicProperties::default()).await
+    }
+
     /// Deletes `names`, even if in use or not empty.
     pub async fn delete_queues(&self, names: &[String]) -> Result<(), DriverError> {
         let limit = self.inner.config.operation_timeout;

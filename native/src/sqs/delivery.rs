@@ -567,7 +567,7 @@ impl SqsDelivery {
             Some(url) => {
                 let failed = driver.failure_queue_name(&self.queue).unwrap_or_default();
                 driver
-                    .send_body(&failed, &url, &record.encode(), 0, &[])
+                    .send_body(&failed, &url, &super::publish::record_body(record), 0, &[])
                     .await?;
                 self.hold.delete().await
             }

@@ -271,6 +271,10 @@ pub const MAX_DELAY_SECONDS: u64 = 900;
 /// SQS's cap on a message's invisibility, counted from its receive.
 pub const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 3600);
 
+/// The largest body the driver sends: SQS's 262,144 bytes count message
+/// attributes too, and 64 stay free for a retry's counts.
+pub const MAX_BODY_BYTES: usize = 262_144 - 64;
+
 struct Inner {
     config: SqsConfig,
     client: Client,
@@ -346,8 +350,7 @@ impl Driver for SqsDriver {
             redelivery_hint: self.inner.config.visibility_timeout,
             counts_abandoned_deliveries: true,
             counts_shutdown_returns: true,
-            // SQS's 262,144 bytes count message attributes too: 64 stay free for a retry's counts.
-            max_message_bytes: Some(262_144 - 64),
+            max_message_bytes: Some(MAX_BODY_BYTES),
             // Per queue: see `delivery_limit`.
             max_deliveries: None,
         }

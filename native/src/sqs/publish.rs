@@ -40,6 +40,19 @@ fn encode_body(body: &[u8]) -> (String, bool) {
     }
 }
 
+/// A failure record as a body within [`MAX_BODY_BYTES`](super::MAX_BODY_BYTES):
+/// cut to fit when too large ([`FailureRecord::encode_within`]), and, if
+/// its text is one SQS cannot carry as is (sent as base64, a third
+/// larger), cut to fit three quarters of it.
+pub(super) fn record_body(record: &jobrail::FailureRecord) -> Vec<u8> {
+    let body = record.encode_within(super::MAX_BODY_BYTES);
+    if encode_body(&body).1 {
+        record.encode_within(super::MAX_BODY_BYTES / 4 * 3)
+    } else {
+        body
+    }
+}
+
 /// The original bytes of a received body.
 pub(super) fn decode_body(text: &str, base64: bool) -> Vec<u8> {
     if base64 {

@@ -39,6 +39,15 @@ impl SqsDriver {
         self.send_body(&name, &url, &body, 0, &[]).await
     }
 
+    /// Sends `body` to the work queue `queue` (created first) as it is, with
+    /// the AWS SDK and no check of the driver's own (its size limit, which
+    /// leaves room for a retry's attributes, included): a message as
+    /// another client might send it. The queue's own limit still applies.
+    pub async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        let url = self.queue_url(queue, Role::Work).await?;
+        self.send_body(queue, &url, &body, 0, &[]).await
+    }
+
     /// Deletes `queue` while this driver keeps its URL, as if someone else
     /// had deleted it. A queue that does not exist is an error.
     pub async fn delete_queue_keeping_url(&self, queue: &str) -> Result<(), DriverError> {

@@ -34,6 +34,14 @@ pub trait Broker: Send + Sync + 'static {
         queue: &str,
         body: Vec<u8>,
     ) -> Result<(), DriverError>;
+    /// Puts `body` on the work queue `queue` as it is, through the
+    /// broker's own client, with none of the facade's checks (its size
+    /// limit included) ([`Backend::inject_body`]).
+    async fn inject_body(
+        driver: &Self::Driver,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError>;
     /// The queues or streams `driver` declared.
     fn declared(driver: &Self::Driver) -> Vec<String>;
     /// Deletes queues or streams by name.
@@ -129,12 +137,17 @@ impl<B: Broker> Backend for Fixture<B> {
         B::inject_failure_body(&self.driver().await, queue, body).await
     }
 
+    async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        B::inject_body(&self.driver().await, queue, body).await
+    }
+
     fn hooks(&self) -> Hooks {
         Hooks {
             short_hold: B::short_hold(&self.config).is_some(),
             delivery_limit: B::delivery_limited(&self.config, 2).is_some(),
             unreachable: B::unreachable(&self.config).is_some(),
             inject_failure_body: true,
+            inject_body: true,
         }
     }
 
@@ -222,6 +235,13 @@ impl Broker for RabbitMq {
     ) -> Result<(), DriverError> {
         driver.inject_failure_body(queue, body).await
     }
+    async fn inject_body(
+        driver: &Self::Driver,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_body(queue, body).await
+    }
     fn declared(driver: &Self::Driver) -> Vec<String> {
         driver.declared_queues()
     }
@@ -270,6 +290,13 @@ impl Broker for Nats {
         body: Vec<u8>,
     ) -> Result<(), DriverError> {
         driver.inject_failure_body(queue, body).await
+    }
+    async fn inject_body(
+        driver: &Self::Driver,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_body(queue, body).await
     }
     fn declared(driver: &Self::Driver) -> Vec<String> {
         driver.declared_streams()
@@ -349,6 +376,13 @@ impl Broker for Sqs {
         body: Vec<u8>,
     ) -> Result<(), DriverError> {
         driver.inject_failure_body(queue, body).await
+    }
+    async fn inject_body(
+        driver: &Self::Driver,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_body(queue, body).await
     }
     fn declared(driver: &Self::Driver) -> Vec<String> {
         driver.created_queues()

@@ -48,6 +48,19 @@ pub trait Backend: Send + Sync {
         ))
     }
 
+    /// Puts `body` on the work queue `queue` as it is, through the
+    /// backend's own client, bypassing the facade (its size limit
+    /// included), where the backend offers it ([`Hooks::inject_body`]). The
+    /// default refuses as unsupported.
+    async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        let _ = (queue, body);
+        Err(DriverError::new(
+            "conformance",
+            ErrorKind::Unsupported,
+            "this backend takes no body by hand",
+        ))
+    }
+
     /// How long a scenario may wait for something that should happen
     /// promptly (backends with coarse timers need more).
     fn patience(&self) -> Duration {
@@ -96,6 +109,8 @@ pub struct Hooks {
     pub unreachable: bool,
     /// [`Backend::inject_failure_body`] puts a body among the failures.
     pub inject_failure_body: bool,
+    /// [`Backend::inject_body`] puts a body on a work queue.
+    pub inject_body: bool,
 }
 
 /// Drivers holding secrets in their configuration, pointed where nothing

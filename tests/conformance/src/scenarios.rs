@@ -163,6 +163,11 @@ pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
         &scenarios![failures_entries_that_are_not_records],
     );
     choice.when(
+        failure_store && hooks.inject_body,
+        "no body can be put on a work queue by hand (no Backend::inject_body)",
+        &scenarios![poison_bodies_about_the_size_limit_keep_a_record_that_fits],
+    );
+    choice.when(
         hooks.unreachable,
         "the configuration holds no secret (no Backend::unreachable)",
         &scenarios![unreachable_backend_hides_its_secrets],
@@ -560,7 +565,8 @@ pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
     assert_eq!(failure_of(&events[0]), FailureKind::MalformedEnvelope);
     let records = backend.failure_records(&h.queue).await;
     assert_eq!(records.len(), 1);
-    assert!(matches!(records[0].raw_body, Some(RawBody::Hex(_))));
+    // Not UTF-8: base64, a third larger than the body (not hex, twice).
+    assert!(matches!(records[0].raw_body, Some(RawBody::Base64(_))));
     assert_eq!(records[0].raw_body.as_ref().unwrap().to_bytes(), body);
     // Nothing comes back once the backend's own redelivery timing has passed,
     // and reading the records did not consume them.
@@ -572,6 +578,91 @@ pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
     );
     assert_eq!(backend.failure_records(&h.queue).await.len(), 1);
     consumer.shutdown().await.unwrap();
+}
+
+/// Bodies that are not envelopes, put on the queue by the backend's own
+/// client at sizes about its size limit (half of it, the limit, one byte
+/// over it where the backend itself takes that), each fail once with one
+/// failure record that fits where records are kept: whole while it fits,
+/// otherwise the body's first bytes with its length and SHA-256 digest.
+/// None is refused, none comes back. A backend without a limit keeps a
+/// 4 MiB body's record whole.
+pub async fn poison_bodies_about_the_size_limit_keep_a_record_that_fits(backend: &dyn Backend) {
+    let h = Harness::new(backend, "poison-size").await;
+    let limit = h.driver.capabilities().max_message_bytes;
+    let job = h.job("poison-size").retry(5).build().unwrap();
+    // Unterminated JSON whose quotes JSON escapes: text a third of a byte
+    // larger in a record, so a record at the limit does not fit whole.
+    let body =
+        |n: usize| -> Vec<u8> { b"{\"say\": \"\"".iter().cycle().take(n).copied().collect() };
+    let sizes = match limit {
+        Some(limit) => vec![limit / 2, limit, limit + 1],
+        None => vec![4 << 20],
+    };
+    let mut sent = Vec::new();
+    for &n in &sizes {
+        match backend.inject_body(&h.queue, body(n)).await {
+            Ok(()) => sent.push(n),
+            // Over the backend's own limit too: nothing to test there.
+            Err(e) if n > limit.unwrap_or(usize::MAX) => {
+                println!("a body of {n} bytes is over the backend's own limit: {e}")
+            }
+            Err(e) => panic!("injecting a body of {n} bytes: {e}"),
+        }
+    }
+    let consumer = h.start(registry_with(&job, |_, _| async { Ok(()) }), 1);
+    let events = h
+        .events
+        .wait_count(h.patience * 2, "failed", sent.len())
+        .await;
+    assert!(
+        events
+            .iter()
+            .all(|e| failure_of(e) == FailureKind::MalformedEnvelope),
+        "{events:?}"
+    );
+    // Nothing refused, nothing back.
+    tokio::time::sleep(h.driver.capabilities().redelivery_hint + MS(300)).await;
+    let refused = h.events.settlement_failures();
+    assert!(refused.is_empty(), "a record was refused: {refused:?}");
+    let mut records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), sent.len(), "one record per body, once");
+    consumer.shutdown().await.unwrap();
+    records.sort_by_key(|r| r.truncated.as_ref().map_or(0, |t| t.body_bytes));
+    for (record, &n) in records.iter().zip(&sent) {
+        let whole = body(n);
+        assert_eq!(record.attempt, 1, "failed on its first delivery");
+        let encoded = record.encode();
+        if let Some(limit) = limit {
+            assert!(
+                encoded.len() <= limit,
+                "a record of {} bytes over {limit}",
+                encoded.len()
+            );
+        }
+        let kept = record.raw_body.as_ref().expect("a raw body").to_bytes();
+        match &record.truncated {
+            None => assert_eq!(kept, whole, "kept whole ({n} bytes)"),
+            Some(t) => {
+                assert!(
+                    n >= limit.unwrap_or(usize::MAX),
+                    "a body of {n} bytes was cut"
+                );
+                assert_eq!(t.body_bytes, n as u64);
+                assert_eq!(t.kept_bytes, kept.len() as u64);
+                assert_eq!(kept, whole[..kept.len()], "the prefix, byte for byte");
+                assert!(kept.len() > n / 2, "{} of {n} bytes kept", kept.len());
+                assert_eq!(t.body_sha256.len(), 64);
+            }
+        }
+    }
+    if let Some(limit) = limit {
+        assert!(
+            records.iter().filter(|r| r.truncated.is_some()).count()
+                == sent.iter().filter(|&&n| n >= limit).count(),
+            "the bodies at and over the limit were cut, the one below kept whole"
+        );
+    }
 }
 
 /// An unknown job name is retried until the delivery count reaches the cap, then fails.

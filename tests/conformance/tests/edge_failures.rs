@@ -386,3 +386,51 @@ fn purge_one_older_than_and_all() {
     assert_eq!(page["total"], 0, "{page}");
     assert_eq!(page["entries"], json!([]));
 }
+
+/// A body that is not an envelope, sent through the queue binding at the
+/// platform's limit (128,000 bytes, escaped into a record a third larger),
+/// fails once with a record cut to fit the failure queue: the body's first
+/// bytes with its length and digest; one just under half the limit keeps
+/// its record whole. Both reach the keeper; neither is refused or comes back.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run)"]
+fn poison_at_the_size_limit_keeps_a_record_that_fits() {
+    let tag = format!("{{\"size-limit {}\": \"", fresh());
+    let body = |n: usize| -> String { tag.chars().chain("\"q".chars().cycle()).take(n).collect() };
+    let (small, large) = (body(60_000), body(jobrail_edge::MAX_MESSAGE_BYTES));
+    assert_eq!(large.len(), jobrail_edge::MAX_MESSAGE_BYTES);
+    dispatch(json!({ "raw": [small.clone(), large.clone()] }));
+    let mine = |e: &Value| {
+        e["record"]["raw_body"]["data"]
+            .as_str()
+            .is_some_and(|data| data.starts_with(&tag))
+    };
+    let entries = wait_entries("the two records", 2, mine);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        all_entries(50).into_iter().filter(|e| mine(e)).count(),
+        2,
+        "one record each, none repeated"
+    );
+    for entry in entries {
+        let record = &entry["record"];
+        assert_eq!(record["kind"], "malformed_envelope", "{entry}");
+        let text = serde_json::to_string(record).unwrap();
+        assert!(
+            text.len() <= jobrail_edge::FAILURE_RECORD_BYTES,
+            "a record of {} bytes",
+            text.len()
+        );
+        let data = record["raw_body"]["data"].as_str().unwrap();
+        match record.get("truncated").filter(|t| !t.is_null()) {
+            None => assert_eq!(data, small, "kept whole"),
+            Some(t) => {
+                assert_eq!(t["body_bytes"], large.len(), "{t}");
+                assert_eq!(t["kept_bytes"], data.len(), "{t}");
+                assert!(large.starts_with(data), "the prefix");
+                assert!(data.len() > large.len() / 2, "{} kept", data.len());
+                assert_eq!(t["body_sha256"].as_str().map(str::len), Some(64));
+            }
+        }
+    }
+}

@@ -39,12 +39,23 @@ impl Backend for Memory {
     fn hooks(&self) -> Hooks {
         Hooks {
             inject_failure_body: true,
+            inject_body: true,
             ..Hooks::default()
         }
     }
 
     async fn inject_failure_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
         self.driver.inject_failure_body(queue, body).await
+    }
+
+    /// The memory driver checks no size: its own send takes the body.
+    async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
+        let outgoing = jobrail_native::Outgoing {
+            id: format!("injected-{}", body.len()),
+            body,
+            delay: None,
+        };
+        self.driver.send(queue, outgoing).await
     }
 }
 
@@ -63,6 +74,7 @@ fn record(n: usize, failed_at_ms: u64) -> FailureRecord {
         failed_at_ms,
         envelope: None,
         raw_body: None,
+        truncated: None,
     }
 }
 

@@ -403,3 +403,39 @@ async fn a_job_longer_than_the_consumer_timeout_is_refused_at_start() {
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("consumer_timeout"), "{err}");
 }
+
+/// The broker's own limit, as found: a 100 MiB body that is not an
+/// envelope, published by lapin into a queue of a driver on RabbitMQ's
+/// default `max_message_size` (128 MiB). Its record kept whole would be
+/// larger than the broker takes (the body twice over, in the hex records
+/// were written in; a third over, in base64), so it is cut to fit: it is
+/// recorded once, with the body's length and digest, and the message is
+/// gone, never refused and back every ten seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_body_near_the_brokers_limit_is_recorded_once() {
+    let _broker = BROKER.read().await;
+    let backend = rabbit(&[100, 1000]);
+    let h = Harness::new(&backend, "rmq-poison-100mib").await;
+    let driver = backend.driver().await;
+    let limit = driver.config().max_message_bytes;
+    assert_eq!(limit, jobrail_native::rabbitmq::DEFAULT_MAX_MESSAGE_BYTES);
+    let body: Vec<u8> = (0..100u32 << 20).map(|i| (i % 241) as u8 | 0x80).collect();
+    driver.inject_body(&h.queue, body.clone()).await.unwrap();
+    let job = h.job("poison-100mib").build().unwrap();
+    let mut registry = jobrail::Registry::new();
+    registry
+        .register(&job, |_: jobrail::JobContext, _: Work| async { Ok(()) })
+        .unwrap();
+    let consumer = h.start(registry, 1);
+    h.events.wait_count(h.patience * 3, "failed", 1).await;
+    consumer.shutdown().await.unwrap();
+    assert!(h.events.settlement_failures().is_empty());
+    let records = backend.failure_records(&h.queue).await;
+    assert_eq!(records.len(), 1);
+    let t = records[0].truncated.as_ref().expect("cut to fit");
+    assert_eq!(t.body_bytes, body.len() as u64);
+    assert!(records[0].encode().len() <= limit);
+    let kept = records[0].raw_body.as_ref().unwrap().to_bytes();
+    assert_eq!(kept, body[..kept.len()]);
+    assert!(kept.len() > 90 << 20, "{} bytes kept", kept.len());
+}

@@ -105,6 +105,18 @@ function recoverAll() {
   }
 }
 
+// The envelope id of a message, when its body is an envelope: the id that
+// settlements, events and failure records carry (the platform's own message
+// id is another).
+function envelopeId(message) {
+  try {
+    const body = typeof message.body === "string" ? JSON.parse(message.body) : message.body;
+    return body && typeof body.id === "string" ? body.id : null;
+  } catch {
+    return null;
+  }
+}
+
 // Runs `first` (the consumer's promise for the invocation) to completion,
 // resuming after each crash. `resumeFn(invocation)` continues an invocation
 // in a fresh instance; `resetFn()` gives the module one.
@@ -153,8 +165,10 @@ export function drive(invocation, first, resumeFn, resetFn) {
         return;
       }
       if (blamed) {
+        const culprit = messages.find((message) => message.id === invocation.crashedId);
+        const envelope = culprit ? envelopeId(culprit) : null;
         console.error(
-          `jobrail-edge: message ${invocation.crashedId} panicked (${invocation.crashMessage}); the rest of the batch continues`,
+          `jobrail-edge: message ${invocation.crashedId} (envelope ${envelope ?? "none"}) panicked (${invocation.crashMessage}); the rest of the batch continues`,
         );
       }
       watch(resume(invocation));

@@ -207,6 +207,11 @@ fn consumed_with_jobs(queue: &str, spec: &WorkerSpec) -> bool {
         .queue_concurrency
         .iter()
         .any(|(q, _)| *q == queue)
+        // A queue no section of the embedded wrangler.toml consumes comes
+        // from a configuration the check never saw: the jobs' consumer
+        // refuses it (and hands it back), the other queues' hook never
+        // sees it.
+        || !crate::options::declares_consumer(spec.options.wrangler, queue)
     {
         return true;
     }

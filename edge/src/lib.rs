@@ -56,9 +56,11 @@
 //! it against the jobs (when the Worker starts, and natively in a test the
 //! build command runs). This is the whole `src/lib.rs` of the template that
 //! `templates/new-edge-worker <dir> <name>` copies
-//! (`templates/edge-worker/`, with its wrangler.toml, Cargo.toml and a test
-//! under [`testing`]); `tests/run` builds it for wasm32, and a test keeps this
-//! example and the template equal.
+//! (`templates/edge-worker/`, with its wrangler.toml, Cargo.toml, a test
+//! under [`testing`], and `src/routes.rs`: `POST /send` and the failure
+//! keeper's `/failures`, each off until its secret is set); `tests/run`
+//! builds it for wasm32 and runs it under `wrangler dev`, and a test keeps
+//! this example and the template equal.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -75,11 +77,17 @@
 //!     pub address: String,
 //! }
 //!
+//! /// The job's queue (its consumer is in wrangler.toml).
+//! pub const QUEUE: &str = "emails";
+//! /// The producer binding of [`QUEUE`] (in wrangler.toml): `POST /send` and
+//! /// replays of failure records send through it.
+//! pub const SEND_BINDING: &str = "EMAILS";
+//!
 //! /// The job: its name on the wire, its queue, and how it is retried
 //! /// (5 deliveries, 10 s, 20 s, 40 s, 80 s apart).
 //! pub fn job() -> Result<Job<WelcomeEmail>, PolicyError> {
 //!     Job::<WelcomeEmail>::builder("send-welcome-email")
-//!         .queue("emails")
+//!         .queue(QUEUE)
 //!         .retry(5)
 //!         .backoff(Duration::from_secs(10), 2.0, Duration::from_secs(600))
 //!         .timeout(Duration::from_secs(30))
@@ -114,7 +122,15 @@
 //!     ..jobrail_edge::Options::DEFAULT
 //! };
 //!
-//! jobrail_edge::consumer!(jobs, options = OPTIONS);
+//! #[cfg(target_arch = "wasm32")]
+//! mod routes;
+//!
+//! // The failure queue is consumed by the failure keeper (src/routes.rs).
+//! jobrail_edge::consumer!(
+//!     jobs,
+//!     options = OPTIONS,
+//!     other_queues = routes::keep_failures
+//! );
 //! ```
 //!
 //! # Attempts and the invocation budget

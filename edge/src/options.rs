@@ -75,7 +75,7 @@ pub(crate) const VARIABLES: &[&str] = &[
 /// The Worker cannot see which configuration it was started with, only its
 /// bindings and variables, so it checks every section of the embedded
 /// wrangler.toml (the top level and each `[env.*]`) that consumes `queue`
-/// with those bindings and variables ([`Wrangler::could_be_running`]). None:
+/// with those bindings ([`Wrangler::could_be_running`]). None:
 /// it was started from a configuration the check never saw (`wrangler dev
 /// -c other.toml`, say), whose consumer settings it cannot know, and it
 /// refuses to build a consumer (the batch is handed back).
@@ -123,7 +123,7 @@ pub(crate) fn build_consumer(
     if let Some(n) = number("EDGE_CONCURRENCY")? {
         config.concurrency = n as usize;
     }
-    let checked = check_running(&registry, options, queue, var, bound)?;
+    let checked = check_running(&registry, options, queue, bound)?;
     let config = checked.edge_config(config);
     if options.log_settlements {
         let inner = registry.current_event_sink();
@@ -182,16 +182,12 @@ fn check_running(
     registry: &Registry,
     options: &Options,
     queue: &str,
-    var: &dyn Fn(&str) -> Option<String>,
     bound: &dyn Fn(&str) -> bool,
 ) -> Result<Checked, String> {
     let sections =
         Wrangler::parse_all(options.wrangler).map_err(|e| format!("wrangler.toml: {e}"))?;
     let mut checked: Option<Checked> = None;
-    for section in sections
-        .iter()
-        .filter(|s| s.could_be_running(queue, bound, var))
-    {
+    for section in sections.iter().filter(|s| s.could_be_running(queue, bound)) {
         let this = check_section(registry, options, section, Some(queue), "wrangler.toml")?;
         if checked
             .as_ref()
@@ -204,12 +200,22 @@ fn check_running(
         format!(
             "the worker consumes `{queue}` from a configuration its wrangler.toml check never saw: no \
              section of the wrangler.toml built into it (the top level or an [env.*]) consumes \
-             `{queue}` with the producer bindings and [vars] this worker has, so its max_retries \
+             `{queue}` with the producer bindings this worker has, so its max_retries \
              and dead-letter queue are unknown; start it from a checked configuration (wrangler.toml, \
              or --env with one of its [env.*] sections), or put this configuration in wrangler.toml as \
              an [env.*] section"
         )
     })
+}
+
+/// Whether any section of the wrangler configuration `text` (the top level
+/// or an `[env.*]`) has a consumer entry for `queue`. A text that does not
+/// parse declares nothing.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+pub(crate) fn declares_consumer(text: &str, queue: &str) -> bool {
+    Wrangler::parse_all(text)
+        .map(|sections| sections.iter().any(|s| s.consumer(queue).is_some()))
+        .unwrap_or(false)
 }
 
 /// Checks every section of the wrangler configuration `text` (named `file`
@@ -435,17 +441,7 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    fn build(
-        text: &'static str,
-        queue: &str,
-        bindings: &[&str],
-        vars: &[(&str, &str)],
-    ) -> Result<EdgeConsumer, String> {
-        let var = |name: &str| {
-            vars.iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        };
+    fn build(text: &'static str, queue: &str, bindings: &[&str]) -> Result<EdgeConsumer, String> {
         let bound = |binding: &str| bindings.contains(&binding);
         build_consumer(
             queue,
@@ -454,7 +450,7 @@ mod tests {
                 log_settlements: false,
                 ..options(text)
             },
-            &var,
+            &|_| None,
             &bound,
             Arc::new(VirtualRuntime::new()),
         )
@@ -466,19 +462,19 @@ mod tests {
     #[test]
     fn a_worker_refuses_a_configuration_its_check_never_saw() {
         let text = leak(format!(
-            "{GOOD}{}[env.staging]\n[env.staging.vars]\nSTAGE = \"staging\"\n\n{}",
+            "{GOOD}{}{}",
             consumer("", "emails", 10, true, "EMAILS"),
             consumer("env.staging.", "emails", 10, true, "EMAILS_STAGING")
         ));
-        assert!(build(text, "emails", &["EMAILS"], &[]).is_ok());
-        assert!(build(text, "emails", &["EMAILS_STAGING"], &[("STAGE", "staging")]).is_ok());
-        // Another queue, other bindings, other [vars]: none of the sections.
-        for (queue, bindings, vars) in [
-            ("emails-other", &["EMAILS"][..], &[][..]),
-            ("emails", &["OTHER"][..], &[][..]),
-            ("emails", &["EMAILS_STAGING"][..], &[("STAGE", "prod")][..]),
+        assert!(build(text, "emails", &["EMAILS"]).is_ok());
+        assert!(build(text, "emails", &["EMAILS_STAGING"]).is_ok());
+        // Another queue, or other bindings: none of the sections.
+        for (queue, bindings) in [
+            ("emails-other", &["EMAILS"][..]),
+            ("emails", &["OTHER"][..]),
+            ("emails", &[][..]),
         ] {
-            let err = build(text, queue, bindings, vars).err().expect("refused");
+            let err = build(text, queue, bindings).err().expect("refused");
             assert!(err.contains("never saw"), "{queue}: {err}");
         }
         // A section the Worker can be running with that does not fit.
@@ -487,9 +483,12 @@ mod tests {
             consumer("", "emails", 10, true, "EMAILS"),
             consumer("env.staging.", "emails", 1, false, "EMAILS")
         ));
-        let err = build(text, "emails", &["EMAILS"], &[])
-            .err()
-            .expect("refused");
+        let err = build(text, "emails", &["EMAILS"]).err().expect("refused");
         assert!(err.contains("[env.staging]"), "{err}");
+        // Which queues some section consumes (a batch of any other goes to
+        // the jobs' consumer, which refuses it).
+        assert!(declares_consumer(text, "emails"));
+        assert!(!declares_consumer(text, "emails-other"));
+        assert!(!declares_consumer("not toml [", "emails"));
     }
 }

@@ -103,9 +103,6 @@ pub struct Wrangler {
     env: Option<String>,
     producers: Vec<Producer>,
     consumers: Vec<ConsumerSettings>,
-    /// The section's `[vars]` that are strings (what the Worker reads back
-    /// as text).
-    vars: BTreeMap<String, String>,
 }
 
 /// A wrangler.toml that could not be read.
@@ -155,7 +152,6 @@ impl std::error::Error for WranglerError {}
 #[serde(default)]
 struct RawFile {
     queues: RawQueues,
-    vars: BTreeMap<String, toml::Value>,
     env: BTreeMap<String, RawEnv>,
 }
 
@@ -163,7 +159,6 @@ struct RawFile {
 #[serde(default)]
 struct RawEnv {
     queues: RawQueues,
-    vars: BTreeMap<String, toml::Value>,
 }
 
 #[derive(Deserialize, Default)]
@@ -226,17 +221,16 @@ impl Wrangler {
     /// consumers are only those written under it.
     pub fn parse_env(text: &str, env: Option<&str>) -> Result<Wrangler, WranglerError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| WranglerError::Parse(e.to_string()))?;
-        let (queues, vars) = match env {
-            None => (raw.queues, raw.vars),
+        let queues = match env {
+            None => raw.queues,
             Some(name) => {
                 let mut envs = raw.env;
-                let env = envs
-                    .remove(name)
-                    .ok_or_else(|| WranglerError::NoEnvironment(name.to_string()))?;
-                (env.queues, env.vars)
+                envs.remove(name)
+                    .ok_or_else(|| WranglerError::NoEnvironment(name.to_string()))?
+                    .queues
             }
         };
-        Wrangler::section(env, queues, vars)
+        Wrangler::section(env, queues)
     }
 
     /// Every section of a wrangler.toml a Worker can be started with: the
@@ -244,35 +238,23 @@ impl Wrangler {
     /// `[env.<name>]` (`--env <name>`), by name.
     pub fn parse_all(text: &str) -> Result<Vec<Wrangler>, WranglerError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| WranglerError::Parse(e.to_string()))?;
-        let mut sections = vec![Wrangler::section(None, raw.queues, raw.vars)?];
+        let mut sections = vec![Wrangler::section(None, raw.queues)?];
         for (name, env) in raw.env {
-            sections.push(Wrangler::section(Some(&name), env.queues, env.vars)?);
+            sections.push(Wrangler::section(Some(&name), env.queues)?);
         }
         Ok(sections)
     }
 
-    fn section(
-        env: Option<&str>,
-        queues: RawQueues,
-        vars: BTreeMap<String, toml::Value>,
-    ) -> Result<Wrangler, WranglerError> {
+    fn section(env: Option<&str>, queues: RawQueues) -> Result<Wrangler, WranglerError> {
         let consumers = queues
             .consumers
             .into_iter()
             .map(RawConsumer::settings)
             .collect::<Result<_, _>>()?;
-        let vars = vars
-            .into_iter()
-            .filter_map(|(name, value)| match value {
-                toml::Value::String(text) => Some((name, text)),
-                _ => None,
-            })
-            .collect();
         Ok(Wrangler {
             env: env.map(str::to_string),
             producers: queues.producers,
             consumers,
-            vars,
         })
     }
 
@@ -285,24 +267,13 @@ impl Wrangler {
     }
 
     /// Whether a Worker handed a batch of `queue`, whose producer bindings
-    /// `bound` says exist and whose variables `var` reads, can be running
-    /// with this section: it has a consumer entry for `queue`, every
-    /// producer binding it declares is bound, and every string variable it
-    /// declares holds its value. What a Worker can see of the configuration
-    /// it was started with is only this: the platform does not show it
-    /// `max_retries` or the dead-letter queue.
-    pub fn could_be_running(
-        &self,
-        queue: &str,
-        bound: &dyn Fn(&str) -> bool,
-        var: &dyn Fn(&str) -> Option<String>,
-    ) -> bool {
-        self.consumer(queue).is_some()
-            && self.producers.iter().all(|p| bound(&p.binding))
-            && self
-                .vars
-                .iter()
-                .all(|(name, value)| var(name).as_deref() == Some(value.as_str()))
+    /// `bound` says exist, can be running with this section: it has a
+    /// consumer entry for `queue` and every producer binding it declares is
+    /// bound. That is all a Worker can see of the configuration it was
+    /// started with: the platform does not show it `max_retries` or the
+    /// dead-letter queue, and variables are the operator's to change.
+    pub fn could_be_running(&self, queue: &str, bound: &dyn Fn(&str) -> bool) -> bool {
+        self.consumer(queue).is_some() && self.producers.iter().all(|p| bound(&p.binding))
     }
 
     /// The environment these settings are from (`None`: the top level).

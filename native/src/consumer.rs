@@ -173,7 +173,8 @@ impl Consumer {
     /// taking deliveries (each subscription is closed, so the backend sends
     /// no more), cancel the active handlers' contexts, and join every active
     /// delivery (each settles with its own fresh budget).
-    /// Fails at once if the driver refuses a job ([`Driver::check_job`]), a
+    /// Fails at once if the driver refuses a job ([`Driver::check_job`]),
+    /// holds a refused settlement for no time (`refused_hold` zero), a
     /// job (or the unknown-name rule) declares a retry delay longer than the
     /// driver's `max_retry_delay` ([`jobrail::check_retry_delays`]), a
     /// backend's delivery limit is below what a job needs
@@ -184,6 +185,14 @@ impl Consumer {
             self.driver.check_job(spec)?;
         }
         let capabilities = self.driver.capabilities();
+        if capabilities.refused_hold.is_zero() {
+            return Err(DriverError::new(
+                self.driver.name(),
+                ErrorKind::Config,
+                "the driver's refused_hold is zero: a message whose settlement the backend refused \
+                 would come back at once, again and again; hold it at least as long as a lease",
+            ));
+        }
         if let Some(longest) = capabilities.max_retry_delay {
             jobrail::check_retry_delays(&self.registry, longest)
                 .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Config, e))?;

@@ -215,6 +215,19 @@ async fn a_backoff_beyond_the_longest_delay_is_refused_at_start() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     assert!(err.to_string().contains("unknown"), "{err}");
+
+    // A refused settlement held for no time would loop: refused too.
+    let (registry, _) = counted(&fits, || jobrail::JobError::new("no"));
+    let no_hold = Arc::new(MemoryDriver::new(
+        MemoryConfig::default().refused_hold(Duration::ZERO),
+    ));
+    let err = jobrail_native::Consumer::builder(no_hold, registry)
+        .build()
+        .spawn()
+        .shutdown()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("refused_hold"), "{err}");
 }
 
 /// A delay chosen at run time (`retry_after` beyond the limit) cannot be

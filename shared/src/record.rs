@@ -230,9 +230,15 @@ impl FailureRecord {
     }
 
     /// Serializes to JSON bytes of at most `limit` bytes: the whole record
-    /// when it fits, otherwise [`fitted`](Self::fitted). Every host encodes
-    /// records this way with the limit of where it keeps them, so a record
-    /// is never refused for its size.
+    /// when it fits, otherwise the record cut to fit: the envelope left out,
+    /// the reason, job and message id shortened to
+    /// [`TRUNCATED_REASON_BYTES`] and [`TRUNCATED_NAME_BYTES`] (or a quarter
+    /// and a sixteenth of the limit, if less), and `raw_body` the longest
+    /// prefix of the body that fits (the raw body, or the envelope as
+    /// encoded), with its length and SHA-256 digest in
+    /// [`truncated`](Self::truncated). Every host encodes records this way
+    /// with the limit of where it keeps them, so a record is never refused
+    /// for its size.
     pub fn encode_within(&self, limit: usize) -> Vec<u8> {
         let whole = self.encode();
         if whole.len() <= limit {

@@ -1,10 +1,9 @@
 //! A user's own worker, as `tests/run` makes it: generated from
-//! `templates/edge-worker`, the template's job replaced with this one
-//! (`send-invoice`), the queues renamed in wrangler.toml, and, for the test
-//! only, two routes the template does not have: `GET /health` and
-//! `POST /send`, which enqueues invoices through the `INVOICES` producer
-//! binding. `/send` is off unless the secret `TEST_ROUTES_TOKEN` is set and
-//! the request carries it as a bearer token, as in the report worker.
+//! `templates/edge-worker`, this file in place of the template's
+//! `src/lib.rs` (its job, `send-invoice` on `invoices`, instead of the
+//! welcome email), the queues and the binding renamed in wrangler.toml. The
+//! template's `src/routes.rs` is kept as it is: messages are sent through
+//! its `POST /send` and the failure records read through its `/failures`.
 //!
 //! Besides jobrail-edge's own line per settlement, each settlement is logged
 //! with the Worker's clock (`invoice-worker settled <ms> <event>`), so the
@@ -38,10 +37,15 @@ pub struct SendInvoice {
     pub mail_server: MailServer,
 }
 
+/// The job's queue.
+pub const QUEUE: &str = "invoices";
+/// The producer binding of [`QUEUE`]: `POST /send` and replays use it.
+pub const SEND_BINDING: &str = "INVOICES";
+
 /// The job: 3 deliveries, 1 s then 2 s apart.
 pub fn job() -> Result<Job<SendInvoice>, PolicyError> {
     Job::<SendInvoice>::builder("send-invoice")
-        .queue("invoices")
+        .queue(QUEUE)
         .retry(3)
         .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(10))
         .timeout(Duration::from_secs(10))
@@ -72,7 +76,7 @@ pub fn jobs() -> Result<Registry, RegistryError> {
     let mut registry = Registry::new();
     registry.register(&job()?, handle)?;
     #[cfg(target_arch = "wasm32")]
-    registry.event_sink(std::sync::Arc::new(test_routes::Stamped));
+    registry.event_sink(std::sync::Arc::new(Stamped));
     Ok(registry)
 }
 
@@ -82,69 +86,25 @@ pub const OPTIONS: jobrail_edge::Options = jobrail_edge::Options {
     ..jobrail_edge::Options::DEFAULT
 };
 
-jobrail_edge::consumer!(jobs, options = OPTIONS);
-
-/// The test's additions: the routes and the timed settlement log.
 #[cfg(target_arch = "wasm32")]
-mod test_routes {
-    use jobrail::{Event, EventSink};
-    use jobrail_edge::EdgeProducer;
-    use worker::{event, Context, Env, Request, Response, Result};
+mod routes;
 
-    use crate::SendInvoice;
+jobrail_edge::consumer!(
+    jobs,
+    options = OPTIONS,
+    other_queues = routes::keep_failures
+);
 
-    /// Logs each settlement with the Worker's clock.
-    pub(crate) struct Stamped;
+/// Logs each settlement with the Worker's clock.
+#[cfg(target_arch = "wasm32")]
+struct Stamped;
 
-    impl EventSink for Stamped {
-        fn emit(&self, event: &Event) {
-            let line = jobrail_edge::LogSink::line(event);
-            let json = line.trim_start_matches("jobrail-edge settlement ");
-            let at_ms = worker::Date::now().as_millis();
-            worker::console_log!("invoice-worker settled {at_ms} {json}");
-        }
-    }
-
-    fn authorized(req: &Request, env: &Env) -> bool {
-        let Ok(secret) = env.secret("TEST_ROUTES_TOKEN") else {
-            return false;
-        };
-        let secret = secret.to_string();
-        let given = req
-            .headers()
-            .get("Authorization")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let expected = format!("Bearer {secret}");
-        !secret.is_empty()
-            && given.len() == expected.len()
-            && given
-                .bytes()
-                .zip(expected.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-    }
-
-    async fn send(mut req: Request, env: &Env) -> Result<Response> {
-        let invoices: Vec<SendInvoice> = req.json().await?;
-        let fail = |e: jobrail_edge::EdgeError| worker::Error::RustError(e.to_string());
-        let job = crate::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
-        let ids = EdgeProducer::from_env(env, "INVOICES")
-            .map_err(fail)?
-            .dispatch_batch(&job, &invoices)
-            .await
-            .map_err(fail)?;
-        Response::from_json(&ids)
-    }
-
-    #[event(fetch)]
-    async fn fetch(req: Request, env: Env, _ctx: Context) -> Result<Response> {
-        match (req.method(), req.path().as_str()) {
-            (worker::Method::Get, "/health") => Response::ok("ok"),
-            (worker::Method::Post, "/send") if authorized(&req, &env) => send(req, &env).await,
-            (worker::Method::Post, "/send") => Response::error("unauthorized", 401),
-            _ => Response::error("not found", 404),
-        }
+#[cfg(target_arch = "wasm32")]
+impl jobrail::EventSink for Stamped {
+    fn emit(&self, event: &jobrail::Event) {
+        let line = jobrail_edge::LogSink::line(event);
+        let json = line.trim_start_matches("jobrail-edge settlement ");
+        let at_ms = worker::Date::now().as_millis();
+        worker::console_log!("invoice-worker settled {at_ms} {json}");
     }
 }

@@ -7,9 +7,11 @@
 //! asked for.
 //!
 //! The edge half is ignored by default; `tests/run` starts the worker and
-//! runs it with `EDGE_URL` (the worker), `EDGE_TOKEN` (its
-//! `TEST_ROUTES_TOKEN`) and `EDGE_LOG` (the `wrangler dev` output, where the
-//! settlement lines are read).
+//! runs it with `EDGE_URL` (the worker), `EDGE_TOKEN` (its `SEND_TOKEN` and
+//! `FAILURES_TOKEN`, the secrets of the template's routes) and `EDGE_LOG`
+//! (the `wrangler dev` output, where the settlement lines are read). The
+//! messages go in through the worker's own `POST /send`, and the permanent
+//! failure's record is read back through its own `/failures`.
 #![cfg(not(target_arch = "wasm32"))]
 
 use std::collections::BTreeMap;
@@ -193,12 +195,18 @@ fn the_same_scenario_settles_the_same_under_wrangler_dev() {
         .ok()
         .and_then(|t| t.parse().ok());
 
-    let ids: Vec<String> = ureq::post(&format!("{url}/send"))
+    let body = serde_json::to_value(scenario()).unwrap();
+    match ureq::post(&format!("{url}/send")).send_json(body.clone()) {
+        Err(ureq::Error::Status(401, _)) => {}
+        other => panic!("POST /send without the token: {other:?}"),
+    }
+    let sent: Value = ureq::post(&format!("{url}/send"))
         .set("Authorization", &format!("Bearer {token}"))
-        .send_json(serde_json::to_value(scenario()).unwrap())
+        .send_json(body)
         .expect("POST /send")
         .into_json()
         .expect("the message ids");
+    let ids: Vec<String> = serde_json::from_value(sent["ids"].clone()).expect("ids");
     assert_eq!(ids.len(), expected.len());
 
     let started = Instant::now();
@@ -268,10 +276,63 @@ fn the_same_scenario_settles_the_same_under_wrangler_dev() {
         ids.len(),
         started.elapsed().as_secs_f64()
     );
+    failure_records_through_the_workers_own_routes(&url, &token, &ids);
     if let (Some(t0), Some(seen)) = (started_ms, first_retry_seen) {
         println!(
             "template to first retry observed: {:.1} s",
             (seen - t0) as f64 / 1000.0
         );
     }
+}
+
+/// The permanent failure's record, kept by the template's failure keeper in
+/// D1, read through the worker's own `/failures` routes: listed, shown by
+/// its message id; the routes refuse a request without the token.
+fn failure_records_through_the_workers_own_routes(url: &str, token: &str, ids: &[String]) {
+    let refused = scenario()
+        .iter()
+        .position(|s| s.mail_server == MailServer::RefusesAddress)
+        .expect("one refused address");
+    let get = |path: &str| -> Value {
+        ureq::get(&format!("{url}{path}"))
+            .set("Authorization", &format!("Bearer {token}"))
+            .call()
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+            .into_json()
+            .expect("JSON")
+    };
+    let started = Instant::now();
+    let listed = loop {
+        let page = get("/failures?limit=100");
+        let entries = page["entries"].as_array().cloned().unwrap_or_default();
+        if let Some(entry) = entries
+            .into_iter()
+            .find(|e| e["message_id"].as_str() == Some(ids[refused].as_str()))
+        {
+            break entry;
+        }
+        assert!(
+            started.elapsed() < PATIENCE,
+            "the refused invoice's record never reached /failures: {page}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert_eq!(listed["kind"], "permanent", "{listed}");
+    assert_eq!(listed["job"], "send-invoice", "{listed}");
+    let shown = get(&format!("/failures/{}", ids[refused]));
+    assert_eq!(shown["id"], listed["id"], "{shown}");
+    assert!(
+        shown["record"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("refuses the address")),
+        "{shown}"
+    );
+    match ureq::get(&format!("{url}/failures")).call() {
+        Err(ureq::Error::Status(401, _)) => {}
+        other => panic!("GET /failures without the token: {other:?}"),
+    }
+    println!(
+        "the failure record of {} read through the worker's own /failures",
+        ids[refused]
+    );
 }

@@ -6,6 +6,10 @@
 //! and checks it against the jobs: when the Worker starts, and natively in
 //! the test `wrangler_toml_fits_the_jobs`, which the build command runs
 //! first, so a configuration that no longer fits the jobs never ships.
+//!
+//! `src/routes.rs` adds the Worker's HTTP routes, each off until its secret
+//! is set: `POST /send` (through the producer binding [`SEND_BINDING`]) and
+//! the failure records, kept in D1, under `/failures`.
 
 use std::time::Duration;
 
@@ -21,11 +25,17 @@ pub struct WelcomeEmail {
     pub address: String,
 }
 
+/// The job's queue (its consumer is in wrangler.toml).
+pub const QUEUE: &str = "emails";
+/// The producer binding of [`QUEUE`] (in wrangler.toml): `POST /send` and
+/// replays of failure records send through it.
+pub const SEND_BINDING: &str = "EMAILS";
+
 /// The job: its name on the wire, its queue, and how it is retried
 /// (5 deliveries, 10 s, 20 s, 40 s, 80 s apart).
 pub fn job() -> Result<Job<WelcomeEmail>, PolicyError> {
     Job::<WelcomeEmail>::builder("send-welcome-email")
-        .queue("emails")
+        .queue(QUEUE)
         .retry(5)
         .backoff(Duration::from_secs(10), 2.0, Duration::from_secs(600))
         .timeout(Duration::from_secs(30))
@@ -60,4 +70,12 @@ pub const OPTIONS: jobrail_edge::Options = jobrail_edge::Options {
     ..jobrail_edge::Options::DEFAULT
 };
 
-jobrail_edge::consumer!(jobs, options = OPTIONS);
+#[cfg(target_arch = "wasm32")]
+mod routes;
+
+// The failure queue is consumed by the failure keeper (src/routes.rs).
+jobrail_edge::consumer!(
+    jobs,
+    options = OPTIONS,
+    other_queues = routes::keep_failures
+);

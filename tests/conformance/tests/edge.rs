@@ -492,6 +492,16 @@ fn panics_are_contained() {
         .find(|r| r["message_id"] == always_id.as_str())
         .expect("a failure record");
     assert_eq!(record["attempt"], 3);
+    // The panic's log line names the envelope id too, the id settlements
+    // and records carry, so the two can be matched.
+    if let Ok(path) = std::env::var("EDGE_WRANGLER_LOG") {
+        let output = std::fs::read_to_string(&path).unwrap_or_default();
+        let line = output
+            .lines()
+            .find(|l| l.contains("panicked") && l.contains(&once_id))
+            .unwrap_or_else(|| panic!("no panic line names envelope {once_id}"));
+        assert!(line.contains(&format!("(envelope {once_id})")), "{line}");
+    }
 }
 
 /// Sends `reports` in one batch request (the platform delivers them

@@ -121,6 +121,14 @@ pub(super) fn is_subject_overlap(e: &CreateStreamError) -> bool {
     matches!(e.kind(), CreateStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_SUBJECT_OVERLAP)
 }
 
+/// Whether the server failed to create a stream's store (`10049`, "error
+/// creating store for stream"): seen when a stream is created while the
+/// server removes the account's last emptied stream directory, a race that
+/// passes; the create is tried again.
+pub(super) fn is_store_creation(e: &CreateStreamError) -> bool {
+    matches!(e.kind(), CreateStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_CREATE)
+}
+
 /// Looking up the consumer `name` on `stream` failed; `None` when it does
 /// not exist.
 pub(super) fn consumer_lookup(

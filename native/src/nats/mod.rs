@@ -153,7 +153,12 @@
 //! subscription was closed, and ends once the subscription and all its
 //! deliveries are gone, or the driver is stopped. A delivery dropped
 //! without settlement is `-NAK`ed at once (redelivered with a higher
-//! count); if even that cannot be sent, AckWait redelivers it.
+//! count); if even that cannot be sent, AckWait redelivers it. A delivery
+//! whose settlement failed (a failure record or shutdown copy the server
+//! refused) is not `-NAK`ed: it comes back when AckWait ends, so a refused
+//! settlement never becomes a hot loop. A failure record is never larger
+//! than the server's `max_payload` less [`HEADER_ROOM`]: one that would be
+//! is cut to fit ([`jobrail::FailureRecord::encode_within`]).
 //!
 //! # The server's MaxDeliver
 //!

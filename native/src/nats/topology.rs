@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::config::valid_subject;
 use super::errors::{self, config_error, error};
@@ -141,8 +141,10 @@ impl NatsDriver {
         // a moment ago by another process (the server can answer a racing
         // create that way instead of "name in use"): look again before
         // reporting it.
+        // A store the server failed to create is tried again too (see
+        // `errors::is_store_creation`), after a pause.
         let mut overlap = None;
-        for _ in 0..3 {
+        for attempt in 1..=3u64 {
             match js.get_stream(name).await {
                 Ok(stream) => return check(stream),
                 Err(e) => {
@@ -159,9 +161,16 @@ impl NatsDriver {
                 // None: declared concurrently by someone else, inspect theirs.
                 Err(e) => {
                     let overlapping = errors::is_subject_overlap(&e);
+                    let store = errors::is_store_creation(&e);
                     match errors::stream_create(name, subject, e) {
                         None => {}
                         Some(err) if overlapping => overlap = Some(err),
+                        Some(err) if store => {
+                            warn!(stream = name, "the server could not create the stream's store, trying again: {err}");
+                            overlap = Some(err);
+                            tokio::time::sleep(std::time::Duration::from_millis(100 * attempt))
+                                .await;
+                        }
                         Some(err) => return Err(err),
                     }
                 }

@@ -95,9 +95,14 @@
 //! header; a retry with a delay republishes to the hold queue of the smallest
 //! bucket at least as long as the delay (rounding up, never down). Either way
 //! the original is acked only after the copy is confirmed. A delay above the
-//! largest bucket is refused with [`ErrorKind::Unsupported`] and the original
-//! is returned to the queue (`basic.nack` with requeue), so nothing is lost;
-//! it is redelivered with a higher attempt count. A delayed dispatch uses
+//! largest bucket is refused with [`ErrorKind::Unsupported`] (a job whose
+//! backoff declares one is refused when its consumer starts) and the
+//! original is kept: held unacknowledged for
+//! [`RabbitConfig::refused_hold`] (30 s), then returned to the queue
+//! (`basic.nack` with requeue), so nothing is lost and nothing loops; it is
+//! redelivered with a higher attempt count. Any settlement that fails before
+//! its frame is written (a republish or failure record the broker did not
+//! confirm) is held the same way. A delayed dispatch uses
 //! the same hold queues. Default buckets: 1 s, 5 s, 10 s, 30 s, 1 min, 5 min,
 //! 15 min, 30 min, 1 h, 3 h, 6 h, 12 h, 24 h.
 //!
@@ -127,9 +132,13 @@
 //!
 //! Reject is `basic.reject` without requeue (the work queue has no
 //! dead-letter exchange: the message is dropped). Terminal failure publishes
-//! [`FailureRecord::encode`](jobrail::FailureRecord::encode) to the failure
-//! queue with a confirm, then acks; with no failure queue configured it
-//! rejects without requeue and logs the record's reason at error level.
+//! the failure record to the failure queue with a confirm, then acks; with
+//! no failure queue configured it rejects without requeue and logs the
+//! record's reason at error level. The record is never larger than
+//! [`RabbitConfig::max_message_bytes`]: one that would be (a message near
+//! the broker's limit, kept whole in it) is cut to fit
+//! ([`FailureRecord::encode_within`](jobrail::FailureRecord::encode_within)),
+//! as the broker would refuse it, and refuse it again at every redelivery.
 //!
 //! # Failure store
 //!

@@ -129,8 +129,13 @@
 //!   own settlement.
 //! - Retry with a delay: `ChangeMessageVisibility` to the delay rounded up to
 //!   whole seconds (zero: visible at once). A delay that would end more than
-//!   12 hours after the receive is refused with [`ErrorKind::Unsupported`];
-//!   the message stays and comes back when its current visibility ends.
+//!   12 hours after the receive is refused with [`ErrorKind::Unsupported`]
+//!   (a job whose declared delays and hold cannot fit is refused when its
+//!   consumer starts, [`Driver::check_job`]); the message stays and comes
+//!   back when its current visibility ends, as after any refused
+//!   settlement (at least half a visibility timeout later). A failure
+//!   record is never larger than [`MAX_BODY_BYTES`]: one that would be is
+//!   cut to fit ([`jobrail::FailureRecord::encode_within`]).
 //! - Retry without a delay: no request; the message comes back when its
 //!   current visibility ends (at most one visibility timeout). These keep
 //!   the same message, so its carried attributes stay valid.

@@ -225,20 +225,12 @@ pub fn run_seed(seed: u64, backend: Option<Backend>) -> Report {
     let picked = Backend::ALL[rng.gen_range(0..Backend::ALL.len())];
     let backend = backend.unwrap_or(picked);
     let sc = scenario::generate(&mut rng, backend.sem());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime");
-    let world = if backend == Backend::Cloudflare {
-        tokio::task::LocalSet::new().block_on(&rt, simulate(&sc))
-    } else {
-        rt.block_on(simulate(&sc))
-    };
+    let rt = paused_runtime();
+    let world = simulate_on(&rt, &sc, HORIZON);
     // Invariant 11's reference: each batch-mate of a panic, run by itself.
     let mut alone = BTreeMap::new();
     for n in check::alone_candidates(&sc, &world) {
-        let solo = rt.block_on(simulate(&scenario::alone(&sc, n)));
+        let solo = simulate_on(&rt, &scenario::alone(&sc, n), HORIZON);
         alone.insert(n, check::fate(&solo, n));
     }
     drop(rt);
@@ -316,17 +308,7 @@ pub fn run_refusing(seed: u64, backend: Backend) -> RefusalReport {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut sc = scenario::generate(&mut rng, backend.sem());
     sc.faults = vec![(Duration::ZERO, Fault::Refuse(u32::MAX))];
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime");
-    let world = if backend == Backend::Cloudflare {
-        tokio::task::LocalSet::new().block_on(&rt, simulate_for(&sc, REFUSING_HORIZON))
-    } else {
-        rt.block_on(simulate_for(&sc, REFUSING_HORIZON))
-    };
-    drop(rt);
+    let world = simulate_on(&paused_runtime(), &sc, REFUSING_HORIZON);
     let hold = sc.sem.refused_hold();
     let st = world.lock();
     let end = st.trace.iter().map(|e| e.at).max().unwrap_or_default();
@@ -376,6 +358,25 @@ pub fn run_refusing(seed: u64, backend: Backend) -> RefusalReport {
         worst_per_hour,
         violations,
         report,
+    }
+}
+
+/// A current-thread tokio runtime on paused (virtual) time.
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime")
+}
+
+/// Runs `sc` on `rt` until every message is done or `horizon` after its
+/// last dispatch (the edge's futures, not `Send`, as local tasks).
+fn simulate_on(rt: &tokio::runtime::Runtime, sc: &Scenario, horizon: Duration) -> Arc<World> {
+    if sc.sem == Semantics::Cloudflare {
+        tokio::task::LocalSet::new().block_on(rt, simulate(sc, horizon))
+    } else {
+        rt.block_on(simulate(sc, horizon))
     }
 }
 
@@ -504,13 +505,9 @@ fn outgoing(sc: &Scenario, m: &scenario::MsgPlan) -> (String, Vec<u8>) {
     (env.id.clone(), env.encode())
 }
 
-async fn simulate(sc: &Scenario) -> Arc<World> {
-    simulate_for(sc, HORIZON).await
-}
-
 /// Runs `sc` until every message is done or `horizon` after its last
 /// dispatch.
-async fn simulate_for(sc: &Scenario, horizon: Duration) -> Arc<World> {
+async fn simulate(sc: &Scenario, horizon: Duration) -> Arc<World> {
     let world = World::new(sc.sem);
     world.lock().broker_limit = sc.broker_limit;
     let clock = Arc::new(TokioRuntime);

@@ -17,6 +17,16 @@
 //! let config = checked.edge_config(EdgeConfig::default()); // max_retries and the failure binding
 //! let consumer = EdgeConsumer::new(registry, config)?;
 //! ```
+//!
+//! A Worker can be started from any section of a file (the top level, or
+//! an `[env.<name>]` with `--env`) and from any file (`-c`), so the checks
+//! built on this one cover them all: [`crate::check_file`] holds every
+//! section of a file to the rules, [`crate::check_directory`] every wrangler
+//! configuration in a worker's directory (what the [`crate::consumer!`]
+//! macro's native test runs), and a Worker at start checks every section of
+//! its embedded file it can be running with ([`Wrangler::could_be_running`]:
+//! the batch's queue and the producer bindings it has), refusing to run its
+//! handlers when none can.
 
 use std::collections::BTreeMap;
 use std::fmt;

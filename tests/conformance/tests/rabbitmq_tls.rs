@@ -101,6 +101,9 @@ fn untrusting_config() -> RabbitConfig {
     .delay_buckets(BUCKETS_MS.iter().map(|ms| Duration::from_millis(*ms)));
     config.connection_name = "conformance-tls".into();
     config.refused_hold = Duration::from_secs(1);
+    // The size scenarios send messages about the limit: 1 MiB, not the
+    // broker's 128 MiB (a 100 MiB body is a test of tests/rabbitmq_extra.rs).
+    config.max_message_bytes = 1 << 20;
     config
 }
 

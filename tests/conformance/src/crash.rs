@@ -153,7 +153,8 @@ pub async fn killed_worker_loses_nothing_and_counts_the_attempt(
 }
 
 /// A consumer (concurrency 2) whose first message, `Work { id: 0 }`, is
-/// still running its first attempt (a 1.5 s handler): the moment to cut the
+/// still running its first attempt, until the test calls
+/// [`release`](Self::release) (or 30 s pass): the moment to cut the
 /// connection.
 pub struct InterruptedJob {
     /// The scenario's harness.
@@ -164,6 +165,8 @@ pub struct InterruptedJob {
     consumer: ConsumerHandle,
     /// The interrupted message's id.
     interrupted: String,
+    /// Ends the interrupted handler's first attempt.
+    release: Arc<tokio::sync::Notify>,
 }
 
 impl InterruptedJob {
@@ -173,19 +176,20 @@ impl InterruptedJob {
         let harness = Harness::new(backend, scenario).await;
         let job = harness.job("steady").retry(5).build().unwrap();
         let started = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
         let calls = Calls::default();
-        let (s, c) = (started.clone(), calls.clone());
+        let (s, r, c) = (started.clone(), release.clone(), calls.clone());
         let mut registry = Registry::new();
         registry
             .register(&job, move |ctx, work: Work| {
-                let s = s.clone();
+                let (s, r) = (s.clone(), r.clone());
                 if work.id == 0 {
                     c.record(&ctx);
                 }
                 async move {
                     if work.id == 0 && ctx.attempt() == 1 {
                         s.notify_one();
-                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        let _ = tokio::time::timeout(Duration::from_secs(30), r.notified()).await;
                     }
                     Ok(())
                 }
@@ -206,7 +210,14 @@ impl InterruptedJob {
             job,
             consumer,
             interrupted,
+            release,
         }
+    }
+
+    /// Lets the interrupted handler's first attempt return (once the cut
+    /// is made, so it settles after it whatever the cut took).
+    pub fn release(&self) {
+        self.release.notify_one();
     }
 
     /// After the cut: five new messages (dispatch retried while the backend

@@ -180,6 +180,9 @@ async fn consumption_resumes_after_the_connection_is_lost() {
     let backend = nats_via(relay.url_for(&url()), Duration::from_secs(2));
     let run = crash::InterruptedJob::start(&backend, "nats-reconnect").await;
     relay.cut();
+    // The handler returns a while after the cut, across the reconnection.
+    tokio::time::sleep(MS(1500)).await;
+    run.release();
 
     run.consumption_resumes().await;
     // Past AckWait: the slow delivery was acknowledged, not redelivered.

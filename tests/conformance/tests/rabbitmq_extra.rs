@@ -206,6 +206,10 @@ async fn consumption_resumes_after_the_broker_closes_connections() {
     let backend = rabbit(&[100, 1000]);
     let run = crash::InterruptedJob::start(&backend, "rmq-reconnect").await;
     close_all_connections();
+    // Only now does the slow handler return: rabbitmqctl can take longer
+    // than a handler would have slept (a broker busy after the 100 MiB
+    // scenario), and the ack would have gone out before the cut.
+    run.release();
 
     // The slow delivery finishes after its channel died: settlement fails.
     let (event, error) = run

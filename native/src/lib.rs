@@ -59,10 +59,37 @@
 //! # }
 //! ```
 
-/// The README's examples, compiled and run as doc tests.
+/// The README's and the guide's examples, compiled and run as doc tests
+/// (`native/tests/readme.rs` checks that every Rust block in them is one of
+/// these or an excerpt of a built file).
 #[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-struct ReadmeDoctests;
+mod readme_doctests {
+    macro_rules! pages {
+        ($($name:ident: $path:literal),* $(,)?) => {
+            $(
+                #[doc = include_str!($path)]
+                struct $name;
+            )*
+        };
+    }
+    pages! {
+        Readme: "../../README.md",
+        Jobs: "../../guide/jobs.md",
+        Rules: "../../guide/rules.md",
+        Tiers: "../../guide/tiers.md",
+        Claims: "../../guide/claims.md",
+        Rabbitmq: "../../guide/rabbitmq.md",
+        Nats: "../../guide/nats.md",
+        Sqs: "../../guide/sqs.md",
+        Edge: "../../guide/edge.md",
+        EdgeWorker: "../../guide/edge-worker.md",
+        Operating: "../../guide/operating.md",
+        Testing: "../../guide/testing.md",
+        Performance: "../../guide/performance.md",
+        WritingADriver: "../../guide/writing-a-driver.md",
+        Layout: "../../guide/layout.md",
+    }
+}
 
 mod consumer;
 mod driver;

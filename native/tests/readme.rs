@@ -1,14 +1,18 @@
-//! Every Rust snippet the README shows is compiled by `tests/run`:
+//! Every Rust snippet the README and the guide (`guide/*.md`) show is
+//! compiled by `tests/run`, and every link between their pages resolves:
 //!
 //! - a ```` ```rust ```` or ```` ```rust,no_run ```` block is one of the
-//!   README's doc tests (`native/src/lib.rs` includes the README as docs);
+//!   doc tests of `jobrail-native` (`native/src/lib.rs` includes each page
+//!   as docs);
 //! - a ```` ```rust,ignore ```` block, code the doc tests cannot build (a
 //!   Worker's, for wasm32), must be an excerpt of a file `tests/run` builds,
 //!   named on the line above it as `<!-- excerpt of PATH -->`: its lines,
 //!   leading and trailing spaces aside, are that file's, in order, each run
 //!   between `// ...` lines contiguous.
 //!
-//! Any other Rust block fails, as does an excerpt that no longer matches.
+//! Any other Rust block fails, as does an excerpt that no longer matches, a
+//! page `native/src/lib.rs` does not include, and a relative link to a file
+//! or heading that is not there.
 
 use std::path::Path;
 
@@ -53,11 +57,51 @@ fn is_excerpt(runs: &[Vec<&str>], file: &[&str]) -> Result<(), String> {
     Ok(())
 }
 
+/// The README and the guide's pages, as paths from the workspace root.
+fn pages() -> Vec<String> {
+    let mut pages: Vec<String> = std::fs::read_dir(root().join("guide"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.ends_with(".md"))
+        .map(|name| format!("guide/{name}"))
+        .collect();
+    pages.sort();
+    pages.insert(0, "README.md".to_string());
+    pages
+}
+
 #[test]
 fn every_rust_snippet_is_compiled() {
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
-    let lines: Vec<&str> = readme.lines().collect();
+    let lib = std::fs::read_to_string(root().join("native/src/lib.rs")).unwrap();
     let (mut doctests, mut excerpts, mut problems) = (0, 0, Vec::new());
+    for page in pages() {
+        let included = format!("\"../../{page}\"");
+        if page != "guide/README.md" && !lib.contains(&included) {
+            problems.push(format!(
+                "{page}: not among native/src/lib.rs's doc-test pages"
+            ));
+        }
+        let text = std::fs::read_to_string(root().join(&page)).unwrap();
+        check_snippets(&page, &text, &mut doctests, &mut excerpts, &mut problems);
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(
+        doctests > 0 && excerpts > 0,
+        "{doctests} doc tests, {excerpts} excerpts"
+    );
+    println!(
+        "README and guide: {doctests} Rust snippets run as doc tests, {excerpts} excerpts of built files"
+    );
+}
+
+fn check_snippets(
+    page: &str,
+    text: &str,
+    doctests: &mut usize,
+    excerpts: &mut usize,
+    problems: &mut Vec<String>,
+) {
+    let lines: Vec<&str> = text.lines().collect();
     let mut i = 0;
     while i < lines.len() {
         let Some(info) = lines[i].strip_prefix("```") else {
@@ -70,7 +114,7 @@ fn every_rust_snippet_is_compiled() {
         let body = &lines[i + 1..end];
         let line = i + 1;
         match info.trim() {
-            "rust" | "rust,no_run" => doctests += 1,
+            "rust" | "rust,no_run" => *doctests += 1,
             "rust,ignore" => {
                 let named = lines[..i]
                     .iter()
@@ -80,11 +124,11 @@ fn every_rust_snippet_is_compiled() {
                     .and_then(|l| l.strip_suffix(" -->"));
                 match named {
                     None => problems.push(format!(
-                        "README.md:{line}: a `rust,ignore` block not marked `<!-- excerpt of PATH -->`: \
+                        "{page}:{line}: a `rust,ignore` block not marked `<!-- excerpt of PATH -->`: \
                          nothing compiles it"
                     )),
                     Some(path) if !BUILT.contains(&path) => problems.push(format!(
-                        "README.md:{line}: {path} is not among the files tests/run builds ({BUILT:?})"
+                        "{page}:{line}: {path} is not among the files tests/run builds ({BUILT:?})"
                     )),
                     Some(path) => {
                         let text = std::fs::read_to_string(root().join(path)).unwrap();
@@ -95,27 +139,107 @@ fn every_rust_snippet_is_compiled() {
                             .filter(|run| !run.is_empty())
                             .collect();
                         match is_excerpt(&runs, &file) {
-                            Ok(()) => excerpts += 1,
+                            Ok(()) => *excerpts += 1,
                             Err(e) => problems.push(format!(
-                                "README.md:{line}: not an excerpt of {path}: {e}"
+                                "{page}:{line}: not an excerpt of {path}: {e}"
                             )),
                         }
                     }
                 }
             }
             other if other.starts_with("rust") => problems.push(format!(
-                "README.md:{line}: a `{other}` block: make it a doc test or an excerpt"
+                "{page}:{line}: a `{other}` block: make it a doc test or an excerpt"
             )),
             _ => {}
         }
         i = end + 1;
     }
+}
+
+/// GitHub's anchor for a heading: lowercase, punctuation other than `-` and
+/// `_` dropped, spaces as `-`.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of a page's headings (outside code blocks).
+fn anchors(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut found = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            found.push(anchor(line.trim_start_matches('#')));
+        }
+    }
+    found
+}
+
+/// The targets of a page's inline links outside code blocks.
+fn links(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut found = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(at) = rest.find("](") {
+            rest = &rest[at + 2..];
+            if let Some(end) = rest.find(')') {
+                found.push(rest[..end].to_string());
+                rest = &rest[end..];
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_link_between_pages_resolves() {
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(root().join(&page)).unwrap();
+        let dir = Path::new(&page).parent().unwrap().to_path_buf();
+        for target in links(&text) {
+            if target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (file, fragment) = match target.split_once('#') {
+                Some((file, fragment)) => (file, Some(fragment)),
+                None => (target.as_str(), None),
+            };
+            let path = if file.is_empty() {
+                root().join(&page)
+            } else {
+                root().join(&dir).join(file)
+            };
+            checked += 1;
+            if !path.exists() {
+                problems.push(format!("{page}: a link to {target}: no such file"));
+                continue;
+            }
+            if let Some(fragment) = fragment {
+                let target_text = std::fs::read_to_string(&path).unwrap_or_default();
+                if !anchors(&target_text).iter().any(|a| a == fragment) {
+                    problems.push(format!("{page}: a link to {target}: no such heading"));
+                }
+            }
+        }
+    }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
-    assert!(
-        doctests > 0 && excerpts > 0,
-        "{doctests} doc tests, {excerpts} excerpts"
-    );
-    println!(
-        "README: {doctests} Rust snippets run as doc tests, {excerpts} excerpts of built files"
-    );
+    assert!(checked > 0, "no links checked");
+    println!("README and guide: {checked} links between pages resolve");
 }

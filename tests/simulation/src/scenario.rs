@@ -432,7 +432,7 @@ impl StdError for UserError {
 /// (which needs a sized `E`): the operation's own error, shown as it is, with
 /// the held error as its source. (A wrapper that forwarded `source()` past
 /// the held error, like thiserror's `transparent`, would hide a marker; the
-/// README says to use `#[source]` instead.)
+/// guide (guide/rules.md) says to use `#[source]` instead.)
 #[derive(Debug)]
 struct Transparent(BoxError);
 

@@ -210,7 +210,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .position(|a| a == "--backend")
         .and_then(|i| args.get(i + 1).cloned())
-        .or_else(|| std::env::var("QUEUE_BACKEND").ok())
+        .or_else(|| std::env::var("JOBRAIL_BACKEND").ok())
         .unwrap_or_else(|| "memory".into());
     let metrics = MetricsEndpoint::from_args(&args)?;
     if let Some(metrics) = &metrics {
@@ -366,7 +366,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "\n(worst time = tier-one waits in every delivery + tier-two delays + N x M x timeout;"
     );
-    println!(" override depths with QUEUE_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS=2 and friends, or a QUEUE_CONFIG file)");
+    println!(" override depths with JOBRAIL_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS=2 and friends, or a JOBRAIL_CONFIG file)");
     if let Some(metrics) = metrics {
         metrics.linger().await;
     }

@@ -10,7 +10,7 @@ use crate::policy::{Backoff, PolicyError};
 use crate::registry::Registry;
 
 /// The environment variable prefix for overrides.
-pub(crate) const ENV_PREFIX: &str = "QUEUE_JOB__";
+pub(crate) const ENV_PREFIX: &str = "JOBRAIL_JOB__";
 
 /// Overrides for one job. Every field is optional.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -72,7 +72,7 @@ pub(crate) struct TierOneOverride {
 /// tier_one = { attempts = 3, initial = "100ms", multiplier = 2.0, max = "1s", max_wait = "5s" }
 /// ```
 ///
-/// Environment: `QUEUE_JOB__<JOB>__<FIELD>=value`, where `<JOB>` is the job
+/// Environment: `JOBRAIL_JOB__<JOB>__<FIELD>=value`, where `<JOB>` is the job
 /// name upper-cased with `-` and `.` as `_`, and `<FIELD>` is one of
 /// `ATTEMPTS`, `TIMEOUT`, `BACKOFF_INITIAL`, `BACKOFF_MULTIPLIER`,
 /// `BACKOFF_MAX`, `TIER_ONE_ATTEMPTS`, `TIER_ONE_INITIAL`,
@@ -224,7 +224,7 @@ impl Overrides {
         Ok(Overrides { jobs })
     }
 
-    /// Reads `QUEUE_JOB__<JOB>__<FIELD>` variables; others are ignored.
+    /// Reads `JOBRAIL_JOB__<JOB>__<FIELD>` variables; others are ignored.
     pub fn from_env(vars: impl IntoIterator<Item = (String, String)>) -> Result<Self, PolicyError> {
         let mut jobs: BTreeMap<JobKey, JobOverride> = BTreeMap::new();
         for (key, value) in vars {
@@ -478,7 +478,7 @@ mod tests {
         let file =
             Overrides::from_toml("[jobs.send-mail]\nattempts = 2\n[jobs.build-report]\n").unwrap();
         let env =
-            Overrides::from_env([("QUEUE_JOB__RESIZE__ATTEMPTS".to_string(), "4".to_string())])
+            Overrides::from_env([("JOBRAIL_JOB__RESIZE__ATTEMPTS".to_string(), "4".to_string())])
                 .unwrap();
         let merged = file.merge(env);
         let names: Vec<&str> = merged.named_jobs().collect();
@@ -491,11 +491,11 @@ mod tests {
         let file = Overrides::from_toml("[jobs.build-report]\nattempts = 5\n").unwrap();
         let env = Overrides::from_env([
             (
-                "QUEUE_JOB__BUILD_REPORT__ATTEMPTS".to_string(),
+                "JOBRAIL_JOB__BUILD_REPORT__ATTEMPTS".to_string(),
                 "7".to_string(),
             ),
             (
-                "QUEUE_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS".to_string(),
+                "JOBRAIL_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS".to_string(),
                 "2".to_string(),
             ),
             ("PATH".to_string(), "/bin".to_string()),
@@ -539,11 +539,11 @@ mod tests {
             .to_string();
         assert!(err.contains("retries"), "{err}");
 
-        let err = Overrides::from_env([("QUEUE_JOB__X__ATTEMPTS".to_string(), "-1".to_string())])
+        let err = Overrides::from_env([("JOBRAIL_JOB__X__ATTEMPTS".to_string(), "-1".to_string())])
             .unwrap_err()
             .to_string();
         assert!(err.contains("`X`") && err.contains("attempts"), "{err}");
-        let err = Overrides::from_env([("QUEUE_JOB__X__RETRIES".to_string(), "1".to_string())])
+        let err = Overrides::from_env([("JOBRAIL_JOB__X__RETRIES".to_string(), "1".to_string())])
             .unwrap_err()
             .to_string();
         assert!(err.contains("RETRIES"), "{err}");
@@ -600,7 +600,7 @@ mod tests {
 
         // A valid file and an invalid environment variable.
         let env = Overrides::from_env([(
-            "QUEUE_JOB__SEND_MAIL__TIER_ONE_MAX_WAIT".to_string(),
+            "JOBRAIL_JOB__SEND_MAIL__TIER_ONE_MAX_WAIT".to_string(),
             "later".to_string(),
         )])
         .unwrap();

@@ -206,7 +206,7 @@ async fn private_server() -> Option<(NatsServer, RemovedOnDrop)> {
         return None;
     }
     let store = std::env::temp_dir().join(format!(
-        "queue-nats-extra-{}-{}",
+        "jobrail-nats-extra-{}-{}",
         std::process::id(),
         &jobrail::new_message_id()[..8]
     ));

@@ -179,7 +179,7 @@ pub use log::LogSink;
 pub use options::check_directory;
 pub use options::{check, check_file, Options};
 #[cfg(target_arch = "wasm32")]
-pub use producer::EdgeProducer;
+pub use producer::{Dispatch, EdgeProducer, UniqueDispatchBuilder};
 #[cfg(target_arch = "wasm32")]
 pub use runtime::WorkersRuntime;
 pub use settings::EdgeConfig;

@@ -646,7 +646,7 @@ mod tests {
         let job = Job::<u32>::builder("n").queue("q").build().unwrap();
         let producer = Producer::new(driver.clone());
         for n in 0..4 {
-            producer.dispatch(&job, &n).await.unwrap();
+            producer.dispatch(&job).send(&n).await.unwrap();
         }
         let mut registry = Registry::new();
         registry

@@ -140,7 +140,7 @@ async fn delayed_dispatch_is_refused_where_unsupported() {
         .queue("q")
         .build()
         .unwrap();
-    Producer::new(driver).dispatch(&job, &1).await.unwrap();
+    Producer::new(driver).dispatch(&job).send(&1).await.unwrap();
 }
 
 /// A registry of one job on `q` whose handler counts its executions and
@@ -255,7 +255,8 @@ async fn a_refused_retry_holds_the_message_instead_of_looping() {
         .build()
         .spawn();
     Producer::new(driver.clone())
-        .dispatch(&job, &1)
+        .dispatch(&job)
+        .send(&1)
         .await
         .unwrap();
     let runs_after = |d: Duration| {

@@ -117,7 +117,12 @@ pub async fn killed_worker_loses_nothing_and_counts_the_attempt(
 ) -> String {
     let h = Harness::new(backend, scenario).await;
     let job = h.job("crashy").retry(3).build().unwrap();
-    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 7 })
+        .await
+        .unwrap();
 
     let queue = h.queue.clone();
     let seen = tokio::task::spawn_blocking(move || {
@@ -198,7 +203,8 @@ impl InterruptedJob {
         let consumer = harness.start(registry, 2);
         let interrupted = harness
             .producer
-            .dispatch(&job, &Work { id: 0 })
+            .dispatch(&job)
+            .send(&Work { id: 0 })
             .await
             .unwrap();
         tokio::time::timeout(harness.patience, started.notified())
@@ -258,7 +264,8 @@ impl InterruptedJob {
             match self
                 .harness
                 .producer
-                .dispatch(&self.job, &Work { id })
+                .dispatch(&self.job)
+                .send(&Work { id })
                 .await
             {
                 Ok(id) => return id,

@@ -117,7 +117,11 @@ pub async fn long_handler_keeps_its_delivery(backend: &dyn Backend) {
         .unwrap();
     // Two slots: a redelivery would be taken while the first still runs.
     let consumer = h.start(registry, 2);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events
         .wait_count(hold * 3 + h.patience, "succeeded", 1)
         .await;
@@ -203,7 +207,11 @@ pub async fn retry_delays_are_never_rounded_down(backend: &dyn Backend) {
         },
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let longest = OFF_GRID_DELAYS.iter().sum::<Duration>();
     h.events
         .wait_count(longest * 2 + h.patience, "succeeded", 1)
@@ -253,7 +261,11 @@ pub async fn delivery_limit_is_checked_at_start(backend: &dyn Backend) {
         .expect("a limit of 4 leaves room for some unknown-name cap");
     let job = |cap| h.job("limited").retry(cap).build().unwrap();
     for id in 1..=2 {
-        h.producer.dispatch(&job(fits), &Work { id }).await.unwrap();
+        h.producer
+            .dispatch(&job(fits))
+            .send(&Work { id })
+            .await
+            .unwrap();
     }
     let calls = Calls::default();
     let registry = |cap, unknown| {

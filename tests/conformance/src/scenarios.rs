@@ -211,7 +211,12 @@ pub async fn ack_on_success(backend: &dyn Backend) {
     let job = h.job("ack").retry(3).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
-    let id = h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].message_id, id);
@@ -252,7 +257,11 @@ pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
         // and settled before the first retry's event is emitted.
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(h.events.names(), ["retried", "retried", "succeeded"]);
     assert_eq!(calls.attempts(), [1, 2, 3]);
@@ -289,7 +298,12 @@ pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
         // One at a time, so events arrive in delivery order.
         1,
     );
-    let id = h.producer.dispatch(&job, &Work { id: 9 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 9 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(h.events.names(), ["retried", "retried", "failed"]);
     assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
@@ -324,7 +338,11 @@ async fn observe_schedule(
         registry_with(&job, calls.handler(|_, _| Err(JobError::new("fails")))),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "failed", 1).await;
     let requested: Vec<_> = h
         .events
@@ -379,7 +397,11 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     match &events[0].kind {
         EventKind::Retried {
@@ -407,7 +429,11 @@ pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(h.events.names(), ["retried", "failed"]);
     assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
@@ -427,7 +453,11 @@ pub async fn permanent_fails_at_once(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(h.events.names(), ["failed"]);
     assert_eq!(failure_of(&events[0]), FailureKind::Permanent);
@@ -452,7 +482,11 @@ pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(&events[0]), FailureKind::Permanent);
     assert_eq!(
@@ -486,7 +520,11 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "rejected", 1).await;
     assert_eq!(
         events[0].kind,
@@ -534,7 +572,7 @@ pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backe
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let envelope = Envelope::new("poison", serde_json::json!({"id": "not a number"}));
     h.producer
-        .send_envelope(&h.queue, &envelope, None)
+        .send_raw(&h.queue, envelope.id.clone(), envelope.encode(), None)
         .await
         .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
@@ -676,7 +714,7 @@ pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
     let consumer = h.start(registry, 1);
     let envelope = Envelope::new("from-the-future", serde_json::json!({"id": 1}));
     h.producer
-        .send_envelope(&h.queue, &envelope, None)
+        .send_raw(&h.queue, envelope.id.clone(), envelope.encode(), None)
         .await
         .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
@@ -732,7 +770,11 @@ pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     match &events[0].kind {
         EventKind::Retried { error, .. } => {
@@ -762,7 +804,11 @@ pub async fn timeout_deadline_is_visible_and_late_success_acks(backend: &dyn Bac
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     let (remaining, expired) = seen.lock().unwrap().expect("handler ran");
     let remaining = remaining.expect("a deadline is set");
@@ -813,7 +859,11 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
         .unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     tokio::time::timeout(h.patience, started.notified())
         .await
         .expect("handler started");
@@ -852,7 +902,11 @@ pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
     let job = h.job("shutdown-cap").retry(1).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     tokio::time::timeout(h.patience, started.notified())
         .await
         .expect("handler started");
@@ -887,7 +941,11 @@ pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
 pub async fn repeated_shutdowns_at_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown-twice").await;
     let job = h.job("shutdown-twice").retry(1).build().unwrap();
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     for round in 1..=2 {
         let started = Arc::new(tokio::sync::Notify::new());
         let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
@@ -932,7 +990,11 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let (event, error) = h.events.wait_settlement_failure(h.patience).await;
     let refused_at = Instant::now();
     assert!(matches!(event.kind, EventKind::Retried { .. }), "{event:?}");
@@ -975,7 +1037,11 @@ pub async fn failed_event_follows_the_record(backend: &dyn Backend) {
         registry_with(&job, |_, _| async { Err(JobError::new("nope")) }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "failed", 1).await;
     let records = backend.failure_records(&h.queue).await;
     assert_eq!(records.len(), 1, "the record exists when `failed` is seen");
@@ -994,7 +1060,9 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
     if !h.driver.capabilities().delayed_dispatch {
         let err = h
             .producer
-            .dispatch_with(&job, &Work { id: 1 }, options)
+            .dispatch(&job)
+            .options(options)
+            .send(&Work { id: 1 })
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Unsupported);
@@ -1004,7 +1072,9 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let sent = Instant::now();
     h.producer
-        .dispatch_with(&job, &Work { id: 1 }, options)
+        .dispatch(&job)
+        .options(options)
+        .send(&Work { id: 1 })
         .await
         .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
@@ -1034,7 +1104,7 @@ pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
         2,
     );
     for id in 0..6 {
-        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+        h.producer.dispatch(&job).send(&Work { id }).await.unwrap();
     }
     h.events.wait_count(h.patience, "succeeded", 6).await;
     assert_eq!(peak.load(Ordering::SeqCst), 2);
@@ -1057,7 +1127,7 @@ pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
     );
     let mut ids = std::collections::BTreeSet::new();
     for id in 0..50 {
-        ids.insert(h.producer.dispatch(&job, &Work { id }).await.unwrap());
+        ids.insert(h.producer.dispatch(&job).send(&Work { id }).await.unwrap());
     }
     // A zero-delay retry's copy can be handled, and its success reported,
     // before the retry that made it is: wait for both counts.
@@ -1106,7 +1176,11 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(calls.count(), 9);
     let seen = calls.seen();
@@ -1151,7 +1225,11 @@ pub async fn tier_one_success_is_acked_on_first_delivery(backend: &dyn Backend) 
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(h.events.names(), ["succeeded"]);
     assert_eq!(events[0].attempt, 1);
@@ -1208,7 +1286,11 @@ pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(executions.load(Ordering::SeqCst), 3);
     assert_eq!(upstream_calls.load(Ordering::SeqCst), 1);
@@ -1234,11 +1316,19 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
         .unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
-    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 0 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(&events[0]), FailureKind::InvalidPayload);
     assert_eq!(events[0].executions, 0);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(calls.count(), 1, "only the valid message ran");
     consumer.shutdown().await.unwrap();
@@ -1263,7 +1353,11 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     tokio::time::timeout(h.patience, started.notified())
         .await
         .expect("handler ran");
@@ -1300,7 +1394,7 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
     for id in 0..5 {
-        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+        h.producer.dispatch(&job).send(&Work { id }).await.unwrap();
     }
     tokio::time::timeout(h.patience, started.notified())
         .await
@@ -1339,13 +1433,22 @@ pub async fn stopped_consumer_spends_nothing_sent_after(backend: &dyn Backend) {
     let job = h.job("stopped-idle").retry(1).build().unwrap();
     let calls = Calls::default();
     let first = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     // Idle now, waiting for the next message.
     tokio::time::sleep(MS(200)).await;
     first.shutdown().await.unwrap();
     let sent = Instant::now();
-    let id = h.producer.dispatch(&job, &Work { id: 2 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 2 })
+        .await
+        .unwrap();
     tokio::time::sleep(MS(300)).await;
     let next = h
         .start_on(
@@ -1438,7 +1541,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     let over = envelope_of_size(job.name(), limit + 1);
     let err = h
         .producer
-        .send_envelope(&h.queue, &over, None)
+        .send_raw(&h.queue, over.id.clone(), over.encode(), None)
         .await
         .expect_err("an oversize message was accepted");
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
@@ -1451,7 +1554,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     let stopped = backend.connect().await;
     stopped.stop().await.unwrap();
     let err = jobrail_native::Producer::new(stopped)
-        .send_envelope(&h.queue, &over, None)
+        .send_raw(&h.queue, over.id.clone(), over.encode(), None)
         .await
         .expect_err("an oversize message was accepted");
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
@@ -1459,7 +1562,8 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
 
     let (registry, seen) = recording_pads(&job);
     h.producer
-        .dispatch(&job, &Padded { pad: "x".into() })
+        .dispatch(&job)
+        .send(&Padded { pad: "x".into() })
         .await
         .unwrap();
     let consumer = h.start(registry, 2);
@@ -1494,7 +1598,7 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     let (registry, seen) = recording_pads(&job);
     let started = Instant::now();
     h.producer
-        .send_envelope(&h.queue, &envelope, None)
+        .send_raw(&h.queue, envelope.id.clone(), envelope.encode(), None)
         .await
         .unwrap_or_else(|e| panic!("a message of exactly {limit} bytes was refused: {e}"));
     let consumer = h.start(registry, 1);
@@ -1518,7 +1622,7 @@ pub async fn batch_dispatch_runs_each_message_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "batch").await;
     let job = h.job("batch").build().unwrap();
     let payloads: Vec<Work> = (0..25).map(|id| Work { id }).collect();
-    let results = h.producer.dispatch_batch(&job, &payloads).await;
+    let results = h.producer.dispatch(&job).send_batch(&payloads).await;
     assert_eq!(results.len(), payloads.len(), "one answer per payload");
     let ids: Vec<String> = results
         .into_iter()
@@ -1570,7 +1674,9 @@ pub async fn delayed_batch_dispatch(backend: &dyn Backend) {
     let sent = Instant::now();
     let results = h
         .producer
-        .dispatch_batch_with(&job, &payloads, options)
+        .dispatch(&job)
+        .options(options)
+        .send_batch(&payloads)
         .await;
     assert_eq!(results.len(), 3);
     if !h.driver.capabilities().delayed_dispatch {

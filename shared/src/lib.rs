@@ -109,6 +109,8 @@ mod retry_delay;
 mod runtime;
 mod settle;
 mod stats;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
 mod unique;
 
 pub use crate::metrics::describe_metrics;

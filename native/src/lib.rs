@@ -87,6 +87,7 @@ mod readme_doctests {
         Testing: "../../guide/testing.md",
         Performance: "../../guide/performance.md",
         WritingADriver: "../../guide/writing-a-driver.md",
+        Wire: "../../guide/wire.md",
         Layout: "../../guide/layout.md",
     }
 }

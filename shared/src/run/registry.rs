@@ -23,27 +23,28 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
-use crate::cancel::CancelToken;
-use crate::context::{ContextParts, JobContext};
-use crate::envelope::{Envelope, EnvelopeError, EnvelopeView};
-use crate::error::JobError;
-use crate::error::Panicked;
-use crate::event::{Event, EventKind, EventSink};
-use crate::executor::run_tiers;
-use crate::job::{Job, JobSpec};
-use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
-use crate::metrics::JobMeter;
-use crate::panic::guard;
-use crate::pipeline::SettlementError;
-use crate::policy::PolicyError;
-use crate::policy::PANICKED_BACKOFF_DELAY;
-use crate::record::FailureRecord;
-use crate::runtime::{Instant, Runtime};
-use crate::settle::{
-    exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Failure, FailureKind,
-    Settlement, UnknownNameAttempts, SHUTDOWN_GRACE, UNKNOWN_NAME_RETRY_DELAY,
+use crate::model::backend::SettlementError;
+use crate::model::cancel::CancelToken;
+use crate::model::envelope::{Envelope, EnvelopeError, EnvelopeView};
+use crate::model::error::JobError;
+use crate::model::error::Panicked;
+use crate::model::failure::{Failure, FailureKind};
+use crate::model::job::{Job, JobSpec};
+use crate::model::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::model::panic::guard;
+use crate::model::policy::PolicyError;
+use crate::model::policy::PANICKED_BACKOFF_DELAY;
+use crate::model::record::FailureRecord;
+use crate::model::runtime::{Instant, Runtime};
+use crate::observe::event::{Event, EventKind, EventSink};
+use crate::observe::metrics::JobMeter;
+use crate::observe::stats::{Count, Counters, Resolution, Stats, UNREGISTERED_JOBS};
+use crate::rules::settle::{
+    exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Settlement,
+    UnknownNameAttempts, SHUTDOWN_GRACE, UNKNOWN_NAME_RETRY_DELAY,
 };
-use crate::stats::{Count, Counters, Resolution, Stats, UNREGISTERED_JOBS};
+use crate::run::context::{ContextParts, JobContext};
+use crate::run::executor::run_tiers;
 
 pin_project_lite::pin_project! {
     /// A payload decoded for its job's handler (when the delivery is
@@ -142,7 +143,7 @@ where
             message: format!(
                 "payload does not decode as job `{}`: {}",
                 self.spec.name,
-                crate::redact::json_error_unplaced(&e)
+                crate::model::redact::json_error_unplaced(&e)
             ),
         })?;
         self.job.validate_payload(&typed).map_err(|e| Failure {
@@ -575,7 +576,7 @@ impl Registry {
         )));
         // The execution counts on the job's attached breaker as a caught
         // panic does.
-        crate::executor::feed_breaker(spec, &result);
+        crate::run::executor::feed_breaker(spec, &result);
         let decision = settle(&spec.retry, delivery.attempt, &result, false);
         job.counters().add(Count::Executions, 1);
         self.meter(&envelope.job, delivery.queue)

@@ -1,0 +1,9 @@
+pub(crate) mod claim;
+pub(crate) mod context;
+pub(crate) mod executor;
+pub(crate) mod limit;
+pub(crate) mod overrides;
+pub(crate) mod pipeline;
+pub(crate) mod registry;
+pub(crate) mod retry_delay;
+pub(crate) mod unique;

@@ -84,77 +84,60 @@
 // state held in `Arc` need not be `Send`; one `Arc` type keeps both targets alike.
 #![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
 
-mod breaker;
-mod budget;
-mod cancel;
-mod claim;
-mod context;
-mod envelope;
-mod error;
-mod event;
-mod executor;
-mod job;
-mod limit;
-mod maybe_send;
-mod metrics;
-mod overrides;
-mod panic;
-mod pipeline;
-mod policy;
-mod record;
-mod redact;
-mod registry;
-mod replay;
-mod retry_delay;
-mod runtime;
-mod settle;
-mod stats;
-#[cfg(not(target_arch = "wasm32"))]
-pub mod testing;
-mod unique;
+mod model;
+mod observe;
+mod rules;
+mod run;
 
-pub use crate::metrics::describe_metrics;
-pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
-pub use budget::{failure_budget, human, longest_hold, FailureBudget};
-pub use cancel::{CancelToken, Cancellation};
-#[cfg(feature = "memory-claims")]
-pub use claim::MemoryClaims;
-pub use claim::{
-    run_once, validate_claim, Claim, ClaimError, ClaimHeld, ClaimStore, Once, MAX_CLAIM_KEY_BYTES,
-    MAX_CLAIM_LEASE, MIN_HELD_RETRY,
+pub use model::backend::{ErrorKind, SettlementError};
+pub use model::breaker::{BreakerConfig, BreakerError, BreakerState, CircuitBreaker};
+pub use model::cancel::{CancelToken, Cancellation};
+pub use model::envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
+pub use model::error::BreakerOpen;
+pub use model::error::{
+    BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter,
 };
-pub use context::{DeadlineExceeded, Interrupted, JobContext};
-pub use envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
-pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
-pub use event::{Event, EventKind, EventSink};
-pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
-pub use limit::{
-    check_delivery_limit, check_job_delivery_limit, check_unknown_name_delivery_limit,
-    unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
-};
-pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
-pub use overrides::Overrides;
-pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
-pub use policy::{
+pub use model::failure::{Failure, FailureKind};
+pub use model::job::{BreakerFeed, Job, JobBuilder, JobSpec};
+pub use model::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+pub use model::policy::{
     whole_seconds_up, Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY,
 };
-pub use record::{
+pub use model::record::{
     FailureRecord, RawBody, Truncation, TRUNCATED_NAME_BYTES, TRUNCATED_REASON_BYTES,
 };
-pub use redact::json_error;
-pub use registry::{Incoming, Processed, Registry, RegistryError};
-pub use replay::{
+pub use model::redact::json_error;
+pub use model::runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
+pub use observe::event::{Event, EventKind, EventSink};
+pub use observe::metrics::describe_metrics;
+pub use observe::stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
+pub use rules::budget::{failure_budget, human, longest_hold, FailureBudget};
+pub use rules::replay::{
     failure_entry_id, poison_reason, replay_id, replay_message, Replay, ReplayRefused,
     REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
 };
-pub use retry_delay::{
+pub use rules::settle::{
+    deliveries_needed, exceeds_crash_bound, Settlement, UnknownNameAttempts,
+    DEFAULT_UNKNOWN_NAME_ATTEMPTS, REFUSED_SETTLEMENT_HOLD, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
+};
+#[cfg(feature = "memory-claims")]
+pub use run::claim::MemoryClaims;
+pub use run::claim::{
+    run_once, validate_claim, Claim, ClaimError, ClaimHeld, ClaimStore, Once, MAX_CLAIM_KEY_BYTES,
+    MAX_CLAIM_LEASE, MIN_HELD_RETRY,
+};
+pub use run::context::{DeadlineExceeded, Interrupted, JobContext};
+pub use run::limit::{
+    check_delivery_limit, check_job_delivery_limit, check_unknown_name_delivery_limit,
+    unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
+};
+pub use run::overrides::Overrides;
+pub use run::pipeline::{Delivered, DeliveryHandle};
+pub use run::registry::{Incoming, Processed, Registry, RegistryError};
+pub use run::retry_delay::{
     check_job_retry_delay, check_retry_delays, longest_retry_delay, DelayOf, RetryDelayError,
     CUSTOM_BACKOFF_EVALUATIONS,
 };
-pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
-pub use settle::{
-    deliveries_needed, exceeds_crash_bound, Failure, FailureKind, Settlement, UnknownNameAttempts,
-    DEFAULT_UNKNOWN_NAME_ATTEMPTS, REFUSED_SETTLEMENT_HOLD, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
-};
-pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
-pub use unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};
+#[cfg(not(target_arch = "wasm32"))]
+pub use run::testing;
+pub use run::unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};

@@ -13,9 +13,9 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 
-use crate::envelope::{new_message_id, Envelope};
-use crate::runtime::{SystemTime, UNIX_EPOCH};
-use crate::settle::{Failure, FailureKind};
+use crate::model::envelope::{new_message_id, Envelope};
+use crate::model::failure::{Failure, FailureKind};
+use crate::model::runtime::{SystemTime, UNIX_EPOCH};
 
 /// The format version of failure records.
 pub(crate) const FAILURE_RECORD_VERSION: u32 = 1;

@@ -11,7 +11,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::claim::{Claim, ClaimError, ClaimStore};
+use crate::run::claim::{Claim, ClaimError, ClaimStore};
 
 /// What a unique dispatch did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,9 +120,9 @@ where
     // The business key itself must be one the claim rules take (an empty
     // key would still make a store key, `unique:<job>:`), and so must the
     // store key: both before the store or the send is called.
-    crate::claim::validate_claim(key, window)?;
+    crate::run::claim::validate_claim(key, window)?;
     let key = store_key(job_name, key);
-    crate::claim::validate_claim(&key, window)?;
+    crate::run::claim::validate_claim(&key, window)?;
     let fence = match claims.claim(&key, window).await? {
         Claim::Claimed { fence } => fence,
         Claim::Held { remaining } => return Ok(UniqueDispatch::Duplicate { remaining }),
@@ -155,8 +155,8 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::claim::{MemoryClaims, MAX_CLAIM_KEY_BYTES, MAX_CLAIM_LEASE};
-    use crate::runtime::VirtualRuntime;
+    use crate::model::runtime::VirtualRuntime;
+    use crate::run::claim::{MemoryClaims, MAX_CLAIM_KEY_BYTES, MAX_CLAIM_LEASE};
 
     /// A send's error, and whether it certainly did not go out.
     #[derive(Debug, thiserror::Error)]

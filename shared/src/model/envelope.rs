@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
-use crate::redact::json_error;
-use crate::runtime::{SystemTime, UNIX_EPOCH};
+use crate::model::redact::json_error;
+use crate::model::runtime::{SystemTime, UNIX_EPOCH};
 
 /// The envelope format version this crate writes.
 pub(crate) const ENVELOPE_VERSION: u32 = 1;
@@ -51,7 +51,7 @@ pub struct Envelope {
 #[non_exhaustive]
 pub enum EnvelopeError {
     /// Not valid JSON, or missing required fields. The text is serde's,
-    /// with every value from the body taken out ([`crate::redact::json_error`]):
+    /// with every value from the body taken out ([`crate::model::redact::json_error`]):
     /// the body may hold payload data, which stays out of logs and events.
     #[error("malformed envelope: {0}")]
     Malformed(String),

@@ -47,8 +47,8 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 
-use crate::error::{BoxError, JobError, RetryAfter};
-use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::model::error::{BoxError, JobError, RetryAfter};
+use crate::model::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 
 /// The longest key a store accepts, in bytes.
 pub const MAX_CLAIM_KEY_BYTES: usize = 512;
@@ -361,7 +361,7 @@ mod memory {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::runtime::{Clock, Instant, SystemClock};
+    use crate::model::runtime::{Clock, Instant, SystemClock};
 
     /// Claims in this process's memory: for tests, the quick start and a
     /// single worker process. Nothing survives the process, and two processes
@@ -516,7 +516,7 @@ pub use memory::MemoryClaims;
 #[cfg(all(test, feature = "memory-claims"))]
 mod tests {
     use super::*;
-    use crate::runtime::VirtualRuntime;
+    use crate::model::runtime::VirtualRuntime;
     use crate::Outcome;
     use futures_executor::block_on;
 

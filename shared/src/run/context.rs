@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use futures_util::future::{select, Either};
 
-use crate::cancel::CancelToken;
-use crate::error::Cancelled;
-use crate::runtime::{Instant, Runtime};
+use crate::model::cancel::CancelToken;
+use crate::model::error::Cancelled;
+use crate::model::runtime::{Instant, Runtime};
 
 /// The execution's deadline has passed. An ordinary (retryable) error: a
 /// timeout is not a shutdown.
@@ -246,9 +246,9 @@ impl JobContext {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::{JobError, Outcome};
-    use crate::maybe_send::BoxFuture;
-    use crate::runtime::{Clock, VirtualRuntime};
+    use crate::model::error::{JobError, Outcome};
+    use crate::model::maybe_send::BoxFuture;
+    use crate::model::runtime::{Clock, VirtualRuntime};
     use futures_executor::block_on;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -345,7 +345,7 @@ mod tests {
         assert!(err.is_cancelled());
         let err = JobError::from(err);
         assert_eq!(err.outcome(), Outcome::Cancelled);
-        assert!(crate::settle::is_shutdown(&Err(err), true));
+        assert!(crate::rules::settle::is_shutdown(&Err(err), true));
 
         let err = block_on(ctx.sleep(S(1))).expect_err("already shutting down");
         assert_eq!(JobError::from(err).outcome(), Outcome::Cancelled);

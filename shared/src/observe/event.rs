@@ -4,10 +4,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::maybe_send::{MaybeSend, MaybeSync};
-use crate::pipeline::SettlementError;
-use crate::settle::Failure;
-use crate::stats::Resolution;
+use crate::model::backend::SettlementError;
+use crate::model::failure::Failure;
+use crate::model::maybe_send::{MaybeSend, MaybeSync};
+use crate::observe::stats::Resolution;
 
 /// One accepted outcome.
 ///

@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::panic::guard;
+use crate::model::panic::guard;
 
 /// The delay schedule between attempts.
 ///

@@ -2,7 +2,9 @@
 
 use std::fmt;
 
-use crate::{deliveries_needed, JobSpec, Registry, UnknownNameAttempts, SHUTDOWN_GRACE};
+use crate::model::job::JobSpec;
+use crate::rules::settle::{deliveries_needed, UnknownNameAttempts, SHUTDOWN_GRACE};
+use crate::run::registry::Registry;
 
 /// Whose deliveries a [`DeliveryLimitError`] is about.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::job::JobSpec;
-use crate::policy::{Backoff, PolicyError};
-use crate::registry::Registry;
+use crate::model::job::JobSpec;
+use crate::model::policy::{Backoff, PolicyError};
+use crate::run::registry::Registry;
 
 /// The environment variable prefix for overrides.
 pub(crate) const ENV_PREFIX: &str = "JOBRAIL_JOB__";

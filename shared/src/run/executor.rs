@@ -17,14 +17,14 @@ use std::time::Duration;
 
 use futures_util::future::{select, Either};
 
-use crate::claim::ClaimHeld;
-use crate::context::{ContextParts, JobContext};
-use crate::error::{Cancelled, JobError, Outcome};
-use crate::job::{BreakerFeed, JobSpec};
-use crate::maybe_send::BoxFuture;
-use crate::panic::catch_panics;
-use crate::registry::Meter;
-use crate::runtime::Instant;
+use crate::model::error::{Cancelled, JobError, Outcome};
+use crate::model::job::{BreakerFeed, JobSpec};
+use crate::model::maybe_send::BoxFuture;
+use crate::model::panic::catch_panics;
+use crate::model::runtime::Instant;
+use crate::observe::metrics::JobMeter;
+use crate::run::claim::ClaimHeld;
+use crate::run::context::{ContextParts, JobContext};
 
 /// What tier one did.
 pub(crate) struct TierRun {
@@ -47,7 +47,7 @@ pub(crate) async fn run_tiers(
     spec: &JobSpec,
     mut run: impl FnMut(JobContext) -> BoxFuture<'static, Result<(), JobError>>,
     parts: &Arc<ContextParts>,
-    meter: &Meter<'_>,
+    meter: &JobMeter,
     delivery_deadline: Option<Instant>,
 ) -> TierRun {
     let runtime = &parts.runtime;
@@ -56,7 +56,7 @@ pub(crate) async fn run_tiers(
     let mut attempt = 1;
     // The clock is read only for a timeout, or for the duration metric
     // when a recorder takes it.
-    let timed = crate::metrics::recording();
+    let timed = crate::observe::metrics::recording();
     loop {
         let now = (timed || spec.timeout.is_some()).then(|| runtime.now());
         let timeout_deadline = spec

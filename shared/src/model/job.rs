@@ -5,9 +5,9 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::breaker::CircuitBreaker;
-use crate::error::BoxError;
-use crate::policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
+use crate::model::breaker::CircuitBreaker;
+use crate::model::error::BoxError;
+use crate::model::policy::{Backoff, PolicyError, RetryPolicy, TierOnePolicy};
 
 /// The queue a job goes to when none is named.
 pub(crate) const DEFAULT_QUEUE: &str = "default";

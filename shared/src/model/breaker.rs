@@ -6,9 +6,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::error::JobError;
-use crate::policy::PolicyError;
-use crate::runtime::{Clock, Instant, SystemClock};
+use ::metrics::{counter, gauge, SharedString};
+
+use crate::model::error::{BreakerOpen, JobError};
+use crate::model::policy::PolicyError;
+use crate::model::runtime::{Clock, Instant, SystemClock};
 
 /// Breaker thresholds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,27 +40,6 @@ pub enum BreakerState {
     /// The cool-down has passed: the next call is a probe.
     HalfOpen,
 }
-
-/// The error a call gets while the breaker is open.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BreakerOpen {
-    name: String,
-}
-
-impl BreakerOpen {
-    /// The breaker's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-}
-
-impl fmt::Display for BreakerOpen {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "circuit breaker `{}` is open", self.name)
-    }
-}
-
-impl StdError for BreakerOpen {}
 
 /// The result of a call through the breaker.
 #[derive(Debug)]
@@ -166,7 +147,7 @@ impl CircuitBreaker {
                 "must be at least 1",
             ));
         }
-        crate::metrics::breaker_created(&name);
+        breaker_created(&name);
         Ok(CircuitBreaker {
             inner: Arc::new(Inner {
                 name,
@@ -224,9 +205,7 @@ impl CircuitBreaker {
     }
 
     fn open_error(&self) -> BreakerOpen {
-        BreakerOpen {
-            name: self.inner.name.clone(),
-        }
+        BreakerOpen::new(self.inner.name.clone())
     }
 
     /// Records a successful call: closes the breaker.
@@ -239,7 +218,7 @@ impl CircuitBreaker {
 
     /// Records a change of state in the metrics (outside the state lock).
     fn entered(&self, state: BreakerState) {
-        crate::metrics::breaker_entered(&self.inner.name, state);
+        breaker_entered(&self.inner.name, state);
     }
 
     /// Records a failed call: may open the breaker.
@@ -305,10 +284,36 @@ impl Drop for ProbeGuard<'_> {
     }
 }
 
+// A breaker records its own metrics, where its state changes (named in
+// `describe_metrics`, which describes them with the rest).
+
+/// The gauge of a breaker's state.
+pub(crate) const BREAKER_STATE: &str = "jobrail_breaker_state";
+/// The counter of a breaker's changes of state.
+pub(crate) const BREAKER_TRANSITIONS: &str = "jobrail_breaker_transitions_total";
+
+/// A breaker named `name` entered `state`.
+pub(crate) fn breaker_entered(name: &str, state: BreakerState) {
+    let (value, to) = match state {
+        BreakerState::Closed => (0.0, "closed"),
+        BreakerState::Open => (1.0, "open"),
+        BreakerState::HalfOpen => (2.0, "half_open"),
+    };
+    let breaker = SharedString::from_owned(name.to_string());
+    gauge!(BREAKER_STATE, "breaker" => breaker.clone()).set(value);
+    counter!(BREAKER_TRANSITIONS, "breaker" => breaker, "to" => to).increment(1);
+}
+
+/// A breaker named `name` was created (closed): its gauge reads 0 from the
+/// start rather than appearing at its first change.
+pub(crate) fn breaker_created(name: &str) {
+    gauge!(BREAKER_STATE, "breaker" => name.to_string()).set(0.0);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::VirtualRuntime;
+    use crate::model::runtime::VirtualRuntime;
     use futures_executor::block_on;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;

@@ -116,7 +116,7 @@ impl JobError {
             if err.is::<Cancelled>() {
                 return Outcome::Cancelled;
             }
-            if err.is::<crate::breaker::BreakerOpen>() {
+            if err.is::<BreakerOpen>() {
                 return Outcome::BreakerOpen;
             }
             current = next_in_chain(err);
@@ -374,6 +374,32 @@ impl fmt::Display for Panicked {
 }
 
 impl StdError for Panicked {}
+
+/// The error a call gets while the breaker is open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreakerOpen {
+    name: String,
+}
+
+impl BreakerOpen {
+    /// The error of the breaker named `name`.
+    pub(crate) fn new(name: String) -> Self {
+        BreakerOpen { name }
+    }
+
+    /// The breaker's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl fmt::Display for BreakerOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "circuit breaker `{}` is open", self.name)
+    }
+}
+
+impl StdError for BreakerOpen {}
 
 #[cfg(test)]
 mod tests {

@@ -16,8 +16,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::policy::Backoff;
-use crate::{JobSpec, Registry};
+use crate::model::job::JobSpec;
+use crate::model::policy::Backoff;
+use crate::run::registry::Registry;
 
 /// How many attempts of a custom schedule ([`Backoff::Custom`]) are
 /// evaluated at most: all of a job's attempts up to its cap, or this many

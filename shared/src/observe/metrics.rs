@@ -44,15 +44,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::metrics::{
-    counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Histogram, Key,
-    Label, Level, Metadata, SharedString, Unit,
+    describe_counter, describe_gauge, describe_histogram, Counter, Histogram, Key, Label, Level,
+    Metadata, SharedString, Unit,
 };
 
-use crate::breaker::BreakerState;
-use crate::event::EventKind;
-use crate::pipeline::{ErrorKind, SettlementError};
-use crate::settle::{FailureKind, Settlement};
-use crate::stats::Resolution;
+use crate::model::backend::{ErrorKind, SettlementError};
+use crate::model::breaker::{BREAKER_STATE, BREAKER_TRANSITIONS};
+use crate::model::failure::FailureKind;
+use crate::observe::event::EventKind;
+use crate::observe::stats::Resolution;
+use crate::rules::settle::Settlement;
 
 pub(crate) const DELIVERIES: &str = "jobrail_deliveries_total";
 pub(crate) const OUTCOMES: &str = "jobrail_outcomes_total";
@@ -62,8 +63,6 @@ pub(crate) const SETTLEMENT_ERRORS: &str = "jobrail_settlement_errors_total";
 pub(crate) const EXECUTIONS: &str = "jobrail_executions_total";
 pub(crate) const HANDLER_DURATION: &str = "jobrail_handler_duration_seconds";
 pub(crate) const SETTLEMENT_DURATION: &str = "jobrail_settlement_duration_seconds";
-pub(crate) const BREAKER_STATE: &str = "jobrail_breaker_state";
-pub(crate) const BREAKER_TRANSITIONS: &str = "jobrail_breaker_transitions_total";
 
 /// Registers the name, unit and meaning of every metric the rules record
 /// with the installed recorder (exporters print them, as Prometheus's
@@ -345,24 +344,6 @@ fn settlement_index(settlement: &Settlement) -> usize {
         Settlement::Reject => 2,
         Settlement::Fail(_) => 3,
     }
-}
-
-/// A breaker named `name` entered `state`.
-pub(crate) fn breaker_entered(name: &str, state: BreakerState) {
-    let (value, to) = match state {
-        BreakerState::Closed => (0.0, "closed"),
-        BreakerState::Open => (1.0, "open"),
-        BreakerState::HalfOpen => (2.0, "half_open"),
-    };
-    let breaker = SharedString::from_owned(name.to_string());
-    gauge!(BREAKER_STATE, "breaker" => breaker.clone()).set(value);
-    counter!(BREAKER_TRANSITIONS, "breaker" => breaker, "to" => to).increment(1);
-}
-
-/// A breaker named `name` was created (closed): its gauge reads 0 from the
-/// start rather than appearing at its first change.
-pub(crate) fn breaker_created(name: &str) {
-    gauge!(BREAKER_STATE, "breaker" => name.to_string()).set(0.0);
 }
 
 fn error_kind_label(kind: ErrorKind) -> &'static str {

@@ -6,7 +6,7 @@ use std::time::Duration;
 pub use web_time::Instant;
 pub(crate) use web_time::{SystemTime, UNIX_EPOCH};
 
-use crate::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+use crate::model::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 
 /// A monotonic clock.
 pub trait Clock: MaybeSend + MaybeSync {

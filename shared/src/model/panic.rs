@@ -18,8 +18,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::error::{JobError, Panicked};
-use crate::maybe_send::BoxFuture;
+use crate::model::error::{JobError, Panicked};
+use crate::model::maybe_send::BoxFuture;
 
 /// Calls `start` and runs the future it returns, converting a panic in
 /// either into `Err(Panicked)`. `start` is called on the first poll, inside

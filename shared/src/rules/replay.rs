@@ -14,8 +14,8 @@
 
 use std::fmt;
 
-use crate::record::FailureRecord;
-use crate::settle::FailureKind;
+use crate::model::failure::FailureKind;
+use crate::model::record::FailureRecord;
 
 /// Metadata key of a replayed message: the id of the entry it came from.
 pub const REPLAY_OF: &str = "replay_of";
@@ -175,8 +175,8 @@ pub fn replay_message(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::Envelope;
-    use crate::settle::Failure;
+    use crate::model::envelope::Envelope;
+    use crate::model::failure::Failure;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -7,11 +7,10 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
-use crate::error::{JobError, Outcome};
-use crate::policy::RetryPolicy;
-use crate::record::FailureRecord;
+use crate::model::error::{JobError, Outcome};
+use crate::model::failure::{Failure, FailureKind};
+use crate::model::policy::RetryPolicy;
+use crate::model::record::FailureRecord;
 
 /// How long an unknown job name waits before its next delivery.
 pub(crate) const UNKNOWN_NAME_RETRY_DELAY: Duration = Duration::from_secs(30);
@@ -115,34 +114,6 @@ impl Settlement {
             Settlement::Fail(_) => "fail",
         }
     }
-}
-
-/// Why a message failed terminally.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Failure {
-    /// The category.
-    pub kind: FailureKind,
-    /// Human-readable reason (the error chain).
-    pub message: String,
-}
-
-/// Categories of terminal failure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum FailureKind {
-    /// The handler returned a permanent error.
-    Permanent,
-    /// The attempt cap was reached.
-    AttemptsExhausted,
-    /// The payload did not decode into the job's type.
-    UndecodablePayload,
-    /// The body was not an envelope this worker can read.
-    MalformedEnvelope,
-    /// No handler is registered for the job name (after the unknown-name cap).
-    UnknownName,
-    /// The validation hook refused the payload.
-    InvalidPayload,
 }
 
 /// The cap on deliveries of a message with an unknown job name.
@@ -316,8 +287,8 @@ pub(crate) fn settle_unknown_name(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::{Permanent, Reject, RetryAfter};
-    use crate::policy::Backoff;
+    use crate::model::error::{Permanent, Reject, RetryAfter};
+    use crate::model::policy::Backoff;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

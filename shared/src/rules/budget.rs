@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::job::JobSpec;
+use crate::model::job::JobSpec;
 
 /// Worst-case cost of a message that always fails.
 ///

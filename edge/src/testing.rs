@@ -26,7 +26,7 @@
 //! "#;
 //!
 //! fn job() -> Job<u32> {
-//!     Job::<u32>::builder("double").queue("jobs").retry(3).build().unwrap()
+//!     Job::<u32>::builder("double").queue("jobs").max_deliveries(3).build().unwrap()
 //! }
 //!
 //! fn jobs() -> Result<Registry, jobrail::RegistryError> {

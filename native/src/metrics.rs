@@ -252,7 +252,7 @@ mod tests {
 
         let job = Job::<Work>::builder(JOB)
             .queue(QUEUE)
-            .retry(3)
+            .max_deliveries(3)
             .backoff(Duration::from_millis(10), 1.0, Duration::from_millis(10))
             .tier_one(2)
             .tier_one_backoff(Duration::from_millis(1), 1.0, Duration::from_millis(1))

@@ -32,7 +32,7 @@ const START: Duration = Duration::from_secs(20);
 pub fn announcing_registry(queue: &str, name: &str, cap: u32) -> Registry {
     let job = Job::<Work>::builder(name)
         .queue(queue)
-        .retry(cap)
+        .delivery_cap((cap > 0).then_some(cap))
         .build()
         .expect("job");
     let mut registry = Registry::new();
@@ -116,7 +116,7 @@ pub async fn killed_worker_loses_nothing_and_counts_the_attempt(
     worker: impl Fn(&str, &str, u32) -> Command + Send + 'static,
 ) -> String {
     let h = Harness::new(backend, scenario).await;
-    let job = h.job("crashy").retry(3).build().unwrap();
+    let job = h.job("crashy").max_deliveries(3).build().unwrap();
     let id = h
         .producer
         .dispatch(&job)
@@ -179,7 +179,7 @@ impl InterruptedJob {
     /// handler runs.
     pub async fn start(backend: &dyn Backend, scenario: &str) -> Self {
         let harness = Harness::new(backend, scenario).await;
-        let job = harness.job("steady").retry(5).build().unwrap();
+        let job = harness.job("steady").max_deliveries(5).build().unwrap();
         let started = Arc::new(tokio::sync::Notify::new());
         let release = Arc::new(tokio::sync::Notify::new());
         let calls = Calls::default();

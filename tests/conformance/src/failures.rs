@@ -65,7 +65,7 @@ impl Subject {
         let h = Harness::new(backend, name).await;
         let job = h
             .job(name)
-            .retry(deliveries)
+            .max_deliveries(deliveries)
             .backoff(MS(20), 1.0, MS(20))
             .build()
             .unwrap();

@@ -208,7 +208,7 @@ fn last(events: &[Event]) -> &Event {
 /// `Ok(())` is acknowledged; the success is counted as a first-attempt resolution.
 pub async fn ack_on_success(backend: &dyn Backend) {
     let h = Harness::new(backend, "ack").await;
-    let job = h.job("ack").retry(3).build().unwrap();
+    let job = h.job("ack").max_deliveries(3).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
     let id = h
@@ -243,7 +243,7 @@ pub async fn ack_on_success(backend: &dyn Backend) {
 /// An ordinary error is retried; attempts rise by one per delivery.
 pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
     let h = Harness::new(backend, "ordinary").await;
-    let job = h.job("ordinary").retry(5).build().unwrap();
+    let job = h.job("ordinary").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
@@ -285,7 +285,7 @@ pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
     let h = Harness::new(backend, "cap").await;
     let job = h
         .job("cap")
-        .retry(3)
+        .max_deliveries(3)
         .backoff(MS(20), 1.0, MS(20))
         .build()
         .unwrap();
@@ -330,7 +330,7 @@ async fn observe_schedule(
     let attempts = want.len() as u32 + 1;
     let job = builder
         .queue(h.queue.clone())
-        .retry(attempts)
+        .max_deliveries(attempts)
         .build()
         .unwrap();
     let calls = Calls::default();
@@ -382,7 +382,7 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
     let h = Harness::new(backend, "retry-after").await;
     let job = h
         .job("retry-after")
-        .retry(3)
+        .max_deliveries(3)
         .backoff(MS(10), 1.0, MS(10))
         .build()
         .unwrap();
@@ -422,7 +422,7 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
 /// A retry-after is still subject to the attempt cap.
 pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "retry-after-cap").await;
-    let job = h.job("retry-after-cap").retry(2).build().unwrap();
+    let job = h.job("retry-after-cap").max_deliveries(2).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async {
             Err(JobError::retry_after("busy", MS(20)))
@@ -444,7 +444,7 @@ pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
 /// A permanent error fails at once, whatever attempts remain; the cause is kept.
 pub async fn permanent_fails_at_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent").await;
-    let job = h.job("permanent").retry(5).build().unwrap();
+    let job = h.job("permanent").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
@@ -475,7 +475,7 @@ pub async fn permanent_fails_at_once(backend: &dyn Backend) {
 /// `Permanent` with no cause is a terminal failure, not a success.
 pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent-bare").await;
-    let job = h.job("permanent-bare").retry(5).build().unwrap();
+    let job = h.job("permanent-bare").max_deliveries(5).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async {
             Err(Permanent::without_cause().into())
@@ -508,7 +508,7 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
     let h = Harness::new(backend, "reject").await;
     let capabilities = h.driver.capabilities();
     let hint = capabilities.redelivery_hint;
-    let job = h.job("reject").retry(5).build().unwrap();
+    let job = h.job("reject").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
@@ -567,7 +567,7 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
 /// A payload that does not decode fails at once, with the raw body kept and no execution.
 pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backend) {
     let h = Harness::new(backend, "poison").await;
-    let job = h.job("poison").retry(5).build().unwrap();
+    let job = h.job("poison").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let envelope = Envelope::new("poison", serde_json::json!({"id": "not a number"}));
@@ -592,7 +592,7 @@ pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backe
 /// A body that is not an envelope fails with the exact bytes kept.
 pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
     let h = Harness::new(backend, "malformed").await;
-    let job = h.job("malformed").retry(5).build().unwrap();
+    let job = h.job("malformed").max_deliveries(5).build().unwrap();
     let consumer = h.start(registry_with(&job, |_, _| async { Ok(()) }), 1);
     let body = vec![0xff, b'{', b'x', 0x00];
     h.producer
@@ -628,7 +628,7 @@ pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
 pub async fn poison_bodies_about_the_size_limit_keep_a_record_that_fits(backend: &dyn Backend) {
     let h = Harness::new(backend, "poison-size").await;
     let limit = h.driver.capabilities().max_message_bytes;
-    let job = h.job("poison-size").retry(5).build().unwrap();
+    let job = h.job("poison-size").max_deliveries(5).build().unwrap();
     // Unterminated JSON whose quotes JSON escapes: text a third of a byte
     // larger in a record, so a record at the limit does not fit whole.
     let body =
@@ -760,7 +760,7 @@ pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
 /// A panic is an ordinary error carrying the panic message; the worker survives.
 pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
     let h = Harness::new(backend, "panic").await;
-    let job = h.job("panic").retry(3).build().unwrap();
+    let job = h.job("panic").max_deliveries(3).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |ctx, _| async move {
             if ctx.attempt() == 1 {
@@ -789,7 +789,12 @@ pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
 /// The timeout is visible as a deadline; returning `Ok` after it still acknowledges.
 pub async fn timeout_deadline_is_visible_and_late_success_acks(backend: &dyn Backend) {
     let h = Harness::new(backend, "timeout").await;
-    let job = h.job("timeout").retry(2).timeout(MS(150)).build().unwrap();
+    let job = h
+        .job("timeout")
+        .max_deliveries(2)
+        .timeout(MS(150))
+        .build()
+        .unwrap();
     let seen = Arc::new(Mutex::new(None));
     let s = seen.clone();
     let consumer = h.start(
@@ -853,7 +858,7 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
         });
     let job = h
         .job("shutdown")
-        .retry(5)
+        .max_deliveries(5)
         .backoff(long, 1.0, Duration::ZERO)
         .build()
         .unwrap();
@@ -899,7 +904,7 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
 /// ordinary failure exhausts it.
 pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown-cap").await;
-    let job = h.job("shutdown-cap").retry(1).build().unwrap();
+    let job = h.job("shutdown-cap").max_deliveries(1).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
     h.producer
@@ -940,7 +945,7 @@ pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
 /// third fails without running (the documented crash bound).
 pub async fn repeated_shutdowns_at_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown-twice").await;
-    let job = h.job("shutdown-twice").retry(1).build().unwrap();
+    let job = h.job("shutdown-twice").max_deliveries(1).build().unwrap();
     h.producer
         .dispatch(&job)
         .send(&Work { id: 1 })
@@ -977,7 +982,7 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
         .capabilities()
         .max_retry_delay
         .expect("registered only for backends with a maximum retry delay");
-    let job = h.job("settle-fail").retry(5).build().unwrap();
+    let job = h.job("settle-fail").max_deliveries(5).build().unwrap();
     let too_long = max + Duration::from_secs(1);
     let calls = Calls::default();
     let consumer = h.start(
@@ -1032,7 +1037,7 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
 /// `failed` is emitted only once the failure record has been transferred.
 pub async fn failed_event_follows_the_record(backend: &dyn Backend) {
     let h = Harness::new(backend, "failed-order").await;
-    let job = h.job("failed-order").retry(2).build().unwrap();
+    let job = h.job("failed-order").max_deliveries(2).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async { Err(JobError::new("nope")) }),
         1,
@@ -1114,7 +1119,7 @@ pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
 /// Many messages with transient failures: every one ends acknowledged.
 pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
     let h = Harness::new(backend, "many").await;
-    let job = h.job("many").retry(3).build().unwrap();
+    let job = h.job("many").max_deliveries(3).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |ctx, work| async move {
             if work.id % 3 == 0 && ctx.attempt() == 1 {
@@ -1163,7 +1168,7 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
     let h = Harness::new(backend, "tiers").await;
     let job = h
         .job("tiers")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(1), 1.0, MS(1))
         .build()
@@ -1210,7 +1215,7 @@ pub async fn tier_one_success_is_acked_on_first_delivery(backend: &dyn Backend) 
     let h = Harness::new(backend, "tier-one").await;
     let job = h
         .job("tier-one")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(5), 1.0, MS(5))
         .build()
@@ -1262,7 +1267,7 @@ pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
     .unwrap();
     let job = h
         .job("breaker")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(1), 1.0, MS(1))
         .breaker(breaker.clone())
@@ -1303,7 +1308,7 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
     let h = Harness::new(backend, "validate").await;
     let job = h
         .job("validate")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .validate(|w: &Work| {
             if w.id == 0 {
@@ -1339,7 +1344,7 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
     let h = Harness::new(backend, "tier-one-shutdown").await;
     let job = h
         .job("tier-one-shutdown")
-        .retry(2)
+        .max_deliveries(2)
         .tier_one(3)
         .tier_one_backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
         .build()
@@ -1390,7 +1395,7 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
 /// for the next consumer.
 pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     let h = Harness::new(backend, "backlog").await;
-    let job = h.job("backlog").retry(5).build().unwrap();
+    let job = h.job("backlog").max_deliveries(5).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
     for id in 0..5 {
@@ -1430,7 +1435,7 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
 /// of its deliveries.
 pub async fn stopped_consumer_spends_nothing_sent_after(backend: &dyn Backend) {
     let h = Harness::new(backend, "stopped-idle").await;
-    let job = h.job("stopped-idle").retry(1).build().unwrap();
+    let job = h.job("stopped-idle").max_deliveries(1).build().unwrap();
     let calls = Calls::default();
     let first = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     h.producer
@@ -1587,7 +1592,7 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     let limit = size_limit(&h);
     let job = Job::<Padded>::builder("at-limit")
         .queue(h.queue.clone())
-        .retry(3)
+        .max_deliveries(3)
         .build()
         .unwrap();
     let envelope = envelope_of_size(job.name(), limit);

@@ -364,7 +364,7 @@ async fn a_refused_failure_record_waits_for_ack_wait() {
         .limit_failure_record_size(&h.queue, 64)
         .await
         .unwrap();
-    let job = h.job("record-refused").retry(5).build().unwrap();
+    let job = h.job("record-refused").max_deliveries(5).build().unwrap();
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let counter = runs.clone();
     let mut registry = jobrail::Registry::new();
@@ -411,7 +411,7 @@ async fn one_lease_ticker_keeps_every_long_handler() {
     let hold = Duration::from_secs(1);
     let backend = nats(hold);
     let h = Harness::new(&backend, "nats-leases").await;
-    let job = h.job("leases").retry(5).build().unwrap();
+    let job = h.job("leases").max_deliveries(5).build().unwrap();
     let calls = jobrail_conformance::Calls::default();
     let c = calls.clone();
     let mut registry = jobrail::Registry::new();

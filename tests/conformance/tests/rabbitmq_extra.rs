@@ -114,7 +114,7 @@ async fn sigterm_shuts_a_worker_down_gracefully() {
     let _broker = BROKER.read().await;
     let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-sigterm").await;
-    let job = h.job("graceful").retry(3).build().unwrap();
+    let job = h.job("graceful").max_deliveries(3).build().unwrap();
     h.producer
         .dispatch(&job)
         .send(&Work { id: 1 })

@@ -43,9 +43,11 @@
 //! `rules/`, pure decisions:
 //! - `settle`: the decision table from what happened to what the backend
 //!   should do ([`Settlement`]), the unknown-name and crash rules.
-//! - `budget`: how long a failing job holds its messages
-//!   ([`FailureBudget`]).
-//! - `replay`: putting a failure record back on its queue ([`Replay`]).
+//! - `budget`: what a failing job costs before it ends (executions, waits)
+//!   and the longest hold on one delivery ([`FailureBudget`],
+//!   [`longest_hold`]).
+//! - `replay`: the conventions of replaying failure records every failure
+//!   store shares ([`Replay`], [`replay_message`]).
 //!
 //! `observe/`, what an operator sees:
 //! - `stats`, `event`: counters and events ([`Stats`], [`Event`]).

@@ -10,50 +10,8 @@ use super::limits::{job_max_retries, unknown_names_problem};
 use super::{invalid, Wrangler, MAX_RETRIES_LIMIT};
 
 impl Wrangler {
-    /// Checks these settings against `registry`'s jobs and the worker's
-    /// failure-queue binding, and returns every problem found, each as a
-    /// [`PolicyError::Invalid`] naming the job (`*` for a queue-wide problem,
-    /// with the queue in the reason) and the field:
-    ///
-    /// 1. `queue`: a job's queue has no consumer entry.
-    /// 2. `retry`: a job's consumer gives up before the facade does: its
-    ///    deliveries (`max_retries + 1`) must reach
-    ///    [`jobrail::deliveries_needed`] for the job's cap.
-    /// 3. `unknown_name_attempts`: a job queue's consumer gives up on a
-    ///    message with an unknown job name before the facade does
-    ///    ([`jobrail::unknown_name_deliveries_needed`]).
-    /// 4. `wrangler.queues.consumers.dead_letter_queue`: a job queue's
-    ///    consumer has no dead-letter queue (the platform would delete what
-    ///    it gives up on), or its dead-letter queue is itself a job queue.
-    /// 5. `failure_queue`: `failure_queue_binding` is not a producer binding,
-    ///    or it sends to a job queue.
-    /// 6. `wrangler.queues.consumers.dead_letter_queue`: the failure queue is
-    ///    consumed here (by a [`FailureKeeper`](crate::failures::FailureKeeper),
-    ///    say) without a dead-letter queue of its own, outside the job
-    ///    queues and other than itself: a record that could not be kept
-    ///    after every retry would be deleted by the platform.
-    ///
-    /// 7. `retry.backoff`: a job declares retry delays longer than the
-    ///    platform's 24 hours ([`jobrail::check_job_retry_delay`] against
-    ///    [`MAX_DELAY`](crate::MAX_DELAY)); likewise
-    ///    `unknown_name_retry_delay` for the registry's unknown-name delay.
-    ///
-    /// Also `wrangler.queues.consumers.max_retries` (above the platform's
-    /// limit of 100) and `wrangler.queues.consumers` (a job
-    /// queue with more than one consumer entry).
-    pub fn check(
-        &self,
-        registry: &Registry,
-        failure_queue_binding: Option<&str>,
-    ) -> Result<Checked, Vec<PolicyError>> {
-        self.check_consumed(registry, failure_queue_binding, &[])
-    }
-
-    /// [`Wrangler::check`], for a worker that also consumes `also_consumed`
-    /// with the same jobs (a second queue the producers send the same jobs
-    /// to): each of those queues is held to every job's cap and to every rule
-    /// a job queue is held to.
-    pub fn check_consumed(
+    /// [`Wrangler::check_consumed`].
+    pub(super) fn held_to_the_rules(
         &self,
         registry: &Registry,
         failure_queue_binding: Option<&str>,

@@ -70,19 +70,8 @@ impl RawConsumer {
 }
 
 impl Wrangler {
-    /// The top-level queue settings of a wrangler.toml. Keys other than
-    /// `[[queues.producers]]` and `[[queues.consumers]]` are ignored (the
-    /// `[env.*]` sections are read only to reject malformed ones).
-    pub fn parse(text: &str) -> Result<Wrangler, WranglerError> {
-        Wrangler::parse_env(text, None)
-    }
-
-    /// The queue settings of one environment (`Some(name)`: the
-    /// `[env.<name>]` section, as `wrangler deploy --env <name>` uses it) or
-    /// of the top level (`None`). Wrangler does not carry `queues` from the
-    /// top level into an environment, so an environment's producers and
-    /// consumers are only those written under it.
-    pub fn parse_env(text: &str, env: Option<&str>) -> Result<Wrangler, WranglerError> {
+    /// [`Wrangler::parse_env`].
+    pub(super) fn read_env(text: &str, env: Option<&str>) -> Result<Wrangler, WranglerError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| WranglerError::Parse(e.to_string()))?;
         let queues = match env {
             None => raw.queues,
@@ -96,10 +85,8 @@ impl Wrangler {
         Wrangler::section(env, queues)
     }
 
-    /// Every section of a wrangler.toml a Worker can be started with: the
-    /// top level (`wrangler dev`, `wrangler deploy`), then each
-    /// `[env.<name>]` (`--env <name>`), by name.
-    pub fn parse_all(text: &str) -> Result<Vec<Wrangler>, WranglerError> {
+    /// [`Wrangler::parse_all`].
+    pub(super) fn read_all(text: &str) -> Result<Vec<Wrangler>, WranglerError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| WranglerError::Parse(e.to_string()))?;
         let mut sections = vec![Wrangler::section(None, raw.queues)?];
         for (name, env) in raw.env {

@@ -14,7 +14,9 @@ use crate::error::CliError;
 /// how to name one.
 pub(crate) fn chosen(connection: &Connection) -> Result<BackendKind, CliError> {
     connection.backend.ok_or_else(|| {
-        CliError::usage("no backend: pass --backend memory|rabbitmq|nats|sqs or set JOBRAIL_BACKEND")
+        CliError::usage(
+            "no backend: pass --backend memory|rabbitmq|nats|sqs or set JOBRAIL_BACKEND",
+        )
     })
 }
 

@@ -208,7 +208,11 @@ mod tests {
         assert_eq!(jobs[1]["waiting_ms"], 90_000);
         assert_eq!(jobs[1]["time_to_failure_ms"], Value::Null);
         assert!(out.text.contains("library's defaults"), "{}", out.text);
-        assert!(out.text.contains("JOBRAIL_CONFIG=jobs.toml"), "{}", out.text);
+        assert!(
+            out.text.contains("JOBRAIL_CONFIG=jobs.toml"),
+            "{}",
+            out.text
+        );
         assert!(
             out.text.contains("30s between deliveries on sqs"),
             "{}",

@@ -88,7 +88,7 @@
 //! pub fn job() -> Result<Job<WelcomeEmail>, PolicyError> {
 //!     Job::<WelcomeEmail>::builder("send-welcome-email")
 //!         .queue(QUEUE)
-//!         .retry(5)
+//!         .max_deliveries(5)
 //!         .backoff(Duration::from_secs(10), 2.0, Duration::from_secs(600))
 //!         .timeout(Duration::from_secs(30))
 //!         .build()
@@ -179,7 +179,7 @@ pub use log::LogSink;
 pub use options::check_directory;
 pub use options::{check, check_file, Options};
 #[cfg(target_arch = "wasm32")]
-pub use producer::EdgeProducer;
+pub use producer::{Dispatch, EdgeProducer, UniqueDispatchBuilder};
 #[cfg(target_arch = "wasm32")]
 pub use runtime::WorkersRuntime;
 pub use settings::EdgeConfig;

@@ -26,7 +26,7 @@
 //! "#;
 //!
 //! fn job() -> Job<u32> {
-//!     Job::<u32>::builder("double").queue("jobs").retry(3).build().unwrap()
+//!     Job::<u32>::builder("double").queue("jobs").max_deliveries(3).build().unwrap()
 //! }
 //!
 //! fn jobs() -> Result<Registry, jobrail::RegistryError> {
@@ -145,16 +145,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::future::Future;
-use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
+use jobrail::testing::TestRuntime;
 use jobrail::{
-    BoxFuture, Clock, Envelope, Event, EventKind, EventSink, Failure, FailureRecord, Instant, Job,
-    Registry, Runtime, SettlementError, VirtualRuntime,
+    BoxFuture, Clock, Envelope, Event, EventKind, EventSink, Failure, FailureRecord, Job, Registry,
+    SettlementError, VirtualRuntime,
 };
 use serde::{Deserialize, Serialize};
 
@@ -170,8 +167,9 @@ use crate::wrangler::{ConsumerSettings, Wrangler};
 pub const DEFAULT_MAX_INVOCATIONS: usize = 10_000;
 
 /// The longest a batch may wait, in real time, for something other than the
-/// virtual clock (a handler awaiting real I/O) before the harness panics.
-pub const EXTERNAL_WAIT_LIMIT: Duration = Duration::from_secs(60);
+/// virtual clock (a handler awaiting real I/O) before the harness panics:
+/// the limit of [`TestRuntime`], which drives every batch.
+pub use jobrail::testing::EXTERNAL_WAIT_LIMIT;
 
 /// An explicit call the consumer made on a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -366,7 +364,7 @@ pub struct CloudflareQueues {
     options: Options,
     wrangler: Wrangler,
     vars: BTreeMap<String, String>,
-    runtime: SimRuntime,
+    runtime: TestRuntime,
     /// The consumed queues: consumer and settings.
     consumers: BTreeMap<String, (EdgeConsumer, ConsumerSettings)>,
     queues: BTreeMap<String, Vec<Queued>>,
@@ -425,7 +423,7 @@ impl CloudflareQueues {
             },
             wrangler,
             vars,
-            runtime: SimRuntime::default(),
+            runtime: TestRuntime::new(),
             consumers: BTreeMap::new(),
             queues: BTreeMap::new(),
             last_batch: BTreeMap::new(),
@@ -583,7 +581,7 @@ impl CloudflareQueues {
 
     /// Moves the virtual clock forward by `by` without delivering anything.
     pub fn advance(&mut self, by: Duration) {
-        self.runtime.clock.advance(by);
+        self.runtime.clock().advance(by);
     }
 
     /// Runs one invocation: the next batch the platform would deliver (moving
@@ -594,7 +592,7 @@ impl CloudflareQueues {
         let (queue, at) = self.next_batch()?;
         let now = self.now();
         if at > now {
-            self.runtime.clock.advance(at - now);
+            self.runtime.clock().advance(at - now);
         }
         let started = self.now();
         self.last_batch.insert(queue.clone(), started);
@@ -616,7 +614,7 @@ impl CloudflareQueues {
                 attempts: queued.attempts,
                 body: queued.body.clone(),
                 call,
-                clock: self.runtime.clock.clone(),
+                clock: self.runtime.clock().clone(),
             });
             if let Some(&i) = self.by_id.get(&queued.id) {
                 self.reports[i].deliveries.push(DeliveryReport {
@@ -633,20 +631,17 @@ impl CloudflareQueues {
         let bindings = HarnessBindings {
             shared: self.shared.clone(),
             wrangler: &self.wrangler,
-            clock: self.runtime.clock.clone(),
+            clock: self.runtime.clock().clone(),
         };
         let tracker = Tracker(self.shared.clone());
-        let summary = drive(
-            consumer.consume_observed(
-                &queue,
-                messages,
-                &bindings,
-                self.runtime.now(),
-                None,
-                &tracker,
-            ),
-            &self.runtime,
-        );
+        let summary = self.runtime.run(consumer.consume_observed(
+            &queue,
+            messages,
+            &bindings,
+            self.runtime.now(),
+            None,
+            &tracker,
+        ));
         let settings = settings.clone();
         let finished = self.now();
 
@@ -720,7 +715,7 @@ impl CloudflareQueues {
 
     /// Time on the virtual clock since the harness was created.
     pub fn now(&self) -> Duration {
-        self.runtime.clock.elapsed()
+        self.runtime.elapsed()
     }
 
     /// The life of message `id` so far.
@@ -831,7 +826,7 @@ impl CloudflareQueues {
             registry.event_sink(Arc::new(Recorder {
                 inner,
                 shared: self.shared.clone(),
-                clock: self.runtime.clock.clone(),
+                clock: self.runtime.clock().clone(),
             }));
             // The harness's bindings are the producers its wrangler.toml declares.
             let bound = |binding: &str| self.wrangler.producer_binding(binding).is_some();
@@ -1172,191 +1167,9 @@ impl Bindings for HarnessBindings<'_> {
     }
 }
 
-/// The virtual clock with timers: a sleep completes once the clock reaches
-/// its end, and [`drive`] moves the clock to the next end when nothing else
-/// can run. (A [`VirtualRuntime`]'s own sleep moves the clock as soon as it
-/// is created, even when it loses a race, as the settlement budget's does.)
-#[derive(Clone, Default)]
-struct SimRuntime {
-    clock: VirtualRuntime,
-    timers: Arc<Mutex<Timers>>,
-}
-
-#[derive(Default)]
-struct Timers {
-    next_id: u64,
-    /// Polled, unfinished sleeps: their end and their waker.
-    waiting: BTreeMap<u64, (Duration, Waker)>,
-}
-
-impl SimRuntime {
-    /// Moves the clock to the earliest pending sleep's end and wakes every
-    /// sleep due by then; `false` if no sleep is pending.
-    fn fire_next_timer(&self) -> bool {
-        let due = {
-            let mut timers = lock(&self.timers);
-            let Some(end) = timers.waiting.values().map(|(end, _)| *end).min() else {
-                return false;
-            };
-            let now = self.clock.elapsed();
-            if end > now {
-                self.clock.advance(end - now);
-            }
-            let now = self.clock.elapsed();
-            let ids: Vec<u64> = timers
-                .waiting
-                .iter()
-                .filter(|(_, (end, _))| *end <= now)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| timers.waiting.remove(&id))
-                .map(|(_, waker)| waker)
-                .collect::<Vec<_>>()
-        };
-        for waker in due {
-            waker.wake();
-        }
-        true
-    }
-}
-
-impl Clock for SimRuntime {
-    fn now(&self) -> Instant {
-        self.clock.now()
-    }
-}
-
-impl Runtime for SimRuntime {
-    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
-        Box::pin(Sleep {
-            end: self.clock.elapsed().saturating_add(duration),
-            id: None,
-            runtime: self.clone(),
-        })
-    }
-}
-
-struct Sleep {
-    end: Duration,
-    id: Option<u64>,
-    runtime: SimRuntime,
-}
-
-impl Future for Sleep {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = &mut *self;
-        let mut timers = lock(&this.runtime.timers);
-        if this.runtime.clock.elapsed() >= this.end {
-            if let Some(id) = this.id.take() {
-                timers.waiting.remove(&id);
-            }
-            return Poll::Ready(());
-        }
-        let id = *this.id.get_or_insert_with(|| {
-            timers.next_id += 1;
-            timers.next_id
-        });
-        timers.waiting.insert(id, (this.end, cx.waker().clone()));
-        Poll::Pending
-    }
-}
-
-impl Drop for Sleep {
-    fn drop(&mut self) {
-        if let Some(id) = self.id.take() {
-            lock(&self.runtime.timers).waiting.remove(&id);
-        }
-    }
-}
-
-/// Wakes the thread running [`drive`].
-struct Signal {
-    woken: AtomicBool,
-    thread: std::thread::Thread,
-}
-
-impl Wake for Signal {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::SeqCst);
-        self.thread.unpark();
-    }
-}
-
-/// Runs `future` to completion on this thread, on `runtime`'s virtual clock:
-/// when the future waits and nothing has woken it, the clock moves to the
-/// next sleep's end; with no sleep pending, it waits in real time for a wake
-/// from elsewhere (at most [`EXTERNAL_WAIT_LIMIT`]).
-fn drive<F: Future>(future: F, runtime: &SimRuntime) -> F::Output {
-    let signal = Arc::new(Signal {
-        woken: AtomicBool::new(false),
-        thread: std::thread::current(),
-    });
-    let waker = Waker::from(signal.clone());
-    let mut cx = Context::from_waker(&waker);
-    let mut future = pin!(future);
-    loop {
-        signal.woken.store(false, Ordering::SeqCst);
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return output;
-        }
-        if signal.woken.load(Ordering::SeqCst) || runtime.fire_next_timer() {
-            continue;
-        }
-        let waiting = std::time::Instant::now();
-        while !signal.woken.load(Ordering::SeqCst) {
-            let Some(left) = EXTERNAL_WAIT_LIMIT.checked_sub(waiting.elapsed()) else {
-                panic!(
-                    "a batch waited {EXTERNAL_WAIT_LIMIT:?} of real time for something other than the harness's clock"
-                );
-            };
-            std::thread::park_timeout(left);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sleeps_end_in_order_on_the_virtual_clock() {
-        let runtime = SimRuntime::default();
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let sleeper = |secs: u64| {
-            let (runtime, order) = (runtime.clone(), order.clone());
-            async move {
-                runtime.sleep(Duration::from_secs(secs)).await;
-                lock(&order).push((secs, runtime.clock.elapsed()));
-            }
-        };
-        drive(
-            futures_util::future::join3(sleeper(3), sleeper(1), sleeper(2)),
-            &runtime,
-        );
-        let s = Duration::from_secs;
-        assert_eq!(*lock(&order), [(1, s(1)), (2, s(2)), (3, s(3))]);
-        assert_eq!(runtime.clock.elapsed(), s(3));
-    }
-
-    #[test]
-    fn a_sleep_that_loses_a_race_does_not_move_the_clock() {
-        let runtime = SimRuntime::default();
-        let short = runtime.sleep(Duration::from_secs(1));
-        let long = runtime.sleep(Duration::from_secs(30));
-        drive(futures_util::future::select(short, long), &runtime);
-        assert_eq!(runtime.clock.elapsed(), Duration::from_secs(1));
-        assert!(
-            lock(&runtime.timers).waiting.is_empty(),
-            "dropped sleeps unregister"
-        );
-    }
 
     #[test]
     fn a_batch_window_closes_when_full_or_at_the_timeout() {

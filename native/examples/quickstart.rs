@@ -251,27 +251,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             report_id: i as u64 + 1,
             behaviour,
         };
-        let id = producer.dispatch(&job, &report).await?;
+        let id = producer.dispatch(&job).send(&report).await?;
         names.insert(id, format!("report {} ({behaviour:?})", report.report_id));
     }
     let invalid = producer
-        .dispatch(
-            &job,
-            &BuildReport {
-                report_id: 0,
-                behaviour: Behaviour::Healthy,
-            },
-        )
+        .dispatch(&job)
+        .send(&BuildReport {
+            report_id: 0,
+            behaviour: Behaviour::Healthy,
+        })
         .await?;
     names.insert(invalid, "report 0 (fails validation)".into());
     let poison = Envelope::new(report_job::NAME, serde_json::json!({"report_id": "seven"}));
     producer
-        .send_envelope(report_job::QUEUE, &poison, None)
+        .send_raw(report_job::QUEUE, poison.id.clone(), poison.encode(), None)
         .await?;
     names.insert(poison.id.clone(), "poison payload".into());
     let unknown = Envelope::new("publish-report", serde_json::json!({"report_id": 1}));
     producer
-        .send_envelope(report_job::QUEUE, &unknown, None)
+        .send_raw(
+            report_job::QUEUE,
+            unknown.id.clone(),
+            unknown.encode(),
+            None,
+        )
         .await?;
     names.insert(unknown.id.clone(), "unknown job `publish-report`".into());
     let total = names.len();

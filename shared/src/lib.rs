@@ -83,7 +83,7 @@
 //! struct BuildReport { report_id: u64 }
 //!
 //! let job = Job::<BuildReport>::builder("build-report")
-//!     .retry(5)
+//!     .max_deliveries(5)
 //!     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
 //!     .build()
 //!     .unwrap();
@@ -161,4 +161,7 @@ pub use run::retry_delay::{
     check_job_retry_delay, check_retry_delays, longest_retry_delay, DelayOf, RetryDelayError,
     CUSTOM_BACKOFF_EVALUATIONS,
 };
+pub use run::state::MissingState;
+#[cfg(not(target_arch = "wasm32"))]
+pub use run::testing;
 pub use run::unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};

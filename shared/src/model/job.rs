@@ -19,8 +19,13 @@ pub struct JobSpec {
     pub name: String,
     /// The queue its messages travel on.
     pub queue: String,
-    /// Tier two: deliveries and the delay between them.
+    /// Tier two: the delivery cap and the delay between deliveries.
     pub retry: RetryPolicy,
+    /// Whether the declaration chose its cap ([`JobBuilder::max_deliveries`]
+    /// or [`JobBuilder::uncapped`]), or an override set it. A job that did
+    /// not is uncapped by default, and [`Registry::warnings`](crate::Registry::warnings)
+    /// says so.
+    pub cap_chosen: bool,
     /// Tier one: in-process attempts within a delivery.
     pub tier_one: TierOnePolicy,
     /// Bound on one execution's context. `None`: no deadline.
@@ -126,7 +131,7 @@ type Validator<P> = Arc<dyn Fn(&P) -> Result<(), BoxError> + Send + Sync>;
 ///
 /// let job = Job::<BuildReport>::builder("build-report")
 ///     .queue("reports")
-///     .retry(5)
+///     .max_deliveries(5)
 ///     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
 ///     .build()
 ///     .expect("valid policy");
@@ -162,11 +167,13 @@ impl<P> Job<P> {
                 name: name.into(),
                 queue: DEFAULT_QUEUE.to_string(),
                 retry: RetryPolicy::default(),
+                cap_chosen: false,
                 tier_one: TierOnePolicy::default(),
                 timeout: None,
                 breaker: None,
                 breaker_feed: BreakerFeed::default(),
             },
+            zero_cap: false,
             validator: None,
             _payload: PhantomData,
         }
@@ -199,6 +206,8 @@ impl<P> Job<P> {
 /// Builder returned by [`Job::builder`].
 pub struct JobBuilder<P> {
     spec: JobSpec,
+    /// `max_deliveries(0)` was asked for: refused at build.
+    zero_cap: bool,
     validator: Option<Validator<P>>,
     _payload: PhantomData<fn() -> P>,
 }
@@ -210,10 +219,39 @@ impl<P> JobBuilder<P> {
         self
     }
 
-    /// Total deliveries (tier two), counting the first. `0`: no facade cap.
-    pub fn retry(mut self, attempts: u32) -> Self {
-        self.spec.retry.attempts = attempts;
+    /// The delivery cap (tier two): total deliveries, counting the first.
+    /// `max_deliveries(5)` is one delivery and at most four redeliveries;
+    /// `max_deliveries(1)`, no redelivery. At the cap, a failure is terminal
+    /// and gets its failure record. Zero is refused at build: a job without
+    /// a cap says [`uncapped`](Self::uncapped).
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.spec.retry.max_deliveries = deliveries;
+        self.spec.cap_chosen = true;
+        self.zero_cap = deliveries == 0;
         self
+    }
+
+    /// No delivery cap of the facade's: a failing message is delivered again
+    /// until it succeeds, fails permanently, or the backend's own limit (a
+    /// quorum queue's delivery limit, an SQS redrive policy, Cloudflare's
+    /// `max_retries`) ends it. The default when neither this nor
+    /// [`max_deliveries`](Self::max_deliveries) is called, but then
+    /// [`Registry::warnings`](crate::Registry::warnings) names the job.
+    pub fn uncapped(mut self) -> Self {
+        self.spec.retry.max_deliveries = 0;
+        self.spec.cap_chosen = true;
+        self.zero_cap = false;
+        self
+    }
+
+    /// The cap as a value: `Some(n)` is [`max_deliveries(n)`](Self::max_deliveries),
+    /// `None` is [`uncapped`](Self::uncapped). For declarations computed
+    /// from configuration.
+    pub fn delivery_cap(self, cap: Option<u32>) -> Self {
+        match cap {
+            Some(deliveries) => self.max_deliveries(deliveries),
+            None => self.uncapped(),
+        }
     }
 
     /// Exponential delay between deliveries: before delivery `k` (k >= 2),
@@ -288,6 +326,13 @@ impl<P> JobBuilder<P> {
 
     /// Validates and finishes the declaration.
     pub fn build(self) -> Result<Job<P>, PolicyError> {
+        if self.zero_cap {
+            return Err(PolicyError::invalid(
+                &self.spec.name,
+                "max_deliveries",
+                "must be at least 1 (it counts the first delivery); a job without a cap says `.uncapped()`",
+            ));
+        }
         self.spec.validate()?;
         Ok(Job {
             spec: Arc::new(self.spec),
@@ -302,6 +347,54 @@ mod tests {
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn a_cap_is_chosen_or_visibly_absent() {
+        let default = Job::<()>::builder("a").build().unwrap();
+        assert_eq!(default.spec().retry.max_deliveries, 0);
+        assert!(!default.spec().cap_chosen);
+        let uncapped = Job::<()>::builder("a").uncapped().build().unwrap();
+        assert_eq!(uncapped.spec().retry.max_deliveries, 0);
+        assert!(uncapped.spec().cap_chosen);
+        let capped = Job::<()>::builder("a").max_deliveries(5).build().unwrap();
+        assert_eq!(capped.spec().retry.max_deliveries, 5);
+        assert!(capped.spec().cap_chosen);
+        let err = Job::<()>::builder("a")
+            .max_deliveries(0)
+            .build()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("max_deliveries") && err.to_string().contains(".uncapped()"),
+            "{err}"
+        );
+        // The last call wins, as for every other setting.
+        let later = Job::<()>::builder("a")
+            .max_deliveries(0)
+            .uncapped()
+            .build()
+            .unwrap();
+        assert!(later.spec().cap_chosen);
+        assert_eq!(
+            Job::<()>::builder("a")
+                .delivery_cap(Some(3))
+                .build()
+                .unwrap()
+                .spec()
+                .retry
+                .max_deliveries,
+            3
+        );
+        assert_eq!(
+            Job::<()>::builder("a")
+                .delivery_cap(None)
+                .build()
+                .unwrap()
+                .spec()
+                .retry
+                .max_deliveries,
+            0
+        );
+    }
 
     #[test]
     fn invalid_declarations_are_errors_at_build() {

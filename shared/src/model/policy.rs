@@ -117,8 +117,10 @@ impl fmt::Debug for Backoff {
 /// Tier two: how many deliveries a message gets and how long between them.
 #[derive(Debug, Clone, Default)]
 pub struct RetryPolicy {
-    /// Total deliveries, counting the first. Zero: no facade cap.
-    pub attempts: u32,
+    /// The delivery cap: total deliveries, counting the first (5 means one
+    /// delivery and at most four redeliveries). Zero: no cap of the
+    /// facade's, only the backend's own limit, if it has one.
+    pub max_deliveries: u32,
     /// The schedule between deliveries. `None`: the driver's default timing.
     pub backoff: Option<Backoff>,
 }
@@ -126,7 +128,7 @@ pub struct RetryPolicy {
 impl RetryPolicy {
     /// Whether `attempt` is the last one the cap allows.
     pub fn is_last(&self, attempt: u32) -> bool {
-        self.attempts != 0 && attempt >= self.attempts
+        self.max_deliveries != 0 && attempt >= self.max_deliveries
     }
 }
 

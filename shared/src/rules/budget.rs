@@ -69,7 +69,7 @@ impl FailureBudget {
 pub fn failure_budget(spec: &JobSpec, redelivery_hint: Duration) -> FailureBudget {
     let n = spec.tier_one.attempts.max(1);
     let tier_one_wait = tier_one_waits(spec);
-    let (deliveries, executions, waiting, executing) = match spec.retry.attempts {
+    let (deliveries, executions, waiting, executing) = match spec.retry.max_deliveries {
         0 => (None, None, None, None),
         m => {
             let tier_two_wait = (2..=m)
@@ -185,7 +185,7 @@ mod tests {
     #[test]
     fn longest_hold_is_one_deliverys_time_to_failure() {
         let job = Job::<()>::builder("one-delivery")
-            .retry(1)
+            .max_deliveries(1)
             .tier_one(3)
             .tier_one_max_wait(Duration::from_secs(2))
             .timeout(Duration::from_secs(30))
@@ -201,7 +201,7 @@ mod tests {
     #[test]
     fn three_by_three() {
         let job = Job::<()>::builder("model-call")
-            .retry(3)
+            .max_deliveries(3)
             .backoff(Duration::from_secs(10), 2.0, Duration::ZERO)
             .tier_one(3)
             .tier_one_backoff(Duration::from_millis(100), 2.0, Duration::ZERO)
@@ -224,7 +224,7 @@ mod tests {
     #[test]
     fn each_tier_one_wait_is_the_longer_of_backoff_and_max_wait() {
         let job = Job::<()>::builder("model-call")
-            .retry(3)
+            .max_deliveries(3)
             .backoff(Duration::from_secs(10), 2.0, Duration::ZERO)
             .tier_one(3)
             .tier_one_backoff(Duration::from_millis(100), 2.0, Duration::ZERO)
@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn driver_timing_uses_the_hint_and_no_cap_is_unbounded() {
-        let job = Job::<()>::builder("j").retry(4).build().unwrap();
+        let job = Job::<()>::builder("j").max_deliveries(4).build().unwrap();
         let b = failure_budget(job.spec(), Duration::from_secs(30));
         assert_eq!(b.waiting, Some(Duration::from_secs(90)));
         assert_eq!(b.executing, None);
@@ -293,7 +293,7 @@ mod tests {
                 steps in proptest::collection::vec((proptest::option::of(0u64..=1_000), 0u64..1_000), 16),
             ) {
                 let mut builder = Job::<u32>::builder("work")
-                    .retry(cap)
+                    .delivery_cap((cap > 0).then_some(cap))
                     .tier_one(tier_one)
                     .tier_one_backoff(MS(t1.0), t1.1, MS(cap_of(t1.0, t1.2)))
                     .tier_one_max_wait(MS(max_wait_ms));

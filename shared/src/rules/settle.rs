@@ -296,7 +296,7 @@ mod tests {
 
     fn policy(attempts: u32) -> RetryPolicy {
         RetryPolicy {
-            attempts,
+            max_deliveries: attempts,
             backoff: Some(Backoff::exponential(S(2), 2.0, S(10))),
         }
     }
@@ -445,7 +445,7 @@ mod tests {
         assert_eq!(delays, vec![S(2), S(4), S(8), S(10)]);
 
         let p = RetryPolicy {
-            attempts: 4,
+            max_deliveries: 4,
             backoff: Some(Backoff::custom(|a| S(5) * (a - 1))),
         };
         let mut delays = vec![];

@@ -1,5 +1,6 @@
 //! What a handler knows about the execution it is in ([`JobContext`]).
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use futures_util::future::{select, Either};
 use crate::model::cancel::CancelToken;
 use crate::model::error::Cancelled;
 use crate::model::runtime::{Instant, Runtime};
+use crate::run::state::{MissingState, StateMap};
 
 /// The execution's deadline has passed. An ordinary (retryable) error: a
 /// timeout is not a shutdown.
@@ -107,6 +109,7 @@ pub(crate) struct ContextParts {
     pub(crate) cancel: CancelToken,
     pub(crate) runtime: Arc<dyn Runtime>,
     pub(crate) metadata: BTreeMap<String, String>,
+    pub(crate) state: StateMap,
 }
 
 impl JobContext {
@@ -133,6 +136,7 @@ impl JobContext {
             cancel: CancelToken::new(),
             runtime,
             metadata: BTreeMap::new(),
+            state: StateMap::default(),
         };
         Self::new(&Arc::new(parts), 1, None)
     }
@@ -164,6 +168,13 @@ impl JobContext {
     /// The envelope's metadata.
     pub fn metadata(&self) -> &BTreeMap<String, String> {
         &self.parts.metadata
+    }
+    /// The value of type `T` the registry was given with
+    /// [`Registry::state`](crate::Registry::state) (a pool, a client, a
+    /// configuration), or [`MissingState`] if it was given none: with `?`,
+    /// an ordinary error of this execution.
+    pub fn state<T: Any>(&self) -> Result<&T, MissingState> {
+        self.parts.state.get::<T>()
     }
     /// The execution's deadline, if any.
     pub fn deadline(&self) -> Option<Instant> {
@@ -265,6 +276,7 @@ mod tests {
             cancel: cancel.clone(),
             runtime,
             metadata: BTreeMap::new(),
+            state: StateMap::default(),
         })
     }
 

@@ -133,7 +133,7 @@ pub fn check_job_delivery_limit(
     allowed: u32,
     counts_shutdown_returns: bool,
 ) -> Result<(), DeliveryLimitError> {
-    let cap = spec.retry.attempts;
+    let cap = spec.retry.max_deliveries;
     let needed = deliveries_needed(cap, counts_shutdown_returns);
     if needed.is_some_and(|needed| needed <= allowed) {
         return Ok(());
@@ -182,7 +182,7 @@ mod tests {
         for &(name, queue, cap) in jobs {
             let job = Job::<u32>::builder(name)
                 .queue(queue)
-                .retry(cap)
+                .delivery_cap((cap > 0).then_some(cap))
                 .build()
                 .unwrap();
             registry

@@ -397,7 +397,8 @@ fn apply(spec: &mut JobSpec, o: &JobOverride) -> Result<(), PolicyError> {
     let name = spec.name.clone();
     let job = name.as_str();
     if let Some(attempts) = o.attempts {
-        spec.retry.attempts = attempts;
+        spec.retry.max_deliveries = attempts;
+        spec.cap_chosen = true;
     }
     if let Some(text) = &o.timeout {
         let t = duration(job, "timeout", text)?;
@@ -440,7 +441,10 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn registry() -> Registry {
-        let job = Job::<()>::builder("build-report").retry(3).build().unwrap();
+        let job = Job::<()>::builder("build-report")
+            .max_deliveries(3)
+            .build()
+            .unwrap();
         let mut r = Registry::new();
         r.register(&job, |_: JobContext, _: ()| async { Ok(()) })
             .unwrap();
@@ -462,7 +466,7 @@ mod tests {
         .unwrap();
         r.apply_overrides(&o).unwrap();
         let spec = r.spec("build-report").unwrap();
-        assert_eq!(spec.retry.attempts, 5);
+        assert_eq!(spec.retry.max_deliveries, 5);
         assert_eq!(spec.timeout, Some(Duration::from_secs(30)));
         assert_eq!(
             spec.retry.backoff.as_ref().unwrap().delay(5),
@@ -503,7 +507,7 @@ mod tests {
         .unwrap();
         r.apply_overrides(&file.merge(env)).unwrap();
         let spec = r.spec("build-report").unwrap();
-        assert_eq!((spec.retry.attempts, spec.tier_one.attempts), (7, 2));
+        assert_eq!((spec.retry.max_deliveries, spec.tier_one.attempts), (7, 2));
     }
 
     #[test]
@@ -552,7 +556,7 @@ mod tests {
     fn two_jobs() -> Registry {
         let mut r = Registry::new();
         for name in ["build-report", "send-mail"] {
-            let job = Job::<()>::builder(name).retry(3).build().unwrap();
+            let job = Job::<()>::builder(name).max_deliveries(3).build().unwrap();
             r.register(&job, |_: JobContext, _: ()| async { Ok(()) })
                 .unwrap();
         }
@@ -564,7 +568,7 @@ mod tests {
         r.specs()
             .map(|s| {
                 (
-                    s.retry.attempts,
+                    s.retry.max_deliveries,
                     s.timeout,
                     s.tier_one.attempts,
                     s.tier_one.max_wait,

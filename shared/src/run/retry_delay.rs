@@ -32,7 +32,7 @@ pub const CUSTOM_BACKOFF_EVALUATIONS: u32 = 10_000;
 /// no maximum. A custom schedule is evaluated for every attempt up to the
 /// cap, at most [`CUSTOM_BACKOFF_EVALUATIONS`].
 pub fn longest_retry_delay(spec: &JobSpec) -> Option<Duration> {
-    let cap = spec.retry.attempts;
+    let cap = spec.retry.max_deliveries;
     if cap == 1 {
         return Some(Duration::ZERO);
     }
@@ -160,7 +160,7 @@ mod tests {
     const S: fn(u64) -> Duration = Duration::from_secs;
 
     fn spec(cap: u32, backoff: Option<(Duration, f64, Duration)>) -> JobSpec {
-        let mut builder = Job::<()>::builder("j").retry(cap);
+        let mut builder = Job::<()>::builder("j").delivery_cap((cap > 0).then_some(cap));
         if let Some((initial, multiplier, max)) = backoff {
             builder = builder.backoff(initial, multiplier, max);
         }
@@ -207,7 +207,7 @@ mod tests {
         // Shrinking after attempt 3: the longest is not the last.
         let shape = |a: u32| if a == 3 { S(100) } else { S(u64::from(a)) };
         let capped = Job::<()>::builder("c")
-            .retry(6)
+            .max_deliveries(6)
             .backoff_fn(shape)
             .build()
             .unwrap();
@@ -227,7 +227,7 @@ mod tests {
         let mut registry = Registry::new();
         for (name, max) in [("b-long", 120), ("a-short", 5)] {
             let job = Job::<u32>::builder(name)
-                .retry(7)
+                .max_deliveries(7)
                 .backoff(S(1), 2.0, S(max))
                 .build()
                 .unwrap();

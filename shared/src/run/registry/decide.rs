@@ -70,7 +70,7 @@ impl Registry {
         };
 
         if exceeds_crash_bound(
-            spec.retry.attempts,
+            spec.retry.max_deliveries,
             delivery.attempt,
             delivery.shutdown_returns,
         ) {
@@ -82,7 +82,7 @@ impl Registry {
                 message: format!(
                     "delivery {} exceeds the cap of {} ({}): earlier deliveries ended without a settlement that retries (a worker that crashed, or a rejection the backend returned)",
                     delivery.attempt,
-                    spec.retry.attempts,
+                    spec.retry.max_deliveries,
                     match delivery.shutdown_returns {
                         Some(n) => format!("{n} of them handed back by a graceful shutdown"),
                         None => format!("with {SHUTDOWN_GRACE} delivery of grace: this backend cannot count graceful-shutdown returns"),
@@ -111,6 +111,7 @@ impl Registry {
             runtime: runtime.clone(),
             // Lent to the context, and given back below.
             metadata: std::mem::take(&mut envelope.metadata),
+            state: self.state.clone(),
         });
         let meter = self.meter(&envelope.job, delivery.queue);
         let mut prepared = Some(prepared);
@@ -145,7 +146,7 @@ impl Registry {
         );
         let resolution = Resolution::classify(
             delivery.attempt,
-            spec.retry.attempts,
+            spec.retry.max_deliveries,
             run.in_process,
             spec.tier_one.attempts,
         );

@@ -17,6 +17,7 @@ mod erased;
 mod message;
 mod report;
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
@@ -37,6 +38,7 @@ use crate::observe::metrics::JobMeter;
 use crate::observe::stats::{Counters, Stats, UNREGISTERED_JOBS};
 use crate::rules::settle::{Settlement, UnknownNameAttempts, UNKNOWN_NAME_RETRY_DELAY};
 use crate::run::context::JobContext;
+use crate::run::state::{MissingState, StateMap};
 
 use self::erased::{ErasedJob, TypedJob};
 
@@ -73,6 +75,8 @@ pub struct Registry {
     /// and counted job name: a registered name or [`UNREGISTERED_JOBS`], on
     /// a queue the host consumes, so the map stays small.
     other_meters: Mutex<BTreeMap<String, BTreeMap<String, Arc<JobMeter>>>>,
+    /// What handlers read with `JobContext::state`.
+    pub(super) state: StateMap,
 }
 
 impl fmt::Debug for Registry {
@@ -139,6 +143,7 @@ impl Registry {
             unknown_name_delay: UNKNOWN_NAME_RETRY_DELAY,
             sink: None,
             include_payload: false,
+            state: StateMap::default(),
             unregistered: stats.counters(UNREGISTERED_JOBS),
             stats,
             other_meters: Mutex::default(),
@@ -247,6 +252,82 @@ impl Registry {
     /// re-validate afterwards).
     pub(crate) fn spec_mut(&mut self, name: &str) -> Option<&mut JobSpec> {
         self.jobs.get_mut(name).map(|j| j.spec_mut())
+    }
+
+    /// Gives every handler `value`, read in the handler with
+    /// [`JobContext::state::<T>()`](crate::JobContext::state): a database
+    /// pool, a client, a configuration, given once here instead of cloned
+    /// into each handler's closure. One value per type (a second value of a
+    /// type replaces the first); wrap two values of one type in types of
+    /// your own. The value is shared, never cloned per delivery: put what a
+    /// handler mutates behind a lock or an atomic.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// use jobrail::testing::TestQueue;
+    /// use jobrail::{Job, JobContext, Registry};
+    ///
+    /// struct Sent(AtomicU64);
+    ///
+    /// let job = Job::<String>::builder("send-mail").max_deliveries(3).build().unwrap();
+    /// let mut registry = Registry::new();
+    /// registry.state(Sent(AtomicU64::new(0)));
+    /// registry
+    ///     .register(&job, |ctx: JobContext, _to: String| async move {
+    ///         ctx.state::<Sent>()?.0.fetch_add(1, Ordering::Relaxed);
+    ///         Ok(())
+    ///     })
+    ///     .unwrap();
+    ///
+    /// let mut queue = TestQueue::new(registry);
+    /// queue.send(&job, &"ada@example.com".to_string());
+    /// queue.run_until_idle();
+    /// let sent = queue.registry().state_of::<Sent>().unwrap();
+    /// assert_eq!(sent.0.load(Ordering::Relaxed), 1);
+    /// ```
+    pub fn state<T: Any + MaybeSend + MaybeSync>(&mut self, value: T) -> &mut Self {
+        self.state.insert(value);
+        self
+    }
+
+    /// The state of type `T` given with [`Registry::state`], for a host or
+    /// a test to read back.
+    pub fn state_of<T: Any>(&self) -> Result<&T, MissingState> {
+        self.state.get::<T>()
+    }
+
+    /// What a host should tell its operator when it starts: one line per
+    /// registered job that is uncapped by default (neither
+    /// [`JobBuilder::max_deliveries`](crate::JobBuilder::max_deliveries) nor
+    /// [`JobBuilder::uncapped`](crate::JobBuilder::uncapped) was called, and
+    /// no override set a cap), whose failing messages are delivered until
+    /// the backend's own limit, if any, ends them. The native consumer and
+    /// the edge log each line as a warning when they start.
+    ///
+    /// ```
+    /// use jobrail::{Job, JobContext, Registry};
+    ///
+    /// let mut registry = Registry::new();
+    /// let forgot = Job::<u32>::builder("forgot").build().unwrap();
+    /// let chose = Job::<u32>::builder("chose").uncapped().build().unwrap();
+    /// for job in [&forgot, &chose] {
+    ///     registry.register(job, |_ctx: JobContext, _n: u32| async { Ok(()) }).unwrap();
+    /// }
+    /// let warnings = registry.warnings();
+    /// assert_eq!(warnings.len(), 1);
+    /// assert!(warnings[0].contains("`forgot`"));
+    /// ```
+    pub fn warnings(&self) -> Vec<String> {
+        self.specs()
+            .filter(|spec| spec.retry.max_deliveries == 0 && !spec.cap_chosen)
+            .map(|spec| {
+                format!(
+                    "job `{}` has no delivery cap: a failing message is delivered again until it succeeds or the backend's own limit ends it; declare `.max_deliveries(n)`, or `.uncapped()` if that is meant",
+                    spec.name
+                )
+            })
+            .collect()
     }
 
     /// The distinct queues of the registered jobs.

@@ -71,6 +71,10 @@
 //!   ([`ClaimStore`], [`run_once`], [`Claim`]).
 //! - `unique`: one dispatch per key and time window, on a claim store
 //!   ([`dispatch_unique`]).
+//! - `state`: shared state given once to the registry and read by type
+//!   from each execution's context ([`MissingState`]).
+//! - `testing` (not on wasm32): the public `jobrail::testing`, a registry's
+//!   jobs run on virtual time through the pipeline every host runs.
 //!
 //! # Example
 //!

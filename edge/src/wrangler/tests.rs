@@ -12,7 +12,7 @@ fn registry(jobs: &[(&str, &str, u32)], unknown: UnknownNameAttempts) -> Registr
     for &(name, queue, cap) in jobs {
         let job = Job::<u32>::builder(name)
             .queue(queue)
-            .retry(cap)
+            .delivery_cap((cap != 0).then_some(cap))
             .build()
             .unwrap();
         registry
@@ -307,7 +307,7 @@ fn rule_7_no_declared_delay_is_longer_than_the_platform_holds() {
     // 1 h, 2 h, ... 16 h, then 24 h, 24 h: at the limit.
     let at_limit = Job::<u32>::builder("daily")
         .queue("jobs")
-        .retry(8)
+        .max_deliveries(8)
         .backoff(
             Duration::from_secs(3600),
             2.0,
@@ -321,7 +321,7 @@ fn rule_7_no_declared_delay_is_longer_than_the_platform_holds() {
     assert!(w.check(&r, None).is_ok());
     let beyond = Job::<u32>::builder("weekly")
         .queue("jobs")
-        .retry(5)
+        .max_deliveries(5)
         .backoff(Duration::from_secs(86_400), 2.0, Duration::ZERO)
         .build()
         .unwrap();

@@ -7,7 +7,7 @@ use crate::settings::EdgeConfig;
 
 use super::ConsumerSettings;
 
-/// What a successful [`Wrangler::check`] established, for the consumer to
+/// What a successful [`Wrangler::check`](super::Wrangler::check) established, for the consumer to
 /// use at run time instead of separate settings that could disagree with
 /// wrangler.toml.
 #[derive(Debug, Clone, PartialEq, Eq)]

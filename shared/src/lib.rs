@@ -13,41 +13,68 @@
 //!
 //! Every public item has one path, at the crate root (`jobrail::Job`,
 //! `jobrail::Settlement`, ...). The modules are private, one concern each;
-//! the main item of each carries the why.
+//! the main item of each carries the why. They sit in four folders, one per
+//! layer, lowest first. **A module imports only from its own layer and the
+//! layers below it, and no two modules import each other, directly or
+//! through others**: `tests/layers.rs` reads every file and fails on an
+//! import against the rule (the order and what belongs in each layer are
+//! declared there). Unit tests inside a module may use anything.
 //!
-//! - `job`: declarations and their validated policy ([`Job`], [`JobSpec`]).
+//! `model/`, the vocabulary:
+//! - `maybe_send`, `runtime`, `cancel`: bounds for both targets, injected
+//!   time, cancellation ([`MaybeSend`], [`Runtime`], [`CancelToken`]).
+//! - `error`: handler outcomes as error markers found through the source
+//!   chain ([`JobError`], [`Permanent`], [`RetryAfter`], [`Reject`],
+//!   [`BreakerOpen`]).
+//! - `panic`: panics of handlers and custom backoffs caught as errors.
 //! - `policy`: the attempt cap and backoff schedule of tier two, and tier
 //!   one ([`RetryPolicy`], [`Backoff`], [`TierOnePolicy`]).
-//! - `error`: handler outcomes as error markers found through the source
-//!   chain ([`JobError`], [`Permanent`], [`RetryAfter`], [`Reject`]).
+//! - `redact`: decode errors without the payload values serde quotes
+//!   ([`json_error`]).
 //! - `envelope`: the versioned wire format ([`Envelope`]).
+//! - `failure`, `record`: why a message failed terminally and the record
+//!   kept of it ([`Failure`], [`FailureRecord`]).
+//! - `backend`: a backend's answer to a request it did not confirm
+//!   ([`SettlementError`], [`ErrorKind`]).
+//! - `breaker`: the circuit breaker per named dependency
+//!   ([`CircuitBreaker`]), which records its own metrics.
+//! - `job`: declarations and their validated policy ([`Job`], [`JobSpec`]).
+//!
+//! `rules/`, pure decisions:
 //! - `settle`: the decision table from what happened to what the backend
 //!   should do ([`Settlement`]), the unknown-name and crash rules.
+//! - `budget`: what a failing job costs before it ends (executions, waits)
+//!   and the longest hold on one delivery ([`FailureBudget`],
+//!   [`longest_hold`]).
+//! - `replay`: the conventions of replaying failure records every failure
+//!   store shares ([`Replay`], [`replay_message`]).
+//!
+//! `observe/`, what an operator sees:
+//! - `stats`, `event`: counters and events ([`Stats`], [`Event`]).
+//! - `metrics`: counters, histograms and gauges through the `metrics`
+//!   facade, recorded where each fact is decided ([`describe_metrics`]).
+//!
+//! `run/`, running deliveries:
+//! - `context`: what a handler knows about its execution ([`JobContext`]).
+//! - `executor`: tier one, in-process retries inside a delivery.
 //! - `registry`: handlers by name and the decision for one delivery
-//!   ([`Registry`], [`Registry::process`]).
+//!   ([`Registry`], [`Registry::process`]), a file per concern.
 //! - `pipeline`: one delivery end to end (decide, settle, report), the
 //!   entry point every host calls ([`Registry::deliver`], [`DeliveryHandle`]).
 //! - `limit`: the broker-limit rule every host checks before consuming
 //!   ([`check_delivery_limit`]).
 //! - `retry_delay`: the delay-limit rule: no job declares a retry delay its
 //!   backend cannot hold ([`check_retry_delays`], [`longest_retry_delay`]).
-//! - `executor`: tier one, in-process retries inside a delivery.
-//! - `breaker`: the circuit breaker per named dependency ([`CircuitBreaker`]).
-//! - `record`, `event`, `stats`, `budget`: what an operator sees
-//!   ([`FailureRecord`], [`Event`], [`Stats`], [`FailureBudget`]).
-//! - `metrics`: counters, histograms and gauges through the `metrics`
-//!   facade, recorded where each fact is decided ([`describe_metrics`]).
-//! - `redact`: decode errors without the payload values serde quotes
-//!   ([`json_error`]).
 //! - `overrides`: operator overrides of tier depths and backoffs
 //!   ([`Overrides`]).
 //! - `claim`: running an effect once, through a claim on a business key
 //!   ([`ClaimStore`], [`run_once`], [`Claim`]).
 //! - `unique`: one dispatch per key and time window, on a claim store
 //!   ([`dispatch_unique`]).
-//! - `runtime`, `cancel`, `context`: injected time, cancellation, and what a
-//!   handler knows about its execution ([`Runtime`], [`CancelToken`],
-//!   [`JobContext`]).
+//! - `state`: shared state given once to the registry and read by type
+//!   from each execution's context ([`MissingState`]).
+//! - `testing` (not on wasm32): the public `jobrail::testing`, a registry's
+//!   jobs run on virtual time through the pipeline every host runs.
 //!
 //! # Example
 //!

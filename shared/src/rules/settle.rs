@@ -62,7 +62,7 @@ pub(crate) enum Decision {
 /// The first row that applies decides. "Outermost" is the first outcome
 /// marker found walking the handler error's source chain (see
 /// [`JobError`](crate::JobError)); the cap is the job's
-/// [`RetryPolicy::attempts`](crate::RetryPolicy::attempts) (0: none), and a
+/// [`RetryPolicy::max_deliveries`](crate::RetryPolicy::max_deliveries) (0: none), and a
 /// driver that cannot count deliveries reports attempt 0, so no cap applies.
 ///
 /// | What happened | Settlement |

@@ -18,10 +18,8 @@ use super::message::Known;
 use super::{Incoming, Processed, Registry};
 
 impl Registry {
-    /// A delivery the consumer will not run now (the edge's invocation budget
-    /// ran low before it started): a zero-delay retry without execution,
-    /// reported like the shutdown rule. The backend still counts the delivery.
-    pub fn defer(&self, delivery: Incoming<'_>, reason: &str) -> Processed {
+    /// [`Registry::defer`].
+    pub(super) fn decide_deferred(&self, delivery: Incoming<'_>, reason: &str) -> Processed {
         let envelope = Envelope::decode(delivery.body).ok();
         let kind = EventKind::Retried {
             delay: Some(Duration::ZERO),
@@ -37,17 +35,8 @@ impl Registry {
         }
     }
 
-    /// The settlement of a delivery whose execution brought its host down (a
-    /// handler panic on a target where panics abort, such as wasm32): decided
-    /// as if that one execution had returned the panic as its error, so the
-    /// job's retry policy and cap apply as they do where panics unwind. The
-    /// host calls it once it is running again, before anything else runs the
-    /// delivery. A body that is not a known job's envelope is settled as
-    /// [`Registry::process`] settles it (the same decision: a malformed
-    /// envelope's failure record, the unknown-name retry and, at its cap, its
-    /// record), without running anything. A known job's payload is not
-    /// decoded again: its decoder may be what brought the host down.
-    pub fn crashed(&self, delivery: Incoming<'_>, panic_message: &str) -> Processed {
+    /// [`Registry::crashed`].
+    pub(super) fn decide_crashed(&self, delivery: Incoming<'_>, panic_message: &str) -> Processed {
         let (envelope, job) = match self.route(delivery) {
             Ok(routed) => routed,
             Err(unrunnable) => return *unrunnable,

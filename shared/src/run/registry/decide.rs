@@ -36,8 +36,8 @@ pub(super) struct RunSummary {
 }
 
 impl Registry {
-    /// Processes one delivery: everything but the backend call.
-    pub async fn process(
+    /// [`Registry::process`].
+    pub(super) async fn decide(
         &self,
         delivery: Incoming<'_>,
         runtime: &Arc<dyn Runtime>,

@@ -26,11 +26,13 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
+use crate::model::backend::SettlementError;
+use crate::model::cancel::CancelToken;
 use crate::model::error::JobError;
 use crate::model::job::{Job, JobSpec};
 use crate::model::maybe_send::{MaybeSend, MaybeSync};
 use crate::model::policy::PolicyError;
-use crate::model::runtime::Instant;
+use crate::model::runtime::{Instant, Runtime};
 use crate::observe::event::{Event, EventSink};
 use crate::observe::metrics::JobMeter;
 use crate::observe::stats::{Counters, Stats, UNREGISTERED_JOBS};
@@ -339,5 +341,47 @@ impl Registry {
     /// The resolution and outcome counters.
     pub fn stats(&self) -> &Arc<Stats> {
         &self.stats
+    }
+
+    // The public face of the work the other files do (one `impl` block,
+    // so the API lists them together).
+
+    /// Processes one delivery: everything but the backend call.
+    pub async fn process(
+        &self,
+        delivery: Incoming<'_>,
+        runtime: &Arc<dyn Runtime>,
+        cancel: &CancelToken,
+    ) -> Processed {
+        self.decide(delivery, runtime, cancel).await
+    }
+
+    /// A delivery the consumer will not run now (the edge's invocation budget
+    /// ran low before it started): a zero-delay retry without execution,
+    /// reported like the shutdown rule. The backend still counts the delivery.
+    pub fn defer(&self, delivery: Incoming<'_>, reason: &str) -> Processed {
+        self.decide_deferred(delivery, reason)
+    }
+
+    /// The settlement of a delivery whose execution brought its host down (a
+    /// handler panic on a target where panics abort, such as wasm32): decided
+    /// as if that one execution had returned the panic as its error, so the
+    /// job's retry policy and cap apply as they do where panics unwind. The
+    /// host calls it once it is running again, before anything else runs the
+    /// delivery. A body that is not a known job's envelope is settled as
+    /// [`Registry::process`] settles it (the same decision: a malformed
+    /// envelope's failure record, the unknown-name retry and, at its cap, its
+    /// record), without running anything. A known job's payload is not
+    /// decoded again: its decoder may be what brought the host down.
+    pub fn crashed(&self, delivery: Incoming<'_>, panic_message: &str) -> Processed {
+        self.decide_crashed(delivery, panic_message)
+    }
+
+    /// Reports the backend's answer to a settlement: counts it and emits the
+    /// event if accepted; reports a settlement failure otherwise.
+    /// [`Registry::deliver`] calls it; a host that settles by other means
+    /// calls it itself.
+    pub fn settled(&self, processed: &Processed, outcome: Result<(), &SettlementError>) {
+        self.report_answer(processed, outcome)
     }
 }

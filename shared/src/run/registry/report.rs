@@ -12,11 +12,12 @@ use super::erased::ErasedJob;
 use super::{Processed, Registry};
 
 impl Registry {
-    /// Reports the backend's answer to a settlement: counts it and emits the
-    /// event if accepted; reports a settlement failure otherwise.
-    /// [`Registry::deliver`] calls it; a host that settles by other means
-    /// calls it itself.
-    pub fn settled(&self, processed: &Processed, outcome: Result<(), &SettlementError>) {
+    /// [`Registry::settled`].
+    pub(super) fn report_answer(
+        &self,
+        processed: &Processed,
+        outcome: Result<(), &SettlementError>,
+    ) {
         let meter = self.meter(&processed.event.job, &processed.event.queue);
         self.report(processed, outcome, &meter);
     }

@@ -236,6 +236,11 @@ fn consumer_for(queue: &str, env: &Env, spec: &WorkerSpec) -> Result<Rc<EdgeCons
     }
     install_panic_hook();
     let registry = (spec.jobs)()?;
+    // Once per isolate and queue, when its consumer is built: a job whose
+    // delivery cap was never chosen.
+    for warning in registry.warnings() {
+        worker::console_warn!("jobrail: queue {queue}: {warning}");
+    }
     let var = |name: &str| env.var(name).ok().map(|v| v.to_string());
     let bound = |binding: &str| env.queue(binding).is_ok();
     let consumer = Rc::new(crate::options::build_consumer(

@@ -6,7 +6,7 @@
 //!   handler, then send an ack over an ack channel to a task that counts
 //!   them (the ack channel stands for the settlement); the round ends when
 //!   the counter has seen every ack;
-//! - facade: a `MemoryDriver` filled with `Producer::dispatch_batch` before
+//! - facade: a `MemoryDriver` filled with `Dispatch::send_batch` before
 //!   the clock starts, then a `Consumer` (concurrency 64) started, left to
 //!   settle every message (the queue's depth, ready plus in flight, back at
 //!   zero) and shut down.

@@ -25,7 +25,7 @@
 //! Dispatch, 5,000 messages per round (500 quick), each confirmed by a
 //! `PubAck`, to one work stream (purged between rounds):
 //!
-//! - facade `Producer::dispatch_batch` against async-nats publishing the
+//! - facade `Dispatch::send_batch` against async-nats publishing the
 //!   same kind of envelope bytes (encoded before the clock starts, with
 //!   their `Nats-Msg-Id`) one after another, then awaiting every `PubAck`;
 //! - facade `Producer::dispatch` from 32 tasks against async-nats from 32

@@ -25,7 +25,7 @@
 //! Dispatch, 5,000 persistent messages per round (500 quick), each
 //! confirmed by the broker, to one quorum queue (purged between sides):
 //!
-//! - facade `Producer::dispatch_batch` against lapin publishing the same
+//! - facade `Dispatch::send_batch` against lapin publishing the same
 //!   envelope bytes (encoded before the clock starts) one after another and
 //!   then awaiting every confirm;
 //! - facade `Producer::dispatch` from 32 tasks against lapin from 32 tasks,

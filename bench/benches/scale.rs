@@ -15,7 +15,7 @@
 //! is measured once.
 //!
 //! Each round of each point runs on a fresh queue (or stream), filled with
-//! `Producer::dispatch_batch` in chunks of 1,000, one after another
+//! `Dispatch::send_batch` in chunks of 1,000, one after another
 //! outside the timing, by a driver connected for that round alone; the
 //! queue, its failure queue and the driver go away after it. The time runs
 //! from the consumer's spawn (its subscribe included) until the registry's
@@ -66,9 +66,9 @@ use tokio::sync::Notify;
 
 const BENCH: &str = "scale";
 const JOB: &str = "scale";
-/// Messages per `dispatch_batch` call when filling a queue.
+/// Messages per `send_batch` call when filling a queue.
 const CHUNK: usize = 1_000;
-/// `dispatch_batch` calls in flight at once when filling a queue
+/// `send_batch` calls in flight at once when filling a queue
 /// (`SCALE_FILLERS` overrides it). One: each batch is already pipelined by
 /// the driver, and with 4 or 8 batches at once the NATS driver's batch
 /// dispatch at the time of writing sometimes never returned (8 batches of

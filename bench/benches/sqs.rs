@@ -11,7 +11,7 @@
 //!   settled (shut down after the last one). Target: at most 1.05x.
 //! - dispatch: the same envelopes stored on an empty queue. Baseline: raw
 //!   `SendMessageBatch` calls of 10, all in flight together. Facade:
-//!   `Producer::dispatch_batch` (the driver's `send_batch`). Target: at
+//!   `Dispatch::send_batch` (the driver's `send_batch`). Target: at
 //!   most 1.1x.
 //!
 //! The emulator (moto) runs one request at a time, so the figures measure

@@ -1,7 +1,10 @@
-//! The connection on the test database (`DATABASE_URL`, default
-//! `postgres://postgres@127.0.0.1:5432/test`): the store and the relay come
-//! back after the server closed their connection, and `sslmode=require`
-//! connects over TLS.
+//! jobrail-postgres's connection on the test database (`DATABASE_URL`,
+//! default `postgres://postgres@127.0.0.1:5432/test`): the store and the
+//! relay come back after the server closed their connection, and
+//! `sslmode=require` connects over TLS. Here rather than in the crate, so
+//! that it runs only where tests/run found a Postgres (feature `postgres`).
+//!
+//! Run with `cargo test -p jobrail-conformance --features postgres --test postgres_connection`.
 
 use std::sync::Arc;
 use std::time::Duration;

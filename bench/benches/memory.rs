@@ -76,7 +76,7 @@ fn facade(rt: &tokio::runtime::Runtime, n: u64, payloads: &Arc<Vec<Work>>) -> Du
         let (driver, job, payloads) = (driver.clone(), job.clone(), payloads.clone());
         jobrail_bench::on_worker(rt, async move {
             let producer = Producer::new(Arc::new(driver));
-            for result in producer.dispatch_batch(&job, &payloads).await {
+            for result in producer.dispatch(&job).send_batch(&payloads).await {
                 result.unwrap();
             }
         });

@@ -326,7 +326,7 @@ async fn facade_dispatch_from_tasks(producer: Producer, job: Job<Work>, payloads
         let (producer, job, payloads) = (producer.clone(), job.clone(), payloads.clone());
         tasks.push(tokio::spawn(async move {
             for work in payloads.iter().skip(t).step_by(TASKS) {
-                producer.dispatch(&job, work).await.unwrap();
+                producer.dispatch(&job).send(work).await.unwrap();
             }
         }));
     }
@@ -461,7 +461,7 @@ fn main() {
                     let (producer, job, payloads) =
                         (producer.clone(), job.clone(), payloads.clone());
                     let took = time_on_worker(&rt, async move {
-                        for result in producer.dispatch_batch(&job, &payloads).await {
+                        for result in producer.dispatch(&job).send_batch(&payloads).await {
                             result.unwrap();
                         }
                     });

@@ -84,7 +84,7 @@ fn fill(rt: &tokio::runtime::Runtime, driver: &RabbitDriver, queue: &str, n: u64
         let producer = Producer::new(Arc::new(driver));
         let payloads = payloads(n);
         for chunk in payloads.chunks(5_000) {
-            for result in producer.dispatch_batch(&job, chunk).await {
+            for result in producer.dispatch(&job).send_batch(chunk).await {
                 result.unwrap();
             }
         }
@@ -337,7 +337,7 @@ async fn facade_dispatch_from_tasks(producer: Producer, job: Job<Work>, payloads
         let (producer, job, payloads) = (producer.clone(), job.clone(), payloads.clone());
         tasks.push(tokio::spawn(async move {
             for work in payloads.iter().skip(t).step_by(TASKS as usize) {
-                producer.dispatch(&job, work).await.unwrap();
+                producer.dispatch(&job).send(work).await.unwrap();
             }
         }));
     }
@@ -434,7 +434,7 @@ fn main() {
                     let (producer, job, payloads) =
                         (producer.clone(), job.clone(), payloads.clone());
                     let took = time_on_worker(&rt, async move {
-                        for result in producer.dispatch_batch(&job, &payloads).await {
+                        for result in producer.dispatch(&job).send_batch(&payloads).await {
                             result.unwrap();
                         }
                     });

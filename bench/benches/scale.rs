@@ -356,7 +356,7 @@ async fn fill(driver: Arc<dyn Driver>, job: &Job<Work>, backlog: u64) {
         let permit = permits.clone().acquire_owned().await.unwrap();
         let (producer, job) = (producer.clone(), job.clone());
         tasks.spawn(async move {
-            let results = producer.dispatch_batch(&job, &chunk).await;
+            let results = producer.dispatch(&job).send_batch(&chunk).await;
             drop(permit);
             results
         });

@@ -361,7 +361,7 @@ fn dispatch_facade(
     let producer = Producer::new(Arc::new(driver.clone()));
     let (job, payloads) = (job(&queue), payloads.clone());
     let took = time_on_worker(rt, async move {
-        for result in producer.dispatch_batch(&job, &payloads).await {
+        for result in producer.dispatch(&job).send_batch(&payloads).await {
             result.unwrap();
         }
     });

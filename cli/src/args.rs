@@ -18,7 +18,7 @@ worker left, read a queue's depth, and compute each job's failure budget from \
 the configuration the worker reads.
 
 The backend and its connection come from flags or from the same environment \
-variables the worker and the quick start read: QUEUE_BACKEND, RABBITMQ_URL, \
+variables the worker and the quick start read: JOBRAIL_BACKEND, RABBITMQ_URL, \
 NATS_URL, SQS_ENDPOINT and AWS_REGION (SQS credentials from the usual AWS \
 variables; with SQS_ENDPOINT, an emulator, fixed test keys). Failure \
 destinations are found by each driver's default naming (Q.failed on RabbitMQ, \
@@ -72,7 +72,7 @@ impl BackendKind {
 #[derive(Debug, Clone, Args)]
 pub(crate) struct Connection {
     /// The backend the worker runs on.
-    #[arg(long, global = true, env = "QUEUE_BACKEND", value_enum)]
+    #[arg(long, global = true, env = "JOBRAIL_BACKEND", value_enum)]
     pub(crate) backend: Option<BackendKind>,
     /// The RabbitMQ URL, amqp://user:password@host:port/vhost
     /// [default: amqp://guest:***@127.0.0.1:5672/%2f].
@@ -123,8 +123,8 @@ pub(crate) enum Command {
     },
     /// Each job's failure budget from the worker's configuration.
     ///
-    /// Reads the overrides the worker reads (the TOML file QUEUE_CONFIG
-    /// names, then QUEUE_JOB__<JOB>__<FIELD> variables). The tool does not
+    /// Reads the overrides the worker reads (the TOML file JOBRAIL_CONFIG
+    /// names, then JOBRAIL_JOB__<JOB>__<FIELD> variables). The tool does not
     /// have the application's job declarations: each job the file names (and
     /// each --job) is computed from the library's defaults plus the
     /// overrides, so a field the configuration does not set shows the
@@ -133,7 +133,7 @@ pub(crate) enum Command {
     /// redelivery timing (its default setting).
     Budget {
         /// A job to compute besides those the file names (repeatable); needed
-        /// for jobs that only QUEUE_JOB__ variables override.
+        /// for jobs that only JOBRAIL_JOB__ variables override.
         #[arg(long = "job", value_name = "NAME")]
         jobs: Vec<String>,
     },

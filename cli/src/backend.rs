@@ -10,11 +10,13 @@ use jobrail_native::Driver;
 use crate::args::{BackendKind, Connection};
 use crate::error::CliError;
 
-/// The backend named by `--backend` or `QUEUE_BACKEND`, or an error saying
+/// The backend named by `--backend` or `JOBRAIL_BACKEND`, or an error saying
 /// how to name one.
 pub(crate) fn chosen(connection: &Connection) -> Result<BackendKind, CliError> {
     connection.backend.ok_or_else(|| {
-        CliError::usage("no backend: pass --backend memory|rabbitmq|nats|sqs or set QUEUE_BACKEND")
+        CliError::usage(
+            "no backend: pass --backend memory|rabbitmq|nats|sqs or set JOBRAIL_BACKEND",
+        )
     })
 }
 

@@ -17,9 +17,9 @@ use crate::error::CliError;
 /// Where the overrides came from, for the output.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Sources {
-    /// `QUEUE_CONFIG`, when set.
+    /// `JOBRAIL_CONFIG`, when set.
     pub(crate) config_file: Option<String>,
-    /// The `QUEUE_JOB__...` variables set, by name.
+    /// The `JOBRAIL_JOB__...` variables set, by name.
     pub(crate) variables: Vec<String>,
 }
 
@@ -55,7 +55,7 @@ pub(crate) fn budget(
     }
     if names.is_empty() {
         return Err(CliError::usage(match &sources.config_file {
-            None => "no jobs to compute: QUEUE_CONFIG is not set (point it at the worker's overrides file) and no --job was given".to_string(),
+            None => "no jobs to compute: JOBRAIL_CONFIG is not set (point it at the worker's overrides file) and no --job was given".to_string(),
             Some(path) => format!("no jobs to compute: {path} names no job ([jobs.<name>] tables) and no --job was given"),
         }));
     }
@@ -93,11 +93,11 @@ fn render(budgets: &[FailureBudget], sources: &Sources, hint: &Hint) -> Output {
         sources
             .config_file
             .as_deref()
-            .map_or("QUEUE_CONFIG not set".to_string(), |p| format!(
-                "QUEUE_CONFIG={p}"
+            .map_or("JOBRAIL_CONFIG not set".to_string(), |p| format!(
+                "JOBRAIL_CONFIG={p}"
             )),
         if sources.variables.is_empty() {
-            "no QUEUE_JOB__ variables".to_string()
+            "no JOBRAIL_JOB__ variables".to_string()
         } else {
             sources.variables.join(", ")
         }
@@ -208,7 +208,11 @@ mod tests {
         assert_eq!(jobs[1]["waiting_ms"], 90_000);
         assert_eq!(jobs[1]["time_to_failure_ms"], Value::Null);
         assert!(out.text.contains("library's defaults"), "{}", out.text);
-        assert!(out.text.contains("QUEUE_CONFIG=jobs.toml"), "{}", out.text);
+        assert!(
+            out.text.contains("JOBRAIL_CONFIG=jobs.toml"),
+            "{}",
+            out.text
+        );
         assert!(
             out.text.contains("30s between deliveries on sqs"),
             "{}",
@@ -225,7 +229,7 @@ mod tests {
     #[test]
     fn environment_overrides_need_their_job_named() {
         let env = Overrides::from_env([(
-            "QUEUE_JOB__SEND_MAIL__ATTEMPTS".to_string(),
+            "JOBRAIL_JOB__SEND_MAIL__ATTEMPTS".to_string(),
             "7".to_string(),
         )])
         .unwrap();
@@ -233,7 +237,7 @@ mod tests {
         assert!(err.message.contains("no jobs to compute"), "{err}");
         let err = budget(&env, &["resize".into()], &sources(), &hint()).unwrap_err();
         assert!(
-            err.message.contains("QUEUE_JOB__SEND_MAIL__*") && err.message.contains("--job NAME"),
+            err.message.contains("JOBRAIL_JOB__SEND_MAIL__*") && err.message.contains("--job NAME"),
             "{err}"
         );
         let out = budget(&env, &["send-mail".into()], &sources(), &hint()).unwrap();

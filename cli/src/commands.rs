@@ -566,7 +566,7 @@ mod tests {
             .unwrap();
         let producer = Producer::new(driver.clone());
         for n in 1..=3u64 {
-            producer.dispatch(&job, &n).await.unwrap();
+            producer.dispatch(&job).send(&n).await.unwrap();
         }
         let mut registry = Registry::new();
         registry

@@ -6,7 +6,7 @@
 //! jobrail --backend rabbitmq failed replay --queue reports <ID>
 //! jobrail --backend rabbitmq failed purge --queue reports --older-than 7d
 //! jobrail --backend rabbitmq depth --queue reports
-//! QUEUE_CONFIG=jobs.toml jobrail --backend rabbitmq budget
+//! JOBRAIL_CONFIG=jobs.toml jobrail --backend rabbitmq budget
 //! ```
 //!
 //! `jobrail --help` lists the flags and the environment variables read;
@@ -63,11 +63,11 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
             let overrides = jobrail_native::overrides_from_env()?;
             let mut variables: Vec<String> = std::env::vars_os()
                 .filter_map(|(k, _)| k.into_string().ok())
-                .filter(|k| k.starts_with("QUEUE_JOB__"))
+                .filter(|k| k.starts_with("JOBRAIL_JOB__"))
                 .collect();
             variables.sort();
             let sources = budget::Sources {
-                config_file: std::env::var_os("QUEUE_CONFIG")
+                config_file: std::env::var_os("JOBRAIL_CONFIG")
                     .map(|p| p.to_string_lossy().into_owned()),
                 variables,
             };

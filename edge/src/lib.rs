@@ -88,7 +88,7 @@
 //! pub fn job() -> Result<Job<WelcomeEmail>, PolicyError> {
 //!     Job::<WelcomeEmail>::builder("send-welcome-email")
 //!         .queue(QUEUE)
-//!         .retry(5)
+//!         .max_deliveries(5)
 //!         .backoff(Duration::from_secs(10), 2.0, Duration::from_secs(600))
 //!         .timeout(Duration::from_secs(30))
 //!         .build()
@@ -179,7 +179,7 @@ pub use log::LogSink;
 pub use options::check_directory;
 pub use options::{check, check_file, Options};
 #[cfg(target_arch = "wasm32")]
-pub use producer::EdgeProducer;
+pub use producer::{Dispatch, EdgeProducer, UniqueDispatchBuilder};
 #[cfg(target_arch = "wasm32")]
 pub use runtime::WorkersRuntime;
 pub use settings::EdgeConfig;
@@ -227,7 +227,7 @@ macro_rules! consumer {
     ($jobs:path $(, options = $options:expr)? $(, wrangler = $wrangler:literal)? $(, other_queues = $other:path)? $(, after_batch = $after:path)? $(,)?) => {
         /// The worker's options, its wrangler.toml embedded.
         #[cfg(any(test, target_arch = "wasm32"))]
-        const __QUEUE_EDGE_OPTIONS: $crate::Options = $crate::Options {
+        const __JOBRAIL_EDGE_OPTIONS: $crate::Options = $crate::Options {
             wrangler: $crate::__wrangler_text!($($wrangler)?),
             ..$crate::__options!($($options)?)
         };
@@ -236,7 +236,7 @@ macro_rules! consumer {
         #[cfg(test)]
         #[test]
         fn wrangler_toml_fits_the_jobs() {
-            let options = __QUEUE_EDGE_OPTIONS;
+            let options = __JOBRAIL_EDGE_OPTIONS;
             let registry = $jobs().unwrap_or_else(|e| panic!("the jobs do not build: {e}"));
             let (dir, name) = $crate::__wrangler_place!($($wrangler)?);
             match $crate::check_directory(&registry, &options, std::path::Path::new(dir), name) {
@@ -246,9 +246,9 @@ macro_rules! consumer {
         }
 
         #[cfg(target_arch = "wasm32")]
-        static __QUEUE_EDGE_WORKER: $crate::__private::WorkerSpec = $crate::__private::WorkerSpec {
+        static __JOBRAIL_EDGE_WORKER: $crate::__private::WorkerSpec = $crate::__private::WorkerSpec {
             jobs: || $jobs().map_err(|e| e.to_string()),
-            options: __QUEUE_EDGE_OPTIONS,
+            options: __JOBRAIL_EDGE_OPTIONS,
             other_queues: $crate::__hook2!($($other)?),
             after_batch: $crate::__hook1!($($after)?),
         };
@@ -261,7 +261,7 @@ macro_rules! consumer {
             env: $crate::__private::wasm_bindgen::JsValue,
             _ctx: $crate::__private::wasm_bindgen::JsValue,
         ) -> $crate::__private::js_sys::Promise {
-            $crate::__private::entry(batch, env, &__QUEUE_EDGE_WORKER)
+            $crate::__private::entry(batch, env, &__JOBRAIL_EDGE_WORKER)
         }
 
         /// Continues an invocation after a panic (called by jobrail-edge).
@@ -270,7 +270,7 @@ macro_rules! consumer {
         pub fn __queue_edge_resume(
             invocation: $crate::__private::wasm_bindgen::JsValue,
         ) -> $crate::__private::js_sys::Promise {
-            $crate::__private::resume(invocation, &__QUEUE_EDGE_WORKER)
+            $crate::__private::resume(invocation, &__JOBRAIL_EDGE_WORKER)
         }
     };
 }

@@ -334,7 +334,7 @@ mod tests {
     fn registry() -> Registry {
         let job = Job::<u32>::builder("send-welcome-email")
             .queue("emails")
-            .retry(5)
+            .max_deliveries(5)
             .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(60))
             .build()
             .unwrap();

@@ -19,13 +19,9 @@ use crate::limits::{check_message_size, envelope_text};
 /// [`EdgeErrorKind::Unsupported`] before the binding is called; in a batch,
 /// one oversized message refuses the whole batch and nothing is sent.
 ///
-/// [`EdgeProducer::dispatch_unique`] sends a job unless one with the same
-/// key went out within a window, on any [`ClaimStore`] (`D1Claims` at the
-/// edge), by the same rule as the native producer
-/// ([`jobrail::dispatch_unique`]). A send refused before the binding was
-/// called (above the size limit, a payload that does not encode) gives the
-/// key back; an error from the binding's call keeps it for the window, as
-/// the message may have been enqueued.
+/// [`EdgeProducer::dispatch`] starts a [`Dispatch`]: a delay, metadata, a
+/// unique key ([`Dispatch::unique`], on any [`ClaimStore`], `D1Claims` at
+/// the edge, by the native producer's rule), then one payload or a batch.
 pub struct EdgeProducer {
     queue: Queue,
 }
@@ -58,94 +54,33 @@ impl EdgeProducer {
         Ok(envelope)
     }
 
-    /// Dispatches one job; returns its message id.
-    pub async fn dispatch<P: Serialize>(
-        &self,
-        job: &Job<P>,
-        payload: &P,
-    ) -> Result<String, EdgeError> {
-        self.dispatch_with(job, payload, None, BTreeMap::new())
-            .await
-    }
-
-    /// Dispatches one job, not deliverable before `delay` (rounded up to
-    /// seconds; at most 24 hours).
-    pub async fn dispatch_with<P: Serialize>(
-        &self,
-        job: &Job<P>,
-        payload: &P,
-        delay: Option<Duration>,
-        metadata: BTreeMap<String, String>,
-    ) -> Result<String, EdgeError> {
-        let envelope = Self::envelope(job, payload, metadata)?;
-        self.send_text(envelope_text(&envelope)?, delay).await?;
-        Ok(envelope.id)
-    }
-
-    /// Dispatches one job unless a job with the same `key` was dispatched
-    /// within `window`: [`UniqueDispatch::Dispatched`] with its message id,
-    /// or [`UniqueDispatch::Duplicate`] with the rest of the window, nothing
-    /// sent.
+    /// Starts a dispatch of `job`: set its delay, metadata or unique key on
+    /// the [`Dispatch`] it returns, then [`send`](Dispatch::send) one payload
+    /// or [`send_batch`](Dispatch::send_batch) several. The native producer
+    /// has the same builder (`jobrail_native::Producer::dispatch`).
     ///
-    /// The key (`unique:<job name>:<key>` in `claims`) is claimed for
-    /// `window` and never completed: it frees itself when the window ends.
-    /// A store error, or a key or window the store refuses, sends nothing
-    /// ([`UniqueDispatchError::Claim`]). A send refused before the binding
-    /// was called ([`EdgeErrorKind::Unsupported`]: above
-    /// [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES);
-    /// [`EdgeErrorKind::Encode`]) gives the key back, so the caller may try
-    /// again at once; an error of the call itself
-    /// ([`EdgeErrorKind::Uncertain`]) keeps the key for the window. Either
-    /// way the error is [`UniqueDispatchError::Dispatch`].
+    /// ```no_run
+    /// # async fn example(env: worker::Env) -> Result<(), jobrail_edge::EdgeError> {
+    /// use std::time::Duration;
+    /// use jobrail::Job;
+    /// use jobrail_edge::EdgeProducer;
     ///
-    /// It prevents duplicate dispatches, not duplicate runs: a handler that
-    /// must run once claims in the handler ([`jobrail::run_once`]).
-    pub async fn dispatch_unique<S, P>(
-        &self,
-        claims: &S,
-        key: &str,
-        window: Duration,
-        job: &Job<P>,
-        payload: &P,
-    ) -> Result<UniqueDispatch, UniqueDispatchError<EdgeError>>
-    where
-        S: ClaimStore + ?Sized,
-        P: Serialize,
-    {
-        jobrail::dispatch_unique(
-            claims,
-            job.name(),
-            key,
-            window,
-            || self.dispatch(job, payload),
-            certainly_unsent,
-        )
-        .await
-    }
-
-    /// Dispatches several jobs in one request; returns their ids.
-    pub async fn dispatch_batch<P: Serialize>(
-        &self,
-        job: &Job<P>,
-        payloads: &[P],
-    ) -> Result<Vec<String>, EdgeError> {
-        let mut ids = Vec::with_capacity(payloads.len());
-        let mut batch = worker::BatchMessageBuilder::new();
-        for payload in payloads {
-            let envelope = Self::envelope(job, payload, BTreeMap::new())?;
-            ids.push(envelope.id.clone());
-            let text = envelope_text(&envelope)?;
-            batch = batch.message(
-                MessageBuilder::new(text)
-                    .content_type(QueueContentType::Text)
-                    .build(),
-            );
+    /// let job = Job::<u64>::builder("build-report").queue("reports").build().unwrap();
+    /// let producer = EdgeProducer::from_env(&env, "REPORTS")?;
+    /// let id = producer.dispatch(&job).send(&7).await?;
+    /// producer.dispatch(&job).delay(Duration::from_secs(60)).metadata("tenant", "acme").send(&8).await?;
+    /// let ids = producer.dispatch(&job).send_batch(&[9, 10]).await?;
+    /// # let _ = (id, ids);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn dispatch<'a, P: Serialize>(&'a self, job: &'a Job<P>) -> Dispatch<'a, P> {
+        Dispatch {
+            producer: self,
+            job,
+            delay: None,
+            metadata: BTreeMap::new(),
         }
-        self.queue
-            .send_batch(batch.build())
-            .await
-            .map_err(|e| EdgeError::new(EdgeErrorKind::Uncertain, e.to_string()))?;
-        Ok(ids)
     }
 
     /// Sends a text body as is (bridging, and tests of malformed input),
@@ -160,6 +95,168 @@ impl EdgeProducer {
             .send(message.build())
             .await
             .map_err(|e| EdgeError::new(EdgeErrorKind::Uncertain, e.to_string()))
+    }
+}
+
+/// One dispatch of a job, built by [`EdgeProducer::dispatch`], with the
+/// native producer's shape: a delay, metadata and a unique key are optional;
+/// [`send`](Dispatch::send) sends one payload, [`send_batch`](Dispatch::send_batch)
+/// several in one request.
+#[must_use = "a dispatch sends nothing until `send` or `send_batch` is awaited"]
+pub struct Dispatch<'a, P> {
+    producer: &'a EdgeProducer,
+    job: &'a Job<P>,
+    delay: Option<Duration>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl<P> std::fmt::Debug for Dispatch<'_, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatch")
+            .field("job", &self.job.name())
+            .field("delay", &self.delay)
+            .field("metadata", &self.metadata)
+            .finish()
+    }
+}
+
+impl<'a, P: Serialize> Dispatch<'a, P> {
+    /// Not deliverable before `delay` from now, rounded up to whole seconds,
+    /// at most 24 hours (a longer one is refused before the binding is
+    /// called, [`EdgeErrorKind::Unsupported`]); a zero delay is none.
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = Some(delay).filter(|d| !d.is_zero());
+        self
+    }
+
+    /// Adds `key` = `value` to the envelope's metadata (a handler reads it
+    /// with `JobContext::metadata`).
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    /// Makes this dispatch unique: it is sent unless a job with the same
+    /// `key` was dispatched within `window`, by the native producer's rule
+    /// ([`jobrail::dispatch_unique`]), on any [`ClaimStore`] (`D1Claims` at
+    /// the edge).
+    ///
+    /// The key (`unique:<job name>:<key>` in `claims`) is claimed for
+    /// `window` and never completed: it frees itself when the window ends.
+    /// A store error, or a key or window the store refuses, sends nothing
+    /// ([`UniqueDispatchError::Claim`]). A send refused before the binding
+    /// was called ([`EdgeErrorKind::Unsupported`]: above
+    /// [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES);
+    /// [`EdgeErrorKind::Encode`]) gives the key back, so the caller may try
+    /// again at once; an error of the call itself
+    /// ([`EdgeErrorKind::Uncertain`]) keeps the key for the window. Either
+    /// way the error is [`UniqueDispatchError::Dispatch`].
+    ///
+    /// It prevents duplicate dispatches, not duplicate runs: a handler that
+    /// must run once claims in the handler ([`jobrail::run_once`]).
+    pub fn unique<S: ClaimStore + ?Sized>(
+        self,
+        claims: &'a S,
+        key: &'a str,
+        window: Duration,
+    ) -> UniqueDispatchBuilder<'a, P, S> {
+        UniqueDispatchBuilder {
+            dispatch: self,
+            claims,
+            key,
+            window,
+        }
+    }
+
+    /// Sends `payload`; returns its message id.
+    pub async fn send(self, payload: &P) -> Result<String, EdgeError> {
+        let envelope = EdgeProducer::envelope(self.job, payload, self.metadata)?;
+        self.producer
+            .send_text(envelope_text(&envelope)?, self.delay)
+            .await?;
+        Ok(envelope.id)
+    }
+
+    /// Sends every payload in one request (Cloudflare's `sendBatch`, which
+    /// takes all or none); returns their ids in order. One payload that
+    /// does not encode, or one message above the size limit, refuses the
+    /// whole batch before the binding is called.
+    pub async fn send_batch(self, payloads: &[P]) -> Result<Vec<String>, EdgeError> {
+        let seconds = delay_seconds(self.delay)?;
+        let mut ids = Vec::with_capacity(payloads.len());
+        let mut batch = worker::BatchMessageBuilder::new();
+        for payload in payloads {
+            let envelope = EdgeProducer::envelope(self.job, payload, self.metadata.clone())?;
+            ids.push(envelope.id.clone());
+            let text = envelope_text(&envelope)?;
+            let mut message = MessageBuilder::new(text).content_type(QueueContentType::Text);
+            if let Some(seconds) = seconds {
+                message = message.delay_seconds(seconds);
+            }
+            batch = batch.message(message.build());
+        }
+        self.producer
+            .queue
+            .send_batch(batch.build())
+            .await
+            .map_err(|e| EdgeError::new(EdgeErrorKind::Uncertain, e.to_string()))?;
+        Ok(ids)
+    }
+}
+
+/// A dispatch made unique by [`Dispatch::unique`]: [`send`](Self::send)
+/// answers whether it went out or was a duplicate.
+#[must_use = "a dispatch sends nothing until `send` is awaited"]
+pub struct UniqueDispatchBuilder<'a, P, S: ?Sized> {
+    dispatch: Dispatch<'a, P>,
+    claims: &'a S,
+    key: &'a str,
+    window: Duration,
+}
+
+impl<P, S: ?Sized> std::fmt::Debug for UniqueDispatchBuilder<'_, P, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UniqueDispatchBuilder")
+            .field("dispatch", &self.dispatch)
+            .field("key", &self.key)
+            .field("window", &self.window)
+            .finish()
+    }
+}
+
+impl<P: Serialize, S: ClaimStore + ?Sized> UniqueDispatchBuilder<'_, P, S> {
+    /// As [`Dispatch::delay`].
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.dispatch = self.dispatch.delay(delay);
+        self
+    }
+
+    /// As [`Dispatch::metadata`].
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.dispatch = self.dispatch.metadata(key, value);
+        self
+    }
+
+    /// Sends `payload` unless the key is taken: [`UniqueDispatch::Dispatched`]
+    /// with its message id, or [`UniqueDispatch::Duplicate`] with the rest of
+    /// the window, nothing sent.
+    pub async fn send(self, payload: &P) -> Result<UniqueDispatch, UniqueDispatchError<EdgeError>> {
+        let UniqueDispatchBuilder {
+            dispatch,
+            claims,
+            key,
+            window,
+        } = self;
+        let name = dispatch.job.name().to_string();
+        jobrail::dispatch_unique(
+            claims,
+            &name,
+            key,
+            window,
+            || dispatch.send(payload),
+            certainly_unsent,
+        )
+        .await
     }
 }
 

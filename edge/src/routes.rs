@@ -123,7 +123,7 @@ mod worker_routes {
             Ok(producer) => producer,
             Err(e) => return error(500, e.to_string()),
         };
-        match producer.dispatch_batch(job, &payloads).await {
+        match producer.dispatch(job).send_batch(&payloads).await {
             Ok(ids) => Response::from_json(&serde_json::json!({ "ids": ids })),
             Err(e) => error(502, e.to_string()),
         }

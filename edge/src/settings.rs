@@ -72,7 +72,10 @@ mod tests {
     use jobrail::{Job, JobContext};
 
     fn registry(cap: u32) -> Registry {
-        let job = Job::<u32>::builder("j").retry(cap).build().unwrap();
+        let job = Job::<u32>::builder("j")
+            .delivery_cap((cap > 0).then_some(cap))
+            .build()
+            .unwrap();
         let mut r = Registry::new();
         r.register(&job, |_: JobContext, _: u32| async { Ok(()) })
             .unwrap();

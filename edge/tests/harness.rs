@@ -112,7 +112,7 @@ fn failed_kind(report: &MessageReport) -> Option<FailureKind> {
 
 #[test]
 fn a_healthy_job_is_acknowledged_on_its_first_delivery() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     let id = cf.send(&job, &task(1, Behaviour::Succeed));
     assert_eq!(cf.state(&id), &MessageState::Pending);
@@ -139,7 +139,7 @@ fn a_healthy_job_is_acknowledged_on_its_first_delivery() {
 fn retry_delays_are_the_backoff_rounded_up_to_whole_seconds() {
     // retry(4) with backoff(1.5 s, x2): 1.5, 3 and 6 s before deliveries 2-4;
     // the platform takes whole seconds, never fewer than asked: 2, 3, 6.
-    let job = task_job(|b| b.retry(4).backoff(MS(1500), 2.0, S(10)));
+    let job = task_job(|b| b.max_deliveries(4).backoff(MS(1500), 2.0, S(10)));
     let mut cf = harness(&job);
     let id = cf.send(&job, &task(1, Behaviour::Fail));
     cf.run_until_idle();
@@ -176,7 +176,7 @@ fn retry_delays_are_the_backoff_rounded_up_to_whole_seconds() {
 fn an_always_failing_job_ends_in_one_failure_record_at_its_cap() {
     // Two tiers: 2 in-process attempts per delivery, 3 deliveries.
     let job = task_job(|b| {
-        b.retry(3)
+        b.max_deliveries(3)
             .backoff(S(1), 2.0, S(10))
             .tier_one(2)
             .tier_one_backoff(MS(10), 2.0, MS(100))
@@ -210,7 +210,7 @@ fn an_always_failing_job_ends_in_one_failure_record_at_its_cap() {
 
 #[test]
 fn a_permanent_error_fails_at_once() {
-    let job = task_job(|b| b.retry(5).tier_one(3));
+    let job = task_job(|b| b.max_deliveries(5).tier_one(3));
     let mut cf = harness(&job);
     let id = cf.send(&job, &task(1, Behaviour::Permanent));
     cf.run_until_idle();
@@ -228,7 +228,7 @@ fn a_permanent_error_fails_at_once() {
 
 #[test]
 fn a_rejection_is_acknowledged_by_returning() {
-    let job = task_job(|b| b.retry(3).tier_one(3));
+    let job = task_job(|b| b.max_deliveries(3).tier_one(3));
     let mut cf = harness(&job);
     let id = cf.send(&job, &task(1, Behaviour::Reject));
     cf.run_until_idle();
@@ -252,7 +252,7 @@ fn a_rejection_is_acknowledged_by_returning() {
 #[test]
 fn a_slow_batch_hands_later_messages_back_without_running_them() {
     // A 10 s budget with 1 s kept for settling: work must start before 9 s.
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     cf.var("EDGE_BUDGET_MS", "10000")
         .unwrap()
@@ -314,7 +314,7 @@ max_batch_timeout = 1
 max_retries = 2
 dead_letter_queue = "jobs-dlq"
 "#;
-    let job = task_job(|b| b.retry(1));
+    let job = task_job(|b| b.max_deliveries(1));
     let mut cf = try_harness(wrangler, &job).expect("cap 1 needs 3 deliveries");
     // Each batch pairs a slow message (first) with the victim (second).
     cf.send(&job, &task(1, Behaviour::Sleep(9000)));
@@ -342,7 +342,7 @@ dead_letter_queue = "jobs-dlq"
 fn new_refuses_a_max_retries_below_the_jobs_cap_and_names_the_job() {
     let wrangler = WRANGLER.replace("max_retries = 10", "max_retries = 3");
     // With the default unknown-name cap two problems; name both.
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let err = try_harness(&wrangler, &job).unwrap_err();
     assert!(err.contains("job `task`: invalid `retry`"), "{err}");
     assert!(err.contains("max_retries = 3"), "{err}");
@@ -350,12 +350,12 @@ fn new_refuses_a_max_retries_below_the_jobs_cap_and_names_the_job() {
     // A cap of 2 needs 4 deliveries: max_retries = 3 is enough for the job.
     let wrangler =
         format!("{wrangler}\n").replace("[vars]\n", "[vars]\nUNKNOWN_NAME_ATTEMPTS = \"3\"\n");
-    assert!(try_harness(&wrangler, &task_job(|b| b.retry(2))).is_ok());
+    assert!(try_harness(&wrangler, &task_job(|b| b.max_deliveries(2))).is_ok());
 }
 
 #[test]
 fn var_refuses_what_the_worker_would_refuse() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     let err = cf.var("UNKNOWN_NAME_ATTEMPTS", "50").unwrap_err();
     assert!(err.contains("unknown_name_attempts"), "{err}");
@@ -371,7 +371,7 @@ fn var_refuses_what_the_worker_would_refuse() {
 
 #[test]
 fn an_unknown_job_name_fails_after_the_unknown_name_cap() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     // A job this worker does not know (deployed to a newer worker).
     let renamed = Job::<Task>::builder("renamed")
         .queue("jobs")
@@ -403,7 +403,7 @@ fn an_unknown_job_name_fails_after_the_unknown_name_cap() {
 
 #[test]
 fn a_malformed_body_fails_at_once_with_its_raw_body() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     let id = cf.send_raw("jobs", "{not json");
     cf.run_until_idle();
@@ -419,7 +419,7 @@ fn a_malformed_body_fails_at_once_with_its_raw_body() {
 
 #[test]
 fn a_failed_failure_queue_send_keeps_the_message() {
-    let job = task_job(|b| b.retry(2));
+    let job = task_job(|b| b.max_deliveries(2));
     let mut cf = harness(&job);
     cf.fail_sends("FAILED", 1);
     let id = cf.send(&job, &task(1, Behaviour::Fail));
@@ -467,7 +467,7 @@ fn settlements(report: &MessageReport) -> (String, Vec<u32>, u32, Vec<Option<u32
 #[test]
 fn a_panic_settles_only_its_own_message() {
     // No tier one: the settlements are the same natively and at the edge.
-    let job = task_job(|b| b.retry(3).backoff(S(1), 2.0, S(10)));
+    let job = task_job(|b| b.max_deliveries(3).backoff(S(1), 2.0, S(10)));
     let tasks = [
         task(1, Behaviour::Succeed),
         task(2, Behaviour::Panic),
@@ -502,7 +502,7 @@ fn a_panic_settles_only_its_own_message() {
 
 #[test]
 fn messages_sent_together_are_delivered_together_up_to_the_batch_size() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     let ids: Vec<String> = (1..=6)
         .map(|n| cf.send(&job, &task(n, Behaviour::Succeed)))
@@ -536,7 +536,7 @@ fn messages_sent_together_are_delivered_together_up_to_the_batch_size() {
 
 #[test]
 fn a_delayed_send_waits_for_its_delay() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     let id = cf.send_with_delay(&job, &task(1, Behaviour::Succeed), MS(2500));
     cf.run_until_idle();
@@ -721,7 +721,7 @@ fn a_queue_with_concurrency_runs_its_batch_at_once() {
 
 #[test]
 fn without_a_failure_queue_a_failure_is_only_logged() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let jobs = {
         let job = job.clone();
         move || -> Result<Registry, RegistryError> {
@@ -745,7 +745,7 @@ fn without_a_failure_queue_a_failure_is_only_logged() {
 #[test]
 #[should_panic(expected = "not idle after 2 invocations")]
 fn run_until_idle_stops_at_its_invocation_limit() {
-    let job = task_job(|b| b.retry(3));
+    let job = task_job(|b| b.max_deliveries(3));
     let mut cf = harness(&job);
     cf.max_invocations(2);
     cf.send(&job, &task(1, Behaviour::Fail));

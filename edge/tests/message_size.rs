@@ -24,7 +24,7 @@ dead_letter_queue = "blobs-dlq"
 fn job() -> Job<String> {
     Job::<String>::builder("store-blob")
         .queue("blobs")
-        .retry(3)
+        .max_deliveries(3)
         .build()
         .expect("a valid job")
 }

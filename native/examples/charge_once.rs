@@ -70,7 +70,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let job = Job::<ChargeOrder>::builder("charge-order")
         .queue("charges")
-        .retry(5)
+        .max_deliveries(5)
         .backoff(Duration::from_millis(100), 2.0, Duration::from_secs(1))
         .build()?;
     let ledger = Arc::new(Mutex::new(Ledger::default()));
@@ -123,13 +123,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let copies = if order_id == 5 { 3 } else { 2 };
         for _ in 0..copies {
             producer
-                .dispatch(
-                    &job,
-                    &ChargeOrder {
-                        order_id,
-                        cents: 1_000 * order_id,
-                    },
-                )
+                .dispatch(&job)
+                .send(&ChargeOrder {
+                    order_id,
+                    cents: 1_000 * order_id,
+                })
                 .await?;
         }
     }

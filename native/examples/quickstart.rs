@@ -210,7 +210,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .position(|a| a == "--backend")
         .and_then(|i| args.get(i + 1).cloned())
-        .or_else(|| std::env::var("QUEUE_BACKEND").ok())
+        .or_else(|| std::env::var("JOBRAIL_BACKEND").ok())
         .unwrap_or_else(|| "memory".into());
     let metrics = MetricsEndpoint::from_args(&args)?;
     if let Some(metrics) = &metrics {
@@ -251,27 +251,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             report_id: i as u64 + 1,
             behaviour,
         };
-        let id = producer.dispatch(&job, &report).await?;
+        let id = producer.dispatch(&job).send(&report).await?;
         names.insert(id, format!("report {} ({behaviour:?})", report.report_id));
     }
     let invalid = producer
-        .dispatch(
-            &job,
-            &BuildReport {
-                report_id: 0,
-                behaviour: Behaviour::Healthy,
-            },
-        )
+        .dispatch(&job)
+        .send(&BuildReport {
+            report_id: 0,
+            behaviour: Behaviour::Healthy,
+        })
         .await?;
     names.insert(invalid, "report 0 (fails validation)".into());
     let poison = Envelope::new(report_job::NAME, serde_json::json!({"report_id": "seven"}));
     producer
-        .send_envelope(report_job::QUEUE, &poison, None)
+        .send_raw(report_job::QUEUE, poison.id.clone(), poison.encode(), None)
         .await?;
     names.insert(poison.id.clone(), "poison payload".into());
     let unknown = Envelope::new("publish-report", serde_json::json!({"report_id": 1}));
     producer
-        .send_envelope(report_job::QUEUE, &unknown, None)
+        .send_raw(
+            report_job::QUEUE,
+            unknown.id.clone(),
+            unknown.encode(),
+            None,
+        )
         .await?;
     names.insert(unknown.id.clone(), "unknown job `publish-report`".into());
     let total = names.len();
@@ -366,7 +369,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "\n(worst time = tier-one waits in every delivery + tier-two delays + N x M x timeout;"
     );
-    println!(" override depths with QUEUE_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS=2 and friends, or a QUEUE_CONFIG file)");
+    println!(" override depths with JOBRAIL_JOB__BUILD_REPORT__TIER_ONE_ATTEMPTS=2 and friends, or a JOBRAIL_CONFIG file)");
     if let Some(metrics) = metrics {
         metrics.linger().await;
     }

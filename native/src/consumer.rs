@@ -179,8 +179,13 @@ impl Consumer {
     /// driver's `max_retry_delay` ([`jobrail::check_retry_delays`]), a
     /// backend's delivery limit is below what a job needs
     /// ([`Driver::delivery_limit`], [`jobrail::check_delivery_limit`]), or a
-    /// queue cannot be subscribed.
+    /// queue cannot be subscribed. Logs each of the registry's
+    /// [`warnings`](jobrail::Registry::warnings) (a job whose delivery cap
+    /// was never chosen) at `WARN` first.
     pub async fn run(self, cancel: CancelToken) -> Result<(), DriverError> {
+        for warning in self.registry.warnings() {
+            warn!(driver = self.driver.name(), "{warning}");
+        }
         for spec in self.registry.specs() {
             self.driver.check_job(spec)?;
         }
@@ -646,7 +651,7 @@ mod tests {
         let job = Job::<u32>::builder("n").queue("q").build().unwrap();
         let producer = Producer::new(driver.clone());
         for n in 0..4 {
-            producer.dispatch(&job, &n).await.unwrap();
+            producer.dispatch(&job).send(&n).await.unwrap();
         }
         let mut registry = Registry::new();
         registry

@@ -52,7 +52,7 @@
 //! # async fn main() {
 //! let job = Job::<Greet>::builder("greet").build().unwrap();
 //! let driver = Arc::new(MemoryDriver::default());
-//! Producer::new(driver.clone()).dispatch(&job, &Greet { name: "Ada".into() }).await.unwrap();
+//! Producer::new(driver.clone()).dispatch(&job).send(&Greet { name: "Ada".into() }).await.unwrap();
 //!
 //! let mut registry = Registry::new();
 //! registry.register(&job, |_ctx: JobContext, greet: Greet| async move {
@@ -93,6 +93,7 @@ mod readme_doctests {
         Testing: "../../guide/testing.md",
         Performance: "../../guide/performance.md",
         WritingADriver: "../../guide/writing-a-driver.md",
+        Wire: "../../guide/wire.md",
         Layout: "../../guide/layout.md",
     }
 }
@@ -127,6 +128,6 @@ pub use failures::{
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};
 pub use overrides::{apply_env_overrides, overrides_from_env};
-pub use producer::{DispatchOptions, Producer};
+pub use producer::{Dispatch, DispatchOptions, Producer, UniqueDispatchBuilder};
 pub use runtime::TokioRuntime;
 pub use unique::{UniqueDispatch, UniqueDispatchError};

@@ -252,7 +252,7 @@ mod tests {
 
         let job = Job::<Work>::builder(JOB)
             .queue(QUEUE)
-            .retry(3)
+            .max_deliveries(3)
             .backoff(Duration::from_millis(10), 1.0, Duration::from_millis(10))
             .tier_one(2)
             .tier_one_backoff(Duration::from_millis(1), 1.0, Duration::from_millis(1))
@@ -304,10 +304,13 @@ mod tests {
                 failures,
                 permanent,
             };
-            producer.dispatch(&job, &work).await.unwrap();
+            producer.dispatch(&job).send(&work).await.unwrap();
         }
         let unknown = Envelope::new("nobody-handles-this", serde_json::json!({}));
-        producer.send_envelope(QUEUE, &unknown, None).await.unwrap();
+        producer
+            .send_raw(QUEUE, unknown.id.clone(), unknown.encode(), None)
+            .await
+            .unwrap();
         producer
             .send_raw(QUEUE, "raw".into(), b"not json".to_vec(), None)
             .await
@@ -425,7 +428,7 @@ mod tests {
                 failures: 0,
                 permanent: false,
             };
-            producer.dispatch(&job, &work).await.unwrap();
+            producer.dispatch(&job).send(&work).await.unwrap();
         }
         let registry = |depth: Option<Duration>| {
             let mut registry = Registry::new();

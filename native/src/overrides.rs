@@ -1,13 +1,13 @@
 //! Operator overrides (tier depths, backoffs) read at start from
-//! `QUEUE_CONFIG` and the environment ([`apply_env_overrides`]).
+//! `JOBRAIL_CONFIG` and the environment ([`apply_env_overrides`]).
 
 use jobrail::{Overrides, PolicyError, Registry};
 
 /// The variable naming the overrides file.
-const OVERRIDES_FILE_VAR: &str = "QUEUE_CONFIG";
+const OVERRIDES_FILE_VAR: &str = "JOBRAIL_CONFIG";
 
-/// Reads the operator's overrides: the TOML file named by `QUEUE_CONFIG`
-/// (if set), then the `QUEUE_JOB__<JOB>__<FIELD>` variables, which win over
+/// Reads the operator's overrides: the TOML file named by `JOBRAIL_CONFIG`
+/// (if set), then the `JOBRAIL_JOB__<JOB>__<FIELD>` variables, which win over
 /// the file. [`Overrides`] gives both formats.
 pub fn overrides_from_env() -> Result<Overrides, PolicyError> {
     let file = match std::env::var_os(OVERRIDES_FILE_VAR) {

@@ -4,18 +4,199 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jobrail::{encode_envelope, Envelope, Job};
+use jobrail::{encode_envelope, ClaimStore, Job, UniqueDispatch};
 use serde::Serialize;
 
 use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing};
+use crate::unique::UniqueDispatchError;
 
-/// Options for one dispatch.
+/// Options for one dispatch, as [`Dispatch`] collects them (and as
+/// hosts that dispatch on a producer's behalf, the outbox's relay for one,
+/// carry them).
 #[derive(Debug, Clone, Default)]
 pub struct DispatchOptions {
     /// Not deliverable before this delay.
     pub delay: Option<Duration>,
     /// Metadata carried in the envelope.
     pub metadata: BTreeMap<String, String>,
+}
+
+/// One dispatch of a job, built by [`Producer::dispatch`]: a delay, metadata
+/// and a unique key are optional; [`send`](Dispatch::send) sends one payload,
+/// [`send_batch`](Dispatch::send_batch) several with the backend's round
+/// trips overlapped.
+#[must_use = "a dispatch sends nothing until `send` or `send_batch` is awaited"]
+pub struct Dispatch<'a, P> {
+    producer: &'a Producer,
+    job: &'a Job<P>,
+    options: DispatchOptions,
+}
+
+impl<P> std::fmt::Debug for Dispatch<'_, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatch")
+            .field("job", &self.job.name())
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl<'a, P: Serialize> Dispatch<'a, P> {
+    /// Not deliverable before `delay` from now (a zero delay is none). A
+    /// backend that cannot delay a dispatch refuses it before any I/O
+    /// ([`ErrorKind::Unsupported`]), as does one whose limit the delay
+    /// exceeds.
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.options.delay = Some(delay).filter(|d| !d.is_zero());
+        self
+    }
+
+    /// Adds `key` = `value` to the envelope's metadata (a handler reads it
+    /// with `JobContext::metadata`).
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.options.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    /// Replaces the delay and the metadata at once.
+    pub fn options(mut self, options: DispatchOptions) -> Self {
+        self.options = options;
+        self.options.delay = self.options.delay.filter(|d| !d.is_zero());
+        self
+    }
+
+    /// Makes this dispatch unique: it is sent unless a job with the same
+    /// `key` was dispatched within `window`, the unique jobs of Sidekiq and
+    /// the unique tasks of asynq, on any [`ClaimStore`].
+    ///
+    /// The key (`unique:<job name>:<key>` in the store, so it never meets a
+    /// handler's own claims) is claimed for `window` and never completed: it
+    /// frees itself when the window ends. A claim already held answers
+    /// [`UniqueDispatch::Duplicate`] and sends nothing. If the dispatch
+    /// certainly did not reach the backend (refused, encode error), the
+    /// claim is released so the caller can try again at once; if it may
+    /// have ([`ErrorKind::Uncertain`]), the key stays taken for the window.
+    /// The rule is [`jobrail::dispatch_unique`], shared with the edge's
+    /// producer.
+    ///
+    /// This prevents duplicate *dispatches*; it does not make the handler
+    /// run once (redelivery still repeats it): for that, claim in the
+    /// handler ([`jobrail::run_once`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use jobrail::{Job, MemoryClaims};
+    /// use jobrail_native::{MemoryDriver, Producer, UniqueDispatch};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let job = Job::<u64>::builder("rebuild-index").build()?;
+    /// let producer = Producer::new(Arc::new(MemoryDriver::default()));
+    /// let claims = MemoryClaims::new();
+    /// let hour = Duration::from_secs(3600);
+    /// let first = producer.dispatch(&job).unique(&claims, "tenant-7", hour).send(&7).await?;
+    /// assert!(matches!(first, UniqueDispatch::Dispatched(_)));
+    /// let again = producer.dispatch(&job).unique(&claims, "tenant-7", hour).send(&7).await?;
+    /// assert!(matches!(again, UniqueDispatch::Duplicate { .. }));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn unique<S: ClaimStore + ?Sized>(
+        self,
+        claims: &'a S,
+        key: &'a str,
+        window: Duration,
+    ) -> UniqueDispatchBuilder<'a, P, S> {
+        UniqueDispatchBuilder {
+            dispatch: self,
+            claims,
+            key,
+            window,
+        }
+    }
+
+    /// Sends `payload`; returns its message id.
+    ///
+    /// A successful send means the backend accepted the message, not that a
+    /// handler ran. On error, [`DriverError::kind`] tells "certainly not
+    /// accepted" ([`ErrorKind::NotAccepted`], [`ErrorKind::Unsupported`],
+    /// [`ErrorKind::Encode`]) from "may have been accepted"
+    /// ([`ErrorKind::Uncertain`]).
+    pub async fn send(self, payload: &P) -> Result<String, DriverError> {
+        self.producer
+            .send_one(self.job, payload, &self.options)
+            .await
+    }
+
+    /// Sends every payload in one batch, with the backend's round trips
+    /// overlapped (pipelined confirms or PubAcks, or the backend's batch
+    /// call); returns one result per payload, in order: the message id, or
+    /// the error that says whether that message was certainly not accepted
+    /// ([`ErrorKind::NotAccepted`]) or may have been
+    /// ([`ErrorKind::Uncertain`]). A payload that does not serialize fails
+    /// alone, with [`ErrorKind::Encode`]; the delay and metadata apply to
+    /// every message.
+    pub async fn send_batch(self, payloads: &[P]) -> Vec<Result<String, DriverError>> {
+        self.producer
+            .send_many(self.job, payloads, &self.options)
+            .await
+    }
+}
+
+/// A dispatch made unique by [`Dispatch::unique`]: [`send`](Self::send)
+/// answers whether it went out or was a duplicate.
+#[must_use = "a dispatch sends nothing until `send` is awaited"]
+pub struct UniqueDispatchBuilder<'a, P, S: ?Sized> {
+    dispatch: Dispatch<'a, P>,
+    claims: &'a S,
+    key: &'a str,
+    window: Duration,
+}
+
+impl<P, S: ?Sized> std::fmt::Debug for UniqueDispatchBuilder<'_, P, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UniqueDispatchBuilder")
+            .field("dispatch", &self.dispatch)
+            .field("key", &self.key)
+            .field("window", &self.window)
+            .finish()
+    }
+}
+
+impl<P: Serialize, S: ClaimStore + ?Sized> UniqueDispatchBuilder<'_, P, S> {
+    /// As [`Dispatch::delay`].
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.dispatch = self.dispatch.delay(delay);
+        self
+    }
+
+    /// As [`Dispatch::metadata`].
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.dispatch = self.dispatch.metadata(key, value);
+        self
+    }
+
+    /// Sends `payload` unless the key is taken: [`UniqueDispatch::Dispatched`]
+    /// with its message id, or [`UniqueDispatch::Duplicate`] with the rest of
+    /// the window, nothing sent. A store error, or a key or window the store
+    /// refuses, sends nothing ([`UniqueDispatchError::Claim`]).
+    pub async fn send(self, payload: &P) -> Result<UniqueDispatch, UniqueDispatchError> {
+        let Dispatch {
+            producer,
+            job,
+            options,
+        } = self.dispatch;
+        jobrail::dispatch_unique(
+            self.claims,
+            job.name(),
+            self.key,
+            self.window,
+            || producer.send_one(job, payload, &options),
+            |e: &DriverError| e.kind() != ErrorKind::Uncertain,
+        )
+        .await
+    }
 }
 
 /// Sends typed jobs through a driver.
@@ -36,22 +217,47 @@ impl Producer {
         Producer { driver }
     }
 
-    /// Dispatches `payload` as `job`; returns the message id.
-    pub async fn dispatch<P: Serialize>(
-        &self,
-        job: &Job<P>,
-        payload: &P,
-    ) -> Result<String, DriverError> {
-        self.dispatch_with(job, payload, DispatchOptions::default())
-            .await
+    /// Starts a dispatch of `job`: set its delay, metadata or unique key on
+    /// the [`Dispatch`] it returns, then [`send`](Dispatch::send) one payload
+    /// or [`send_batch`](Dispatch::send_batch) several. The edge's producer
+    /// has the same builder (`jobrail_edge::EdgeProducer::dispatch`).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use jobrail::Job;
+    /// use jobrail_native::{MemoryDriver, Producer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let job = Job::<u64>::builder("build-report").build()?;
+    /// let producer = Producer::new(Arc::new(MemoryDriver::default()));
+    /// let id = producer.dispatch(&job).send(&7).await?;
+    /// let later = producer
+    ///     .dispatch(&job)
+    ///     .delay(Duration::from_secs(60))
+    ///     .metadata("tenant", "acme")
+    ///     .send(&8)
+    ///     .await?;
+    /// assert_ne!(id, later);
+    /// let ids = producer.dispatch(&job).send_batch(&[9, 10]).await;
+    /// assert!(ids.iter().all(Result::is_ok));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn dispatch<'a, P: Serialize>(&'a self, job: &'a Job<P>) -> Dispatch<'a, P> {
+        Dispatch {
+            producer: self,
+            job,
+            options: DispatchOptions::default(),
+        }
     }
 
-    /// Dispatches with options (delay, metadata).
-    pub async fn dispatch_with<P: Serialize>(
+    async fn send_one<P: Serialize>(
         &self,
         job: &Job<P>,
         payload: &P,
-        options: DispatchOptions,
+        options: &DispatchOptions,
     ) -> Result<String, DriverError> {
         let (id, body) = encode_envelope(job.name(), payload, &options.metadata)
             .map_err(|e| DriverError::new(self.driver.name(), ErrorKind::Encode, e))?;
@@ -60,40 +266,11 @@ impl Producer {
         Ok(id)
     }
 
-    /// Sends an already-built envelope to `queue`.
-    pub async fn send_envelope(
-        &self,
-        queue: &str,
-        envelope: &Envelope,
-        delay: Option<Duration>,
-    ) -> Result<(), DriverError> {
-        self.send_raw(queue, envelope.id.clone(), envelope.encode(), delay)
-            .await
-    }
-
-    /// Dispatches every payload as `job` in one batch, with the backend's
-    /// round trips overlapped (pipelined confirms or PubAcks, or the
-    /// backend's batch call); returns one result per payload, in order: the
-    /// message id, or the error that says whether that message was
-    /// certainly not accepted ([`ErrorKind::NotAccepted`]) or may have been
-    /// ([`ErrorKind::Uncertain`]). A payload that does not serialize fails
-    /// alone, with [`ErrorKind::Encode`].
-    pub async fn dispatch_batch<P: Serialize>(
+    async fn send_many<P: Serialize>(
         &self,
         job: &Job<P>,
         payloads: &[P],
-    ) -> Vec<Result<String, DriverError>> {
-        self.dispatch_batch_with(job, payloads, DispatchOptions::default())
-            .await
-    }
-
-    /// [`Producer::dispatch_batch`] with options (delay, metadata) that apply
-    /// to every message of the batch.
-    pub async fn dispatch_batch_with<P: Serialize>(
-        &self,
-        job: &Job<P>,
-        payloads: &[P],
-        options: DispatchOptions,
+        options: &DispatchOptions,
     ) -> Vec<Result<String, DriverError>> {
         let mut results: Vec<Result<String, DriverError>> = Vec::with_capacity(payloads.len());
         let mut outgoing = Vec::with_capacity(payloads.len());
@@ -126,7 +303,7 @@ impl Producer {
     }
 
     /// Sends already-encoded messages to `queue` in one batch (see
-    /// [`Producer::dispatch_batch`]); one result per message, in order. A
+    /// [`Dispatch::send_batch`]); one result per message, in order. A
     /// message over the size limit, or delayed on a backend that cannot
     /// delay, is refused alone before any I/O.
     pub async fn send_batch(
@@ -222,7 +399,8 @@ mod tests {
         let good = BTreeMap::new();
         let bad = BTreeMap::from([((1, 2), 3)]);
         let results = producer
-            .dispatch_batch(&job, &[good.clone(), bad, good])
+            .dispatch(&job)
+            .send_batch(&[good.clone(), bad, good])
             .await;
         assert_eq!(results.len(), 3);
         assert_eq!(results[1].as_ref().unwrap_err().kind(), ErrorKind::Encode);

@@ -1,19 +1,13 @@
 //! Unique dispatch: at most one job per key within a time window
-//! ([`Producer::dispatch_unique`]).
+//! ([`Dispatch::unique`](crate::Dispatch::unique)).
 
-use std::time::Duration;
+use crate::driver::DriverError;
 
-use jobrail::{ClaimStore, Job};
-use serde::Serialize;
-
-use crate::driver::{DriverError, ErrorKind};
-use crate::producer::{DispatchOptions, Producer};
-
-/// What [`Producer::dispatch_unique`] did: the job's message id, or a
+/// What a unique dispatch ([`Dispatch::unique`](crate::Dispatch::unique)) did: the job's message id, or a
 /// duplicate and the rest of its window ([`jobrail::UniqueDispatch`]).
 pub use jobrail::UniqueDispatch;
 
-/// Why [`Producer::dispatch_unique`] failed: the claim store's error
+/// Why a unique dispatch failed: the claim store's error
 /// (nothing was sent), or the driver's. The key stays taken for the window
 /// only if the backend may have accepted the message
 /// ([`ErrorKind::Uncertain`]); otherwise it was given back, and the
@@ -26,102 +20,17 @@ impl From<DriverError> for UniqueDispatchError {
     }
 }
 
-impl Producer {
-    /// Dispatches `payload` as `job` unless a job with the same `key` was
-    /// dispatched within `window`: the unique jobs of Sidekiq and the unique
-    /// tasks of asynq, on any [`ClaimStore`].
-    ///
-    /// The key (`unique:<job name>:<key>` in the store, so it never meets a
-    /// handler's own claims) is claimed for `window` and never completed: it
-    /// frees itself when the window ends. A claim already held answers
-    /// [`UniqueDispatch::Duplicate`] and sends nothing. If the dispatch
-    /// certainly did not reach the backend (refused, encode error), the
-    /// claim is released so the caller can try again at once; if it may
-    /// have ([`ErrorKind::Uncertain`]), the key stays taken for the window.
-    /// The rule is [`jobrail::dispatch_unique`], shared with the edge's
-    /// producer.
-    ///
-    /// This prevents duplicate *dispatches*; it does not make the handler
-    /// run once (redelivery still repeats it): for that, claim in the
-    /// handler ([`jobrail::run_once`]).
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use std::time::Duration;
-    /// use jobrail::{Job, MemoryClaims};
-    /// use jobrail_native::{MemoryDriver, Producer, UniqueDispatch};
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let job = Job::<u64>::builder("rebuild-index").build()?;
-    /// let producer = Producer::new(Arc::new(MemoryDriver::default()));
-    /// let claims = MemoryClaims::new();
-    /// let hour = Duration::from_secs(3600);
-    /// let first = producer.dispatch_unique(&claims, "tenant-7", hour, &job, &7).await?;
-    /// assert!(matches!(first, UniqueDispatch::Dispatched(_)));
-    /// let again = producer.dispatch_unique(&claims, "tenant-7", hour, &job, &7).await?;
-    /// assert!(matches!(again, UniqueDispatch::Duplicate { .. }));
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub async fn dispatch_unique<S, P>(
-        &self,
-        claims: &S,
-        key: &str,
-        window: Duration,
-        job: &Job<P>,
-        payload: &P,
-    ) -> Result<UniqueDispatch, UniqueDispatchError>
-    where
-        S: ClaimStore + ?Sized,
-        P: Serialize,
-    {
-        self.dispatch_unique_with(
-            claims,
-            key,
-            window,
-            job,
-            payload,
-            DispatchOptions::default(),
-        )
-        .await
-    }
-
-    /// [`Producer::dispatch_unique`] with options (delay, metadata).
-    pub async fn dispatch_unique_with<S, P>(
-        &self,
-        claims: &S,
-        key: &str,
-        window: Duration,
-        job: &Job<P>,
-        payload: &P,
-        options: DispatchOptions,
-    ) -> Result<UniqueDispatch, UniqueDispatchError>
-    where
-        S: ClaimStore + ?Sized,
-        P: Serialize,
-    {
-        jobrail::dispatch_unique(
-            claims,
-            job.name(),
-            key,
-            window,
-            || self.dispatch_with(job, payload, options),
-            |e: &DriverError| e.kind() != ErrorKind::Uncertain,
-        )
-        .await
-    }
-}
-
 #[cfg(all(test, feature = "memory"))]
 mod tests {
     use std::collections::BTreeMap;
     use std::sync::Arc;
+    use std::time::Duration;
 
-    use jobrail::{Claim, ClaimError, MemoryClaims};
+    use jobrail::{Claim, ClaimError, ClaimStore, Job, MemoryClaims};
+    use serde::Serialize;
 
     use super::*;
-    use crate::{Driver, MemoryDriver};
+    use crate::{Driver, ErrorKind, MemoryDriver, Producer};
 
     /// A multi-threaded runtime can spawn a unique dispatch (checked when
     /// this compiles).
@@ -133,7 +42,12 @@ mod tests {
         payload: &P,
     ) {
         fn send<T: Send>(_: T) {}
-        send(producer.dispatch_unique(claims, "k", Duration::ZERO, job, payload));
+        send(
+            producer
+                .dispatch(job)
+                .unique(claims, "k", Duration::ZERO)
+                .send(payload),
+        );
     }
 
     fn job() -> Job<u64> {
@@ -149,7 +63,9 @@ mod tests {
         let mut sent = 0;
         for _ in 0..5 {
             if let UniqueDispatch::Dispatched(_) = producer
-                .dispatch_unique(&claims, "k", window, &job(), &1)
+                .dispatch(&job())
+                .unique(&claims, "k", window)
+                .send(&1)
                 .await
                 .unwrap()
             {
@@ -161,14 +77,18 @@ mod tests {
         let other = Job::<u64>::builder("other").queue("q").build().unwrap();
         for (job, key) in [(&job(), "k2"), (&other, "k")] {
             let d = producer
-                .dispatch_unique(&claims, key, window, job, &1)
+                .dispatch(job)
+                .unique(&claims, key, window)
+                .send(&1)
                 .await;
             assert!(matches!(d, Ok(UniqueDispatch::Dispatched(_))), "{d:?}");
         }
         assert_eq!(driver.ready("q"), 3);
         tokio::time::sleep(window + Duration::from_millis(50)).await;
         let after = producer
-            .dispatch_unique(&claims, "k", window, &job(), &1)
+            .dispatch(&job())
+            .unique(&claims, "k", window)
+            .send(&1)
             .await;
         assert!(
             matches!(after, Ok(UniqueDispatch::Dispatched(_))),
@@ -189,14 +109,18 @@ mod tests {
             .unwrap();
         let bad = BTreeMap::from([((1, 2), 3)]);
         let failed = producer
-            .dispatch_unique(&claims, "k", window, &job, &bad)
+            .dispatch(&job)
+            .unique(&claims, "k", window)
+            .send(&bad)
             .await;
         assert!(
             matches!(&failed, Err(UniqueDispatchError::Dispatch(e)) if e.kind() == ErrorKind::Encode),
             "{failed:?}"
         );
         let good = producer
-            .dispatch_unique(&claims, "k", window, &job, &BTreeMap::new())
+            .dispatch(&job)
+            .unique(&claims, "k", window)
+            .send(&BTreeMap::new())
             .await;
         assert!(
             matches!(good, Ok(UniqueDispatch::Dispatched(_))),
@@ -205,7 +129,9 @@ mod tests {
         // A stopped backend refuses: the key is given back too.
         driver.stop().await.unwrap();
         let refused = producer
-            .dispatch_unique(&claims, "k3", window, &job, &BTreeMap::new())
+            .dispatch(&job)
+            .unique(&claims, "k3", window)
+            .send(&BTreeMap::new())
             .await;
         assert!(
             matches!(refused, Err(UniqueDispatchError::Dispatch(_))),
@@ -242,7 +168,9 @@ mod tests {
         let producer = Producer::new(driver.clone());
         let claims = MemoryClaims::new();
         let zero = producer
-            .dispatch_unique(&claims, "k", Duration::ZERO, &job(), &1)
+            .dispatch(&job())
+            .unique(&claims, "k", Duration::ZERO)
+            .send(&1)
             .await;
         assert!(
             matches!(

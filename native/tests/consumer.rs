@@ -90,7 +90,8 @@ async fn shutdown_closes_intake_before_cancelling_handlers() {
         .build()
         .spawn();
     Producer::new(driver.clone())
-        .dispatch(&job, &1)
+        .dispatch(&job)
+        .send(&1)
         .await
         .unwrap();
     started.notified().await;
@@ -125,7 +126,7 @@ async fn served(jobs: &[(&str, u32)], concurrency: usize) -> (usize, usize) {
             })
             .unwrap();
         for n in 0..*count {
-            producer.dispatch(&job, &n).await.unwrap();
+            producer.dispatch(&job).send(&n).await.unwrap();
         }
         total += *count as usize;
     }

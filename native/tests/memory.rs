@@ -140,7 +140,7 @@ async fn delayed_dispatch_is_refused_where_unsupported() {
         .queue("q")
         .build()
         .unwrap();
-    Producer::new(driver).dispatch(&job, &1).await.unwrap();
+    Producer::new(driver).dispatch(&job).send(&1).await.unwrap();
 }
 
 /// A registry of one job on `q` whose handler counts its executions and
@@ -173,7 +173,7 @@ async fn a_backoff_beyond_the_longest_delay_is_refused_at_start() {
     }));
     let too_long = jobrail::Job::<u32>::builder("slow-retries")
         .queue("q")
-        .retry(5)
+        .max_deliveries(5)
         .backoff(Duration::from_millis(200), 2.0, Duration::from_secs(10))
         .build()
         .unwrap();
@@ -192,7 +192,7 @@ async fn a_backoff_beyond_the_longest_delay_is_refused_at_start() {
     // 200 ms, 400 ms, 800 ms: within the limit.
     let fits = jobrail::Job::<u32>::builder("fits")
         .queue("q")
-        .retry(4)
+        .max_deliveries(4)
         .backoff(Duration::from_millis(200), 2.0, Duration::from_secs(10))
         .build()
         .unwrap();
@@ -244,7 +244,7 @@ async fn a_refused_retry_holds_the_message_instead_of_looping() {
     assert_eq!(driver.capabilities().refused_hold, hold, "the default hold");
     let job = jobrail::Job::<u32>::builder("waits")
         .queue("q")
-        .retry(5)
+        .max_deliveries(5)
         .build()
         .unwrap();
     let (mut registry, runs) = counted(&job, || {
@@ -255,7 +255,8 @@ async fn a_refused_retry_holds_the_message_instead_of_looping() {
         .build()
         .spawn();
     Producer::new(driver.clone())
-        .dispatch(&job, &1)
+        .dispatch(&job)
+        .send(&1)
         .await
         .unwrap();
     let runs_after = |d: Duration| {

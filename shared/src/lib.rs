@@ -13,41 +13,68 @@
 //!
 //! Every public item has one path, at the crate root (`jobrail::Job`,
 //! `jobrail::Settlement`, ...). The modules are private, one concern each;
-//! the main item of each carries the why.
+//! the main item of each carries the why. They sit in four folders, one per
+//! layer, lowest first. **A module imports only from its own layer and the
+//! layers below it, and no two modules import each other, directly or
+//! through others**: `tests/layers.rs` reads every file and fails on an
+//! import against the rule (the order and what belongs in each layer are
+//! declared there). Unit tests inside a module may use anything.
 //!
-//! - `job`: declarations and their validated policy ([`Job`], [`JobSpec`]).
+//! `model/`, the vocabulary:
+//! - `maybe_send`, `runtime`, `cancel`: bounds for both targets, injected
+//!   time, cancellation ([`MaybeSend`], [`Runtime`], [`CancelToken`]).
+//! - `error`: handler outcomes as error markers found through the source
+//!   chain ([`JobError`], [`Permanent`], [`RetryAfter`], [`Reject`],
+//!   [`BreakerOpen`]).
+//! - `panic`: panics of handlers and custom backoffs caught as errors.
 //! - `policy`: the attempt cap and backoff schedule of tier two, and tier
 //!   one ([`RetryPolicy`], [`Backoff`], [`TierOnePolicy`]).
-//! - `error`: handler outcomes as error markers found through the source
-//!   chain ([`JobError`], [`Permanent`], [`RetryAfter`], [`Reject`]).
+//! - `redact`: decode errors without the payload values serde quotes
+//!   ([`json_error`]).
 //! - `envelope`: the versioned wire format ([`Envelope`]).
+//! - `failure`, `record`: why a message failed terminally and the record
+//!   kept of it ([`Failure`], [`FailureRecord`]).
+//! - `backend`: a backend's answer to a request it did not confirm
+//!   ([`SettlementError`], [`ErrorKind`]).
+//! - `breaker`: the circuit breaker per named dependency
+//!   ([`CircuitBreaker`]), which records its own metrics.
+//! - `job`: declarations and their validated policy ([`Job`], [`JobSpec`]).
+//!
+//! `rules/`, pure decisions:
 //! - `settle`: the decision table from what happened to what the backend
 //!   should do ([`Settlement`]), the unknown-name and crash rules.
+//! - `budget`: what a failing job costs before it ends (executions, waits)
+//!   and the longest hold on one delivery ([`FailureBudget`],
+//!   [`longest_hold`]).
+//! - `replay`: the conventions of replaying failure records every failure
+//!   store shares ([`Replay`], [`replay_message`]).
+//!
+//! `observe/`, what an operator sees:
+//! - `stats`, `event`: counters and events ([`Stats`], [`Event`]).
+//! - `metrics`: counters, histograms and gauges through the `metrics`
+//!   facade, recorded where each fact is decided ([`describe_metrics`]).
+//!
+//! `run/`, running deliveries:
+//! - `context`: what a handler knows about its execution ([`JobContext`]).
+//! - `executor`: tier one, in-process retries inside a delivery.
 //! - `registry`: handlers by name and the decision for one delivery
-//!   ([`Registry`], [`Registry::process`]).
+//!   ([`Registry`], [`Registry::process`]), a file per concern.
 //! - `pipeline`: one delivery end to end (decide, settle, report), the
 //!   entry point every host calls ([`Registry::deliver`], [`DeliveryHandle`]).
 //! - `limit`: the broker-limit rule every host checks before consuming
 //!   ([`check_delivery_limit`]).
 //! - `retry_delay`: the delay-limit rule: no job declares a retry delay its
 //!   backend cannot hold ([`check_retry_delays`], [`longest_retry_delay`]).
-//! - `executor`: tier one, in-process retries inside a delivery.
-//! - `breaker`: the circuit breaker per named dependency ([`CircuitBreaker`]).
-//! - `record`, `event`, `stats`, `budget`: what an operator sees
-//!   ([`FailureRecord`], [`Event`], [`Stats`], [`FailureBudget`]).
-//! - `metrics`: counters, histograms and gauges through the `metrics`
-//!   facade, recorded where each fact is decided ([`describe_metrics`]).
-//! - `redact`: decode errors without the payload values serde quotes
-//!   ([`json_error`]).
 //! - `overrides`: operator overrides of tier depths and backoffs
 //!   ([`Overrides`]).
 //! - `claim`: running an effect once, through a claim on a business key
 //!   ([`ClaimStore`], [`run_once`], [`Claim`]).
 //! - `unique`: one dispatch per key and time window, on a claim store
 //!   ([`dispatch_unique`]).
-//! - `runtime`, `cancel`, `context`: injected time, cancellation, and what a
-//!   handler knows about its execution ([`Runtime`], [`CancelToken`],
-//!   [`JobContext`]).
+//! - `state`: shared state given once to the registry and read by type
+//!   from each execution's context ([`MissingState`]).
+//! - `testing` (not on wasm32): the public `jobrail::testing`, a registry's
+//!   jobs run on virtual time through the pipeline every host runs.
 //!
 //! # Example
 //!
@@ -60,7 +87,7 @@
 //! struct BuildReport { report_id: u64 }
 //!
 //! let job = Job::<BuildReport>::builder("build-report")
-//!     .retry(5)
+//!     .max_deliveries(5)
 //!     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
 //!     .build()
 //!     .unwrap();
@@ -84,75 +111,61 @@
 // state held in `Arc` need not be `Send`; one `Arc` type keeps both targets alike.
 #![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
 
-mod breaker;
-mod budget;
-mod cancel;
-mod claim;
-mod context;
-mod envelope;
-mod error;
-mod event;
-mod executor;
-mod job;
-mod limit;
-mod maybe_send;
-mod metrics;
-mod overrides;
-mod panic;
-mod pipeline;
-mod policy;
-mod record;
-mod redact;
-mod registry;
-mod replay;
-mod retry_delay;
-mod runtime;
-mod settle;
-mod stats;
-mod unique;
+mod model;
+mod observe;
+mod rules;
+mod run;
 
-pub use crate::metrics::describe_metrics;
-pub use breaker::{BreakerConfig, BreakerError, BreakerOpen, BreakerState, CircuitBreaker};
-pub use budget::{failure_budget, human, longest_hold, FailureBudget};
-pub use cancel::{CancelToken, Cancellation};
-#[cfg(feature = "memory-claims")]
-pub use claim::MemoryClaims;
-pub use claim::{
-    run_once, validate_claim, Claim, ClaimError, ClaimHeld, ClaimStore, Once, MAX_CLAIM_KEY_BYTES,
-    MAX_CLAIM_LEASE, MIN_HELD_RETRY,
+pub use model::backend::{ErrorKind, SettlementError};
+pub use model::breaker::{BreakerConfig, BreakerError, BreakerState, CircuitBreaker};
+pub use model::cancel::{CancelToken, Cancellation};
+pub use model::envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
+pub use model::error::BreakerOpen;
+pub use model::error::{
+    BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter,
 };
-pub use context::{DeadlineExceeded, Interrupted, JobContext};
-pub use envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
-pub use error::{BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter};
-pub use event::{Event, EventKind, EventSink};
-pub use job::{BreakerFeed, Job, JobBuilder, JobSpec};
-pub use limit::{
-    check_delivery_limit, check_job_delivery_limit, check_unknown_name_delivery_limit,
-    unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
-};
-pub use maybe_send::{BoxFuture, MaybeSend, MaybeSync};
-pub use overrides::Overrides;
-pub use pipeline::{Delivered, DeliveryHandle, ErrorKind, SettlementError};
-pub use policy::{
+pub use model::failure::{Failure, FailureKind};
+pub use model::job::{BreakerFeed, Job, JobBuilder, JobSpec};
+pub use model::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
+pub use model::policy::{
     whole_seconds_up, Backoff, PolicyError, RetryPolicy, TierOnePolicy, PANICKED_BACKOFF_DELAY,
 };
-pub use record::{
+pub use model::record::{
     FailureRecord, RawBody, Truncation, TRUNCATED_NAME_BYTES, TRUNCATED_REASON_BYTES,
 };
-pub use redact::json_error;
-pub use registry::{Incoming, Processed, Registry, RegistryError};
-pub use replay::{
+pub use model::redact::json_error;
+pub use model::runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
+pub use observe::event::{Event, EventKind, EventSink};
+pub use observe::metrics::describe_metrics;
+pub use observe::stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
+pub use rules::budget::{failure_budget, human, longest_hold, FailureBudget};
+pub use rules::replay::{
     failure_entry_id, poison_reason, replay_id, replay_message, Replay, ReplayRefused,
     REPLAYED_AT_MS, REPLAY_OF, REPLAY_OF_MESSAGE,
 };
-pub use retry_delay::{
+pub use rules::settle::{
+    deliveries_needed, exceeds_crash_bound, Settlement, UnknownNameAttempts,
+    DEFAULT_UNKNOWN_NAME_ATTEMPTS, REFUSED_SETTLEMENT_HOLD, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
+};
+#[cfg(feature = "memory-claims")]
+pub use run::claim::MemoryClaims;
+pub use run::claim::{
+    run_once, validate_claim, Claim, ClaimError, ClaimHeld, ClaimStore, Once, MAX_CLAIM_KEY_BYTES,
+    MAX_CLAIM_LEASE, MIN_HELD_RETRY,
+};
+pub use run::context::{DeadlineExceeded, Interrupted, JobContext};
+pub use run::limit::{
+    check_delivery_limit, check_job_delivery_limit, check_unknown_name_delivery_limit,
+    unknown_name_deliveries_needed, DeliveryLimitError, LimitedBy,
+};
+pub use run::overrides::Overrides;
+pub use run::pipeline::{Delivered, DeliveryHandle};
+pub use run::registry::{Incoming, Processed, Registry, RegistryError};
+pub use run::retry_delay::{
     check_job_retry_delay, check_retry_delays, longest_retry_delay, DelayOf, RetryDelayError,
     CUSTOM_BACKOFF_EVALUATIONS,
 };
-pub use runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
-pub use settle::{
-    deliveries_needed, exceeds_crash_bound, Failure, FailureKind, Settlement, UnknownNameAttempts,
-    DEFAULT_UNKNOWN_NAME_ATTEMPTS, REFUSED_SETTLEMENT_HOLD, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
-};
-pub use stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
-pub use unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};
+pub use run::state::MissingState;
+#[cfg(not(target_arch = "wasm32"))]
+pub use run::testing;
+pub use run::unique::{dispatch_unique, UniqueDispatch, UniqueDispatchError};

@@ -304,7 +304,10 @@ impl Runtime for ShutdownDuringSleep {
 /// key done and the delivery is acknowledged without running the effect.
 #[test]
 fn held_within_tier_one_waits_in_process_and_finds_the_key_done() {
-    let builder = declare().retry(3).tier_one(2).tier_one_max_wait(S(10));
+    let builder = declare()
+        .max_deliveries(3)
+        .tier_one(2)
+        .tier_one_max_wait(S(10));
     let rig = rig(builder, LEASE, |_, _, _| async { Ok(()) });
     assert_eq!(rig.claim(1, S(8)), Claim::Claimed { fence: 1 });
     // The other worker finishes its charge 4 s into this delivery's wait.
@@ -327,7 +330,10 @@ fn held_within_tier_one_waits_in_process_and_finds_the_key_done() {
 /// does, and the second execution claims the key with a higher fence.
 #[test]
 fn held_within_tier_one_claims_the_key_when_the_lease_ends_during_the_wait() {
-    let builder = declare().retry(3).tier_one(2).tier_one_max_wait(S(10));
+    let builder = declare()
+        .max_deliveries(3)
+        .tier_one(2)
+        .tier_one_max_wait(S(10));
     let rig = rig(builder, LEASE, |_, _, _| async { Ok(()) });
     assert_eq!(rig.claim(1, S(3)), Claim::Claimed { fence: 1 });
 
@@ -348,7 +354,7 @@ fn held_within_tier_one_claims_the_key_when_the_lease_ends_during_the_wait() {
 #[test]
 fn held_beyond_tier_one_retries_after_the_remaining_lease() {
     let builder = declare()
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_max_wait(S(5))
         .backoff(S(1), 2.0, S(10));
@@ -380,7 +386,9 @@ fn held_beyond_tier_one_retries_after_the_remaining_lease() {
 /// A lease about to end asks for a retry no sooner than [`MIN_HELD_RETRY`].
 #[test]
 fn a_lease_about_to_end_retries_after_the_minimum() {
-    let rig = rig(declare().retry(3), LEASE, |_, _, _| async { Ok(()) });
+    let rig = rig(declare().max_deliveries(3), LEASE, |_, _, _| async {
+        Ok(())
+    });
     assert_eq!(rig.claim(1, MS(20)), Claim::Claimed { fence: 1 });
     let p = rig.deliver(&body(1), 1);
     assert_eq!(p.settlement, retry(MIN_HELD_RETRY));
@@ -394,7 +402,7 @@ fn a_lease_about_to_end_retries_after_the_minimum() {
 /// and the failure names the holder's claim. The holder keeps its claim.
 #[test]
 fn held_on_the_last_delivery_fails_with_attempts_exhausted() {
-    let builder = declare().retry(3).tier_one_max_wait(S(5));
+    let builder = declare().max_deliveries(3).tier_one_max_wait(S(5));
     let rig = rig(builder, LEASE, |_, _, _| async { Ok(()) });
     assert_eq!(rig.claim(1, LEASE), Claim::Claimed { fence: 1 });
     rig.clock.advance(S(10));
@@ -425,7 +433,7 @@ fn held_on_the_last_delivery_fails_with_attempts_exhausted() {
 #[cfg(panic = "unwind")]
 #[test]
 fn a_panicking_effect_retries_and_frees_the_key_at_once() {
-    let builder = declare().retry(3).backoff(S(2), 2.0, S(10));
+    let builder = declare().max_deliveries(3).backoff(S(2), 2.0, S(10));
     let rig = rig(builder, LEASE, |_, _, n| async move {
         assert!(n > 1, "card processor bug");
         Ok(())
@@ -453,7 +461,7 @@ fn a_panicking_effect_retries_and_frees_the_key_at_once() {
 #[test]
 fn a_panicking_effect_is_retried_in_process_with_a_higher_fence() {
     let builder = declare()
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(2)
         .tier_one_backoff(MS(100), 2.0, S(1));
     let rig = rig(builder, LEASE, |_, _, n| async move {
@@ -507,7 +515,7 @@ fn a_failing_effect_keeps_its_outcome_and_releases_the_claim() {
         ),
     ];
     for (name, error, settled_so, outcome) in cases {
-        let builder = declare().retry(3).backoff(S(2), 2.0, S(10));
+        let builder = declare().max_deliveries(3).backoff(S(2), 2.0, S(10));
         let rig = rig(builder, LEASE, move |_, _, _| async move { Err(error()) });
         let p = rig.deliver(&body(1), 1);
         assert!(settled_so(&p), "{name}: {:?}", p.settlement);
@@ -525,7 +533,10 @@ fn a_failing_effect_keeps_its_outcome_and_releases_the_claim() {
 /// gave up is claimed again with the next fence.
 #[test]
 fn a_short_retry_after_from_the_effect_claims_again_in_process() {
-    let builder = declare().retry(3).tier_one(2).tier_one_max_wait(S(5));
+    let builder = declare()
+        .max_deliveries(3)
+        .tier_one(2)
+        .tier_one_max_wait(S(5));
     let rig = rig(builder, LEASE, |_, _, n| async move {
         if n == 1 {
             Err(JobError::retry_after("rate limited", S(1)))
@@ -550,7 +561,7 @@ fn a_short_retry_after_from_the_effect_claims_again_in_process() {
 /// redelivery runs the effect with the next fence, without waiting a lease.
 #[test]
 fn shutdown_mid_effect_releases_and_hands_the_delivery_back() {
-    let rig = rig(declare().retry(3), LEASE, |ctx, _, _| async move {
+    let rig = rig(declare().max_deliveries(3), LEASE, |ctx, _, _| async move {
         ctx.sleep(S(10)).await?;
         Ok(())
     });
@@ -600,7 +611,10 @@ fn shutdown_mid_effect_releases_and_hands_the_delivery_back() {
 /// completion would be too late.
 #[test]
 fn a_timeout_mid_effect_leaves_the_claim_to_its_lease() {
-    let builder = declare().retry(5).timeout(S(10)).backoff(S(1), 1.0, S(1));
+    let builder = declare()
+        .max_deliveries(5)
+        .timeout(S(10))
+        .backoff(S(1), 1.0, S(1));
     let rig = rig(builder, S(15), |_, _, n| async move {
         if n == 1 {
             std::future::pending::<()>().await;
@@ -634,7 +648,7 @@ fn a_timeout_mid_effect_leaves_the_claim_to_its_lease() {
 /// the redelivery waits out the lease, then runs with the next fence.
 #[test]
 fn a_delivery_dropped_mid_effect_leaves_the_claim_to_its_lease() {
-    let rig = rig(declare().retry(5), LEASE, |_, _, n| async move {
+    let rig = rig(declare().max_deliveries(5), LEASE, |_, _, n| async move {
         if n == 1 {
             std::future::pending::<()>().await;
         }
@@ -675,7 +689,9 @@ fn a_delivery_dropped_mid_effect_leaves_the_claim_to_its_lease() {
 /// effect not run, `AlreadyDone`, however much later it comes.
 #[test]
 fn a_duplicate_of_a_completed_job_is_acknowledged_without_running() {
-    let rig = rig(declare().retry(3), LEASE, |_, _, _| async { Ok(()) });
+    let rig = rig(declare().max_deliveries(3), LEASE, |_, _, _| async {
+        Ok(())
+    });
     let (first, second) = (body(1), body(1));
     let p1 = rig.deliver(&first, 1);
     assert_eq!(p1.settlement, Settlement::Ack);
@@ -699,7 +715,7 @@ fn a_duplicate_of_a_completed_job_is_acknowledged_without_running() {
 /// the next fence and runs the effect again, as the claim docs warn.
 #[test]
 fn a_completion_after_the_lease_is_lost_and_the_effect_runs_again() {
-    let builder = declare().retry(3).backoff(S(1), 1.0, S(1));
+    let builder = declare().max_deliveries(3).backoff(S(1), 1.0, S(1));
     let rig = rig(builder, S(5), |ctx, _, n| async move {
         if n == 1 {
             ctx.sleep(S(8)).await?;
@@ -726,7 +742,7 @@ fn a_completion_after_the_lease_is_lost_and_the_effect_runs_again() {
 /// ended and completed it while the first effect still ran.
 #[test]
 fn a_late_holder_finds_the_key_done_by_a_newer_one() {
-    let builder = declare().retry(3).backoff(S(1), 1.0, S(1));
+    let builder = declare().max_deliveries(3).backoff(S(1), 1.0, S(1));
     let rig = rig(builder, S(5), |ctx, _, _| async move {
         ctx.sleep(S(12)).await?;
         Ok(())
@@ -1052,7 +1068,7 @@ fn a_held_claim_does_not_count_toward_the_breaker() {
     )
     .unwrap();
     let builder = declare()
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(2)
         .tier_one_max_wait(S(1))
         .breaker(breaker.clone());

@@ -83,7 +83,7 @@ fn a_handler_returning_the_breakers_permanent_error_fails_at_once() {
     let runtime = VirtualRuntime::new();
     let b = breaker(&runtime, 5);
     let job = Job::<Work>::builder("work")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .build()
         .unwrap();
@@ -213,7 +213,7 @@ fn counting(builder: JobBuilder<Work>) -> (Registry, Arc<AtomicU32>) {
 #[test]
 fn a_redelivery_after_a_shutdown_on_the_last_delivery_still_runs() {
     let runtime = VirtualRuntime::new();
-    let (registry, calls) = counting(Job::<Work>::builder("work").retry(3));
+    let (registry, calls) = counting(Job::<Work>::builder("work").max_deliveries(3));
     // Delivery 3 of 3 was handed back by a graceful shutdown; the backend
     // counted it (delivery 4 now) and, where it can, says so.
     for shutdown_returns in [Some(1), None] {
@@ -226,7 +226,7 @@ fn a_redelivery_after_a_shutdown_on_the_last_delivery_still_runs() {
 #[test]
 fn a_crash_loop_still_ends_within_the_documented_bound() {
     let runtime = VirtualRuntime::new();
-    let (registry, calls) = counting(Job::<Work>::builder("work").retry(3));
+    let (registry, calls) = counting(Job::<Work>::builder("work").max_deliveries(3));
     // The backend counts shutdowns and saw none: delivery 4 follows crashes.
     let p = deliver(&registry, &runtime, &body(1), 4, Some(0));
     assert_eq!(failure_kind(&p), Some(FailureKind::AttemptsExhausted));
@@ -250,7 +250,7 @@ fn a_crash_loop_still_ends_within_the_documented_bound() {
 fn a_panic_before_the_future_is_an_ordinary_error() {
     let runtime = VirtualRuntime::new();
     let job = Job::<Work>::builder("work")
-        .retry(3)
+        .max_deliveries(3)
         .backoff(S(2), 2.0, S(10))
         .build()
         .unwrap();
@@ -288,7 +288,7 @@ fn a_panic_before_the_future_is_an_ordinary_error() {
 fn a_panicking_validation_hook_or_backoff_is_an_ordinary_error() {
     let runtime = VirtualRuntime::new();
     let job = Job::<Work>::builder("work")
-        .retry(3)
+        .max_deliveries(3)
         .backoff_fn(|attempt| {
             if attempt == 3 {
                 panic!("backoff exploded");
@@ -335,7 +335,7 @@ fn an_attached_breaker_opens_on_the_jobs_failures() {
     let runtime = VirtualRuntime::new();
     let b = breaker(&runtime, 2);
     let job = Job::<Work>::builder("work")
-        .retry(4)
+        .max_deliveries(4)
         .tier_one(3)
         .breaker(b.clone())
         .build()
@@ -366,7 +366,7 @@ fn a_breaker_the_handler_feeds_itself_is_only_read() {
     let runtime = VirtualRuntime::new();
     let b = breaker(&runtime, 2);
     let job = Job::<Work>::builder("work")
-        .retry(4)
+        .max_deliveries(4)
         .tier_one(3)
         .breaker_fed_by_handler(b.clone())
         .build()
@@ -391,7 +391,7 @@ fn a_breaker_the_handler_feeds_itself_is_only_read() {
 #[test]
 fn poison_and_unknown_name_events_name_the_job_and_message() {
     let runtime = VirtualRuntime::new();
-    let (mut registry, _) = counting(Job::<Work>::builder("work").retry(3));
+    let (mut registry, _) = counting(Job::<Work>::builder("work").max_deliveries(3));
     registry.unknown_name_attempts(jobrail::UnknownNameAttempts::limited(1));
     let cases: Vec<(Vec<u8>, &str, FailureKind)> = vec![
         (

@@ -37,7 +37,10 @@ impl EventSink for Sink {
 }
 
 fn setup() -> (Registry, Arc<Sink>) {
-    let job = Job::<u32>::builder("work").retry(3).build().unwrap();
+    let job = Job::<u32>::builder("work")
+        .max_deliveries(3)
+        .build()
+        .unwrap();
     let mut registry = Registry::new();
     registry
         .register(&job, |_: JobContext, _: u32| async { Ok(()) })
@@ -131,7 +134,7 @@ fn a_handed_back_delivery_is_settled_and_reported_like_any_other() {
 fn a_crashed_execution_settles_like_a_caught_panic() {
     use std::time::Duration;
     let job = Job::<u32>::builder("boom")
-        .retry(3)
+        .max_deliveries(3)
         .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(10))
         .build()
         .unwrap();
@@ -240,7 +243,7 @@ fn a_crashed_execution_counts_on_the_attached_breaker() {
     )
     .unwrap();
     let job = Job::<u32>::builder("boom")
-        .retry(3)
+        .max_deliveries(3)
         .breaker(breaker.clone())
         .build()
         .unwrap();

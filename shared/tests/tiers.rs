@@ -91,7 +91,7 @@ impl Setup {
 
 fn three_by_three() -> JobBuilder<Work> {
     Job::<Work>::builder("work")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(100), 2.0, MS(1000))
 }
@@ -282,7 +282,9 @@ impl Runtime for ShutdownDuringSleep {
 
 #[test]
 fn shutdown_during_tier_one_backoff_is_a_zero_delay_retry() {
-    let s = setup(three_by_three().retry(1), |_, _| Err(JobError::new("blip")));
+    let s = setup(three_by_three().max_deliveries(1), |_, _| {
+        Err(JobError::new("blip"))
+    });
     let cancel = CancelToken::new();
     let runtime = Arc::new(ShutdownDuringSleep {
         clock: VirtualRuntime::new(),
@@ -436,7 +438,7 @@ fn a_delivery_past_the_cap_fails_without_running() {
 #[test]
 fn a_zero_backoff_retry_is_not_reported_as_shutdown() {
     let builder = Job::<Work>::builder("work")
-        .retry(3)
+        .max_deliveries(3)
         .backoff_fn(|_| Duration::ZERO);
     let s = setup(builder, |_, _| Err(JobError::new("x")));
     let p = s.deliver(&body(1), 1);

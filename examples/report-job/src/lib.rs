@@ -56,7 +56,7 @@ pub struct BuildReport {
 pub fn job() -> Result<Job<BuildReport>, PolicyError> {
     Job::<BuildReport>::builder(NAME)
         .queue(QUEUE)
-        .retry(3)
+        .max_deliveries(3)
         .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(10))
         .tier_one(3)
         .tier_one_backoff(Duration::from_millis(50), 2.0, Duration::from_millis(200))

@@ -40,7 +40,7 @@
 //! claim stores runs on D1 through these routes.
 //!
 //! `POST /dispatch-unique` (`{"key", "window_ms", "report_id"}`) sends a
-//! healthy report through [`jobrail_edge::EdgeProducer::dispatch_unique`]
+//! healthy report through [`jobrail_edge::Dispatch::unique`]
 //! on `CLAIMS_DB`, unless one with the same key went out within the window:
 //! `{"dispatched": id}` or `{"duplicate": remaining_ms}`, an error as above
 //! (`{"error": "dispatch", ...}` for the send's own). The log's events keep
@@ -253,10 +253,12 @@ mod edge {
         let job = report_job::job().map_err(|e| worker::Error::RustError(e.to_string()))?;
         let fail = |e: jobrail_edge::EdgeError| worker::Error::RustError(e.to_string());
         let mut reports = Vec::new();
-        let delay = (body.delay_seconds > 0).then(|| Duration::from_secs(body.delay_seconds));
+        let delay = Duration::from_secs(body.delay_seconds);
         for report in &body.reports {
             let id = producer
-                .dispatch_with(&job, report, delay, Default::default())
+                .dispatch(&job)
+                .delay(delay)
+                .send(report)
                 .await
                 .map_err(fail)?;
             reports.push(id);
@@ -265,7 +267,8 @@ mod edge {
             Vec::new()
         } else {
             producer
-                .dispatch_batch(&job, &body.batch)
+                .dispatch(&job)
+                .send_batch(&body.batch)
                 .await
                 .map_err(fail)?
         };
@@ -582,7 +585,7 @@ mod edge {
         report_id: u64,
     }
 
-    /// One report through `EdgeProducer::dispatch_unique` on `CLAIMS_DB`.
+    /// One report through `Dispatch::unique` on `CLAIMS_DB`.
     async fn dispatch_unique(mut req: Request, ctx: RouteContext<()>) -> Result<Response> {
         let body: DispatchUnique = match req.json().await {
             Ok(body) => body,
@@ -601,7 +604,9 @@ mod edge {
             behaviour: Behaviour::Healthy,
         };
         let answer = match producer
-            .dispatch_unique(&store, &body.key, window, &job, &report)
+            .dispatch(&job)
+            .unique(&store, &body.key, window)
+            .send(&report)
             .await
         {
             Ok(UniqueDispatch::Dispatched(id)) => json!({ "dispatched": id }),

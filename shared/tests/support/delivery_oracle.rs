@@ -88,7 +88,10 @@ pub(crate) enum Ending {
 impl Pipeline {
     /// The registry of one job, `order`, with three attempts.
     pub(crate) fn new() -> Self {
-        let job = Job::<Order>::builder(JOB).retry(3).build().unwrap();
+        let job = Job::<Order>::builder(JOB)
+            .max_deliveries(3)
+            .build()
+            .unwrap();
         let runs = Arc::new(AtomicU32::new(0));
         let counter = runs.clone();
         let mut registry = Registry::new();

@@ -46,7 +46,7 @@ pub const SEND_BINDING: &str = "INVOICES";
 pub fn job() -> Result<Job<SendInvoice>, PolicyError> {
     Job::<SendInvoice>::builder("send-invoice")
         .queue(QUEUE)
-        .retry(3)
+        .max_deliveries(3)
         .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(10))
         .timeout(Duration::from_secs(10))
         .build()

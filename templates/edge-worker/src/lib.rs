@@ -36,7 +36,7 @@ pub const SEND_BINDING: &str = "EMAILS";
 pub fn job() -> Result<Job<WelcomeEmail>, PolicyError> {
     Job::<WelcomeEmail>::builder("send-welcome-email")
         .queue(QUEUE)
-        .retry(5)
+        .max_deliveries(5)
         .backoff(Duration::from_secs(10), 2.0, Duration::from_secs(600))
         .timeout(Duration::from_secs(30))
         .build()

@@ -32,7 +32,7 @@ const START: Duration = Duration::from_secs(20);
 pub fn announcing_registry(queue: &str, name: &str, cap: u32) -> Registry {
     let job = Job::<Work>::builder(name)
         .queue(queue)
-        .retry(cap)
+        .delivery_cap((cap > 0).then_some(cap))
         .build()
         .expect("job");
     let mut registry = Registry::new();
@@ -116,8 +116,13 @@ pub async fn killed_worker_loses_nothing_and_counts_the_attempt(
     worker: impl Fn(&str, &str, u32) -> Command + Send + 'static,
 ) -> String {
     let h = Harness::new(backend, scenario).await;
-    let job = h.job("crashy").retry(3).build().unwrap();
-    let id = h.producer.dispatch(&job, &Work { id: 7 }).await.unwrap();
+    let job = h.job("crashy").max_deliveries(3).build().unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 7 })
+        .await
+        .unwrap();
 
     let queue = h.queue.clone();
     let seen = tokio::task::spawn_blocking(move || {
@@ -174,7 +179,7 @@ impl InterruptedJob {
     /// handler runs.
     pub async fn start(backend: &dyn Backend, scenario: &str) -> Self {
         let harness = Harness::new(backend, scenario).await;
-        let job = harness.job("steady").retry(5).build().unwrap();
+        let job = harness.job("steady").max_deliveries(5).build().unwrap();
         let started = Arc::new(tokio::sync::Notify::new());
         let release = Arc::new(tokio::sync::Notify::new());
         let calls = Calls::default();
@@ -198,7 +203,8 @@ impl InterruptedJob {
         let consumer = harness.start(registry, 2);
         let interrupted = harness
             .producer
-            .dispatch(&job, &Work { id: 0 })
+            .dispatch(&job)
+            .send(&Work { id: 0 })
             .await
             .unwrap();
         tokio::time::timeout(harness.patience, started.notified())
@@ -258,7 +264,8 @@ impl InterruptedJob {
             match self
                 .harness
                 .producer
-                .dispatch(&self.job, &Work { id })
+                .dispatch(&self.job)
+                .send(&Work { id })
                 .await
             {
                 Ok(id) => return id,

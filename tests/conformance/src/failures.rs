@@ -65,7 +65,7 @@ impl Subject {
         let h = Harness::new(backend, name).await;
         let job = h
             .job(name)
-            .retry(deliveries)
+            .max_deliveries(deliveries)
             .backoff(MS(20), 1.0, MS(20))
             .build()
             .unwrap();
@@ -133,7 +133,9 @@ impl Subject {
         };
         self.h
             .producer
-            .dispatch_with(&self.job, &Work { id }, options)
+            .dispatch(&self.job)
+            .options(options)
+            .send(&Work { id })
             .await
             .unwrap()
     }
@@ -630,7 +632,12 @@ pub async fn failures_poison_replay_is_refused_unless_forced(backend: &dyn Backe
         .unwrap();
     let undecodable = Envelope::new(s.job.name(), serde_json::json!({"id": "seven"}));
     s.h.producer
-        .send_envelope(s.queue(), &undecodable, None)
+        .send_raw(
+            s.queue(),
+            undecodable.id.clone(),
+            undecodable.encode(),
+            None,
+        )
         .await
         .unwrap();
     s.h.events.wait_count(s.h.patience, "failed", 2).await;
@@ -812,7 +819,8 @@ pub async fn failures_purge_one_older_than_all(backend: &dyn Backend) {
     );
     let idle_job = idle.job("failures-purge-idle").build().unwrap();
     idle.producer
-        .dispatch(&idle_job, &Work { id: 99 })
+        .dispatch(&idle_job)
+        .send(&Work { id: 99 })
         .await
         .unwrap();
 

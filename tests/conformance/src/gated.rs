@@ -102,7 +102,7 @@ pub async fn long_handler_keeps_its_delivery(backend: &dyn Backend) {
         "a short hold is reported as the redelivery hint"
     );
     let h = Harness::on(backend, driver, Harness::queue_name("held"));
-    let job = h.job("held").retry(5).build().unwrap();
+    let job = h.job("held").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let c = calls.clone();
     let mut registry = Registry::new();
@@ -117,7 +117,11 @@ pub async fn long_handler_keeps_its_delivery(backend: &dyn Backend) {
         .unwrap();
     // Two slots: a redelivery would be taken while the first still runs.
     let consumer = h.start(registry, 2);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events
         .wait_count(hold * 3 + h.patience, "succeeded", 1)
         .await;
@@ -185,7 +189,7 @@ pub const OFF_GRID_DELAYS: [Duration; 2] =
 /// before the time requested.
 pub async fn retry_delays_are_never_rounded_down(backend: &dyn Backend) {
     let h = Harness::new(backend, "off-grid").await;
-    let job = h.job("off-grid").retry(3).build().unwrap();
+    let job = h.job("off-grid").max_deliveries(3).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         {
@@ -203,7 +207,11 @@ pub async fn retry_delays_are_never_rounded_down(backend: &dyn Backend) {
         },
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let longest = OFF_GRID_DELAYS.iter().sum::<Duration>();
     h.events
         .wait_count(longest * 2 + h.patience, "succeeded", 1)
@@ -251,9 +259,18 @@ pub async fn delivery_limit_is_checked_at_start(backend: &dyn Backend) {
         })
         .max()
         .expect("a limit of 4 leaves room for some unknown-name cap");
-    let job = |cap| h.job("limited").retry(cap).build().unwrap();
+    let job = |cap| {
+        h.job("limited")
+            .delivery_cap((cap > 0).then_some(cap))
+            .build()
+            .unwrap()
+    };
     for id in 1..=2 {
-        h.producer.dispatch(&job(fits), &Work { id }).await.unwrap();
+        h.producer
+            .dispatch(&job(fits))
+            .send(&Work { id })
+            .await
+            .unwrap();
     }
     let calls = Calls::default();
     let registry = |cap, unknown| {

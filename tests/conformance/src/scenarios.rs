@@ -208,10 +208,15 @@ fn last(events: &[Event]) -> &Event {
 /// `Ok(())` is acknowledged; the success is counted as a first-attempt resolution.
 pub async fn ack_on_success(backend: &dyn Backend) {
     let h = Harness::new(backend, "ack").await;
-    let job = h.job("ack").retry(3).build().unwrap();
+    let job = h.job("ack").max_deliveries(3).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
-    let id = h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].message_id, id);
@@ -238,7 +243,7 @@ pub async fn ack_on_success(backend: &dyn Backend) {
 /// An ordinary error is retried; attempts rise by one per delivery.
 pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
     let h = Harness::new(backend, "ordinary").await;
-    let job = h.job("ordinary").retry(5).build().unwrap();
+    let job = h.job("ordinary").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
@@ -252,7 +257,11 @@ pub async fn ordinary_error_retries_then_succeeds(backend: &dyn Backend) {
         // and settled before the first retry's event is emitted.
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(h.events.names(), ["retried", "retried", "succeeded"]);
     assert_eq!(calls.attempts(), [1, 2, 3]);
@@ -276,7 +285,7 @@ pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
     let h = Harness::new(backend, "cap").await;
     let job = h
         .job("cap")
-        .retry(3)
+        .max_deliveries(3)
         .backoff(MS(20), 1.0, MS(20))
         .build()
         .unwrap();
@@ -289,7 +298,12 @@ pub async fn attempt_cap_ends_in_failure_record(backend: &dyn Backend) {
         // One at a time, so events arrive in delivery order.
         1,
     );
-    let id = h.producer.dispatch(&job, &Work { id: 9 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 9 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(h.events.names(), ["retried", "retried", "failed"]);
     assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
@@ -316,7 +330,7 @@ async fn observe_schedule(
     let attempts = want.len() as u32 + 1;
     let job = builder
         .queue(h.queue.clone())
-        .retry(attempts)
+        .max_deliveries(attempts)
         .build()
         .unwrap();
     let calls = Calls::default();
@@ -324,7 +338,11 @@ async fn observe_schedule(
         registry_with(&job, calls.handler(|_, _| Err(JobError::new("fails")))),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "failed", 1).await;
     let requested: Vec<_> = h
         .events
@@ -364,7 +382,7 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
     let h = Harness::new(backend, "retry-after").await;
     let job = h
         .job("retry-after")
-        .retry(3)
+        .max_deliveries(3)
         .backoff(MS(10), 1.0, MS(10))
         .build()
         .unwrap();
@@ -379,7 +397,11 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     match &events[0].kind {
         EventKind::Retried {
@@ -400,14 +422,18 @@ pub async fn retry_after_overrides_backoff(backend: &dyn Backend) {
 /// A retry-after is still subject to the attempt cap.
 pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "retry-after-cap").await;
-    let job = h.job("retry-after-cap").retry(2).build().unwrap();
+    let job = h.job("retry-after-cap").max_deliveries(2).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async {
             Err(JobError::retry_after("busy", MS(20)))
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(h.events.names(), ["retried", "failed"]);
     assert_eq!(failure_of(last(&events)), FailureKind::AttemptsExhausted);
@@ -418,7 +444,7 @@ pub async fn retry_after_obeys_the_cap(backend: &dyn Backend) {
 /// A permanent error fails at once, whatever attempts remain; the cause is kept.
 pub async fn permanent_fails_at_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent").await;
-    let job = h.job("permanent").retry(5).build().unwrap();
+    let job = h.job("permanent").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
@@ -427,7 +453,11 @@ pub async fn permanent_fails_at_once(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(h.events.names(), ["failed"]);
     assert_eq!(failure_of(&events[0]), FailureKind::Permanent);
@@ -445,14 +475,18 @@ pub async fn permanent_fails_at_once(backend: &dyn Backend) {
 /// `Permanent` with no cause is a terminal failure, not a success.
 pub async fn permanent_without_cause_is_a_failure(backend: &dyn Backend) {
     let h = Harness::new(backend, "permanent-bare").await;
-    let job = h.job("permanent-bare").retry(5).build().unwrap();
+    let job = h.job("permanent-bare").max_deliveries(5).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async {
             Err(Permanent::without_cause().into())
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(&events[0]), FailureKind::Permanent);
     assert_eq!(
@@ -474,7 +508,7 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
     let h = Harness::new(backend, "reject").await;
     let capabilities = h.driver.capabilities();
     let hint = capabilities.redelivery_hint;
-    let job = h.job("reject").retry(5).build().unwrap();
+    let job = h.job("reject").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(
         registry_with(
@@ -486,7 +520,11 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "rejected", 1).await;
     assert_eq!(
         events[0].kind,
@@ -529,12 +567,12 @@ pub async fn reject_is_not_retried_by_the_facade(backend: &dyn Backend) {
 /// A payload that does not decode fails at once, with the raw body kept and no execution.
 pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backend) {
     let h = Harness::new(backend, "poison").await;
-    let job = h.job("poison").retry(5).build().unwrap();
+    let job = h.job("poison").max_deliveries(5).build().unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let envelope = Envelope::new("poison", serde_json::json!({"id": "not a number"}));
     h.producer
-        .send_envelope(&h.queue, &envelope, None)
+        .send_raw(&h.queue, envelope.id.clone(), envelope.encode(), None)
         .await
         .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
@@ -554,7 +592,7 @@ pub async fn undecodable_payload_fails_at_once_with_raw_body(backend: &dyn Backe
 /// A body that is not an envelope fails with the exact bytes kept.
 pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
     let h = Harness::new(backend, "malformed").await;
-    let job = h.job("malformed").retry(5).build().unwrap();
+    let job = h.job("malformed").max_deliveries(5).build().unwrap();
     let consumer = h.start(registry_with(&job, |_, _| async { Ok(()) }), 1);
     let body = vec![0xff, b'{', b'x', 0x00];
     h.producer
@@ -590,7 +628,7 @@ pub async fn malformed_envelope_fails_with_raw_body(backend: &dyn Backend) {
 pub async fn poison_bodies_about_the_size_limit_keep_a_record_that_fits(backend: &dyn Backend) {
     let h = Harness::new(backend, "poison-size").await;
     let limit = h.driver.capabilities().max_message_bytes;
-    let job = h.job("poison-size").retry(5).build().unwrap();
+    let job = h.job("poison-size").max_deliveries(5).build().unwrap();
     // Unterminated JSON whose quotes JSON escapes: text a third of a byte
     // larger in a record, so a record at the limit does not fit whole.
     let body =
@@ -676,7 +714,7 @@ pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
     let consumer = h.start(registry, 1);
     let envelope = Envelope::new("from-the-future", serde_json::json!({"id": 1}));
     h.producer
-        .send_envelope(&h.queue, &envelope, None)
+        .send_raw(&h.queue, envelope.id.clone(), envelope.encode(), None)
         .await
         .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
@@ -722,7 +760,7 @@ pub async fn unknown_name_retries_then_fails(backend: &dyn Backend) {
 /// A panic is an ordinary error carrying the panic message; the worker survives.
 pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
     let h = Harness::new(backend, "panic").await;
-    let job = h.job("panic").retry(3).build().unwrap();
+    let job = h.job("panic").max_deliveries(3).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |ctx, _| async move {
             if ctx.attempt() == 1 {
@@ -732,7 +770,11 @@ pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     match &events[0].kind {
         EventKind::Retried { error, .. } => {
@@ -747,7 +789,12 @@ pub async fn panic_is_an_ordinary_error(backend: &dyn Backend) {
 /// The timeout is visible as a deadline; returning `Ok` after it still acknowledges.
 pub async fn timeout_deadline_is_visible_and_late_success_acks(backend: &dyn Backend) {
     let h = Harness::new(backend, "timeout").await;
-    let job = h.job("timeout").retry(2).timeout(MS(150)).build().unwrap();
+    let job = h
+        .job("timeout")
+        .max_deliveries(2)
+        .timeout(MS(150))
+        .build()
+        .unwrap();
     let seen = Arc::new(Mutex::new(None));
     let s = seen.clone();
     let consumer = h.start(
@@ -762,7 +809,11 @@ pub async fn timeout_deadline_is_visible_and_late_success_acks(backend: &dyn Bac
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     let (remaining, expired) = seen.lock().unwrap().expect("handler ran");
     let remaining = remaining.expect("a deadline is set");
@@ -807,13 +858,17 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
         });
     let job = h
         .job("shutdown")
-        .retry(5)
+        .max_deliveries(5)
         .backoff(long, 1.0, Duration::ZERO)
         .build()
         .unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     tokio::time::timeout(h.patience, started.notified())
         .await
         .expect("handler started");
@@ -849,10 +904,14 @@ pub async fn shutdown_retries_interrupted_work_without_loss(backend: &dyn Backen
 /// ordinary failure exhausts it.
 pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown-cap").await;
-    let job = h.job("shutdown-cap").retry(1).build().unwrap();
+    let job = h.job("shutdown-cap").max_deliveries(1).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     tokio::time::timeout(h.patience, started.notified())
         .await
         .expect("handler started");
@@ -886,8 +945,12 @@ pub async fn shutdown_skips_the_cap(backend: &dyn Backend) {
 /// third fails without running (the documented crash bound).
 pub async fn repeated_shutdowns_at_the_cap(backend: &dyn Backend) {
     let h = Harness::new(backend, "shutdown-twice").await;
-    let job = h.job("shutdown-twice").retry(1).build().unwrap();
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let job = h.job("shutdown-twice").max_deliveries(1).build().unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     for round in 1..=2 {
         let started = Arc::new(tokio::sync::Notify::new());
         let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
@@ -919,7 +982,7 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
         .capabilities()
         .max_retry_delay
         .expect("registered only for backends with a maximum retry delay");
-    let job = h.job("settle-fail").retry(5).build().unwrap();
+    let job = h.job("settle-fail").max_deliveries(5).build().unwrap();
     let too_long = max + Duration::from_secs(1);
     let calls = Calls::default();
     let consumer = h.start(
@@ -932,7 +995,11 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let (event, error) = h.events.wait_settlement_failure(h.patience).await;
     let refused_at = Instant::now();
     assert!(matches!(event.kind, EventKind::Retried { .. }), "{event:?}");
@@ -970,12 +1037,16 @@ pub async fn settlement_failure_emits_no_outcome_and_keeps_the_message(backend: 
 /// `failed` is emitted only once the failure record has been transferred.
 pub async fn failed_event_follows_the_record(backend: &dyn Backend) {
     let h = Harness::new(backend, "failed-order").await;
-    let job = h.job("failed-order").retry(2).build().unwrap();
+    let job = h.job("failed-order").max_deliveries(2).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |_, _| async { Err(JobError::new("nope")) }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "failed", 1).await;
     let records = backend.failure_records(&h.queue).await;
     assert_eq!(records.len(), 1, "the record exists when `failed` is seen");
@@ -994,7 +1065,9 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
     if !h.driver.capabilities().delayed_dispatch {
         let err = h
             .producer
-            .dispatch_with(&job, &Work { id: 1 }, options)
+            .dispatch(&job)
+            .options(options)
+            .send(&Work { id: 1 })
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Unsupported);
@@ -1004,7 +1077,9 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
     let sent = Instant::now();
     h.producer
-        .dispatch_with(&job, &Work { id: 1 }, options)
+        .dispatch(&job)
+        .options(options)
+        .send(&Work { id: 1 })
         .await
         .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
@@ -1034,7 +1109,7 @@ pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
         2,
     );
     for id in 0..6 {
-        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+        h.producer.dispatch(&job).send(&Work { id }).await.unwrap();
     }
     h.events.wait_count(h.patience, "succeeded", 6).await;
     assert_eq!(peak.load(Ordering::SeqCst), 2);
@@ -1044,7 +1119,7 @@ pub async fn concurrency_limit_is_respected(backend: &dyn Backend) {
 /// Many messages with transient failures: every one ends acknowledged.
 pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
     let h = Harness::new(backend, "many").await;
-    let job = h.job("many").retry(3).build().unwrap();
+    let job = h.job("many").max_deliveries(3).build().unwrap();
     let consumer = h.start(
         registry_with(&job, |ctx, work| async move {
             if work.id % 3 == 0 && ctx.attempt() == 1 {
@@ -1057,7 +1132,7 @@ pub async fn many_messages_nothing_lost(backend: &dyn Backend) {
     );
     let mut ids = std::collections::BTreeSet::new();
     for id in 0..50 {
-        ids.insert(h.producer.dispatch(&job, &Work { id }).await.unwrap());
+        ids.insert(h.producer.dispatch(&job).send(&Work { id }).await.unwrap());
     }
     // A zero-delay retry's copy can be handled, and its success reported,
     // before the retry that made it is: wait for both counts.
@@ -1093,7 +1168,7 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
     let h = Harness::new(backend, "tiers").await;
     let job = h
         .job("tiers")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(1), 1.0, MS(1))
         .build()
@@ -1106,7 +1181,11 @@ pub async fn tier_one_times_tier_two_executions(backend: &dyn Backend) {
         ),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(calls.count(), 9);
     let seen = calls.seen();
@@ -1136,7 +1215,7 @@ pub async fn tier_one_success_is_acked_on_first_delivery(backend: &dyn Backend) 
     let h = Harness::new(backend, "tier-one").await;
     let job = h
         .job("tier-one")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(5), 1.0, MS(5))
         .build()
@@ -1151,7 +1230,11 @@ pub async fn tier_one_success_is_acked_on_first_delivery(backend: &dyn Backend) 
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(h.events.names(), ["succeeded"]);
     assert_eq!(events[0].attempt, 1);
@@ -1184,7 +1267,7 @@ pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
     .unwrap();
     let job = h
         .job("breaker")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .tier_one_backoff(MS(1), 1.0, MS(1))
         .breaker(breaker.clone())
@@ -1208,7 +1291,11 @@ pub async fn open_breaker_skips_tier_one(backend: &dyn Backend) {
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(executions.load(Ordering::SeqCst), 3);
     assert_eq!(upstream_calls.load(Ordering::SeqCst), 1);
@@ -1221,7 +1308,7 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
     let h = Harness::new(backend, "validate").await;
     let job = h
         .job("validate")
-        .retry(3)
+        .max_deliveries(3)
         .tier_one(3)
         .validate(|w: &Work| {
             if w.id == 0 {
@@ -1234,11 +1321,19 @@ pub async fn validation_failure_costs_no_execution(backend: &dyn Backend) {
         .unwrap();
     let calls = Calls::default();
     let consumer = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
-    h.producer.dispatch(&job, &Work { id: 0 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 0 })
+        .await
+        .unwrap();
     let events = h.events.wait_count(h.patience, "failed", 1).await;
     assert_eq!(failure_of(&events[0]), FailureKind::InvalidPayload);
     assert_eq!(events[0].executions, 0);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     assert_eq!(calls.count(), 1, "only the valid message ran");
     consumer.shutdown().await.unwrap();
@@ -1249,7 +1344,7 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
     let h = Harness::new(backend, "tier-one-shutdown").await;
     let job = h
         .job("tier-one-shutdown")
-        .retry(2)
+        .max_deliveries(2)
         .tier_one(3)
         .tier_one_backoff(Duration::from_secs(60), 1.0, Duration::ZERO)
         .build()
@@ -1263,7 +1358,11 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
         }),
         1,
     );
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     tokio::time::timeout(h.patience, started.notified())
         .await
         .expect("handler ran");
@@ -1296,11 +1395,11 @@ pub async fn shutdown_during_tier_one_backoff_retries_at_once(backend: &dyn Back
 /// for the next consumer.
 pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
     let h = Harness::new(backend, "backlog").await;
-    let job = h.job("backlog").retry(5).build().unwrap();
+    let job = h.job("backlog").max_deliveries(5).build().unwrap();
     let started = Arc::new(tokio::sync::Notify::new());
     let consumer = h.start(registry_with(&job, cancelled_handler(started.clone())), 1);
     for id in 0..5 {
-        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+        h.producer.dispatch(&job).send(&Work { id }).await.unwrap();
     }
     tokio::time::timeout(h.patience, started.notified())
         .await
@@ -1336,16 +1435,25 @@ pub async fn shutdown_keeps_the_backlog(backend: &dyn Backend) {
 /// of its deliveries.
 pub async fn stopped_consumer_spends_nothing_sent_after(backend: &dyn Backend) {
     let h = Harness::new(backend, "stopped-idle").await;
-    let job = h.job("stopped-idle").retry(1).build().unwrap();
+    let job = h.job("stopped-idle").max_deliveries(1).build().unwrap();
     let calls = Calls::default();
     let first = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     // Idle now, waiting for the next message.
     tokio::time::sleep(MS(200)).await;
     first.shutdown().await.unwrap();
     let sent = Instant::now();
-    let id = h.producer.dispatch(&job, &Work { id: 2 }).await.unwrap();
+    let id = h
+        .producer
+        .dispatch(&job)
+        .send(&Work { id: 2 })
+        .await
+        .unwrap();
     tokio::time::sleep(MS(300)).await;
     let next = h
         .start_on(
@@ -1438,7 +1546,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     let over = envelope_of_size(job.name(), limit + 1);
     let err = h
         .producer
-        .send_envelope(&h.queue, &over, None)
+        .send_raw(&h.queue, over.id.clone(), over.encode(), None)
         .await
         .expect_err("an oversize message was accepted");
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
@@ -1451,7 +1559,7 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
     let stopped = backend.connect().await;
     stopped.stop().await.unwrap();
     let err = jobrail_native::Producer::new(stopped)
-        .send_envelope(&h.queue, &over, None)
+        .send_raw(&h.queue, over.id.clone(), over.encode(), None)
         .await
         .expect_err("an oversize message was accepted");
     assert_eq!(err.kind(), ErrorKind::NotAccepted, "{err}");
@@ -1459,7 +1567,8 @@ pub async fn oversize_dispatch_is_refused_before_io(backend: &dyn Backend) {
 
     let (registry, seen) = recording_pads(&job);
     h.producer
-        .dispatch(&job, &Padded { pad: "x".into() })
+        .dispatch(&job)
+        .send(&Padded { pad: "x".into() })
         .await
         .unwrap();
     let consumer = h.start(registry, 2);
@@ -1483,7 +1592,7 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     let limit = size_limit(&h);
     let job = Job::<Padded>::builder("at-limit")
         .queue(h.queue.clone())
-        .retry(3)
+        .max_deliveries(3)
         .build()
         .unwrap();
     let envelope = envelope_of_size(job.name(), limit);
@@ -1494,7 +1603,7 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     let (registry, seen) = recording_pads(&job);
     let started = Instant::now();
     h.producer
-        .send_envelope(&h.queue, &envelope, None)
+        .send_raw(&h.queue, envelope.id.clone(), envelope.encode(), None)
         .await
         .unwrap_or_else(|e| panic!("a message of exactly {limit} bytes was refused: {e}"));
     let consumer = h.start(registry, 1);
@@ -1518,7 +1627,7 @@ pub async fn batch_dispatch_runs_each_message_once(backend: &dyn Backend) {
     let h = Harness::new(backend, "batch").await;
     let job = h.job("batch").build().unwrap();
     let payloads: Vec<Work> = (0..25).map(|id| Work { id }).collect();
-    let results = h.producer.dispatch_batch(&job, &payloads).await;
+    let results = h.producer.dispatch(&job).send_batch(&payloads).await;
     assert_eq!(results.len(), payloads.len(), "one answer per payload");
     let ids: Vec<String> = results
         .into_iter()
@@ -1570,7 +1679,9 @@ pub async fn delayed_batch_dispatch(backend: &dyn Backend) {
     let sent = Instant::now();
     let results = h
         .producer
-        .dispatch_batch_with(&job, &payloads, options)
+        .dispatch(&job)
+        .options(options)
+        .send_batch(&payloads)
         .await;
     assert_eq!(results.len(), 3);
     if !h.driver.capabilities().delayed_dispatch {

@@ -360,13 +360,18 @@ fn run_natively(
         let mut labels = BTreeMap::new();
         for (label, report) in reports {
             labels.insert(
-                producer.dispatch(&job, report).await.unwrap(),
+                producer.dispatch(&job).send(report).await.unwrap(),
                 label.clone(),
             );
         }
         for (label, envelope) in envelopes {
             producer
-                .send_envelope(report_job::QUEUE, envelope, None)
+                .send_raw(
+                    report_job::QUEUE,
+                    envelope.id.clone(),
+                    envelope.encode(),
+                    None,
+                )
                 .await
                 .unwrap();
             labels.insert(envelope.id.clone(), label.clone());

@@ -151,14 +151,12 @@ async fn delayed_dispatch_is_refused_as_unsupported() {
     let job = h.job("delayed").build().unwrap();
     let err = h
         .producer
-        .dispatch_with(
-            &job,
-            &Work { id: 1 },
-            DispatchOptions {
-                delay: Some(MS(500)),
-                ..Default::default()
-            },
-        )
+        .dispatch(&job)
+        .options(DispatchOptions {
+            delay: Some(MS(500)),
+            ..Default::default()
+        })
+        .send(&Work { id: 1 })
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
@@ -206,7 +204,7 @@ async fn private_server() -> Option<(NatsServer, RemovedOnDrop)> {
         return None;
     }
     let store = std::env::temp_dir().join(format!(
-        "queue-nats-extra-{}-{}",
+        "jobrail-nats-extra-{}-{}",
         std::process::id(),
         &jobrail::new_message_id()[..8]
     ));
@@ -241,7 +239,11 @@ async fn dispatch_fails_fast_while_the_server_is_down() {
     let backend = Fixture::<Nats>::new(config);
     let h = Harness::new(&backend, "nats-outage").await;
     let job = h.job("outage").build().unwrap();
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
 
     server.kill();
     let mut latencies = Vec::new();
@@ -249,7 +251,8 @@ async fn dispatch_fails_fast_while_the_server_is_down() {
         let started = tokio::time::Instant::now();
         let err = h
             .producer
-            .dispatch(&job, &Work { id: 100 + i })
+            .dispatch(&job)
+            .send(&Work { id: 100 + i })
             .await
             .expect_err("a dispatch while the server is down succeeded");
         let took = started.elapsed();
@@ -265,7 +268,7 @@ async fn dispatch_fails_fast_while_the_server_is_down() {
     server.up().await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        match h.producer.dispatch(&job, &Work { id: 2 }).await {
+        match h.producer.dispatch(&job).send(&Work { id: 2 }).await {
             Ok(_) => break,
             Err(e) => {
                 assert!(
@@ -301,7 +304,7 @@ async fn pull_requests_stay_large_under_load() {
     );
     let job = h.job("pulls").build().unwrap();
     let payloads: Vec<Work> = (0..N as u32).map(|id| Work { id }).collect();
-    for result in h.producer.dispatch_batch(&job, &payloads).await {
+    for result in h.producer.dispatch(&job).send_batch(&payloads).await {
         result.unwrap();
     }
     let before = driver.pull_requests_sent();
@@ -361,7 +364,7 @@ async fn a_refused_failure_record_waits_for_ack_wait() {
         .limit_failure_record_size(&h.queue, 64)
         .await
         .unwrap();
-    let job = h.job("record-refused").retry(5).build().unwrap();
+    let job = h.job("record-refused").max_deliveries(5).build().unwrap();
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let counter = runs.clone();
     let mut registry = jobrail::Registry::new();
@@ -372,7 +375,11 @@ async fn a_refused_failure_record_waits_for_ack_wait() {
         })
         .unwrap();
     let consumer = h.start(registry, 1);
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let (_, error) = h.events.wait_settlement_failure(h.patience).await;
     let refused_at = tokio::time::Instant::now();
     assert!(error.contains("refused the publish"), "{error}");
@@ -404,7 +411,7 @@ async fn one_lease_ticker_keeps_every_long_handler() {
     let hold = Duration::from_secs(1);
     let backend = nats(hold);
     let h = Harness::new(&backend, "nats-leases").await;
-    let job = h.job("leases").retry(5).build().unwrap();
+    let job = h.job("leases").max_deliveries(5).build().unwrap();
     let calls = jobrail_conformance::Calls::default();
     let c = calls.clone();
     let mut registry = jobrail::Registry::new();
@@ -420,7 +427,7 @@ async fn one_lease_ticker_keeps_every_long_handler() {
     // Spare slots: a redelivery would be taken while the first runs.
     let consumer = h.start(registry, 8);
     for id in 0..4 {
-        h.producer.dispatch(&job, &Work { id }).await.unwrap();
+        h.producer.dispatch(&job).send(&Work { id }).await.unwrap();
         tokio::time::sleep(hold / 3).await;
     }
     h.events
@@ -453,7 +460,8 @@ async fn concurrent_dispatches(
     let job = h.job("concurrent").build().unwrap();
     // Declared once before, so every call goes straight to publishing.
     h.producer
-        .dispatch(&job, &Work { id: u32::MAX })
+        .dispatch(&job)
+        .send(&Work { id: u32::MAX })
         .await
         .unwrap();
     let mut tasks = tokio::task::JoinSet::new();
@@ -465,7 +473,7 @@ async fn concurrent_dispatches(
                     id: b * per_batch + i,
                 })
                 .collect();
-            for result in producer.dispatch_batch(&job, &payloads).await {
+            for result in producer.dispatch(&job).send_batch(&payloads).await {
                 result.expect("each message of a batch is stored");
             }
         });
@@ -475,7 +483,7 @@ async fn concurrent_dispatches(
         tasks.spawn(async move {
             for i in 0..per_single {
                 let id = 1_000_000 + s * per_single + i;
-                producer.dispatch(&job, &Work { id }).await.unwrap();
+                producer.dispatch(&job).send(&Work { id }).await.unwrap();
             }
         });
     }

@@ -114,8 +114,12 @@ async fn sigterm_shuts_a_worker_down_gracefully() {
     let _broker = BROKER.read().await;
     let backend = rabbit(&[100, 1000]);
     let h = Harness::new(&backend, "rmq-sigterm").await;
-    let job = h.job("graceful").retry(3).build().unwrap();
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    let job = h.job("graceful").max_deliveries(3).build().unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     let queue = h.queue.clone();
     let (lines, success) = tokio::task::spawn_blocking(move || {
         crash::lines_after_sigterm(kill_worker(&queue, "graceful", 3))
@@ -296,7 +300,11 @@ async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
     let backend = Fixture::<RabbitMq>::new(config);
     let h = Harness::new(&backend, "rmq-outage").await;
     let job = h.job("outage").build().unwrap();
-    h.producer.dispatch(&job, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
 
     outage.go_down().await;
     let mut latencies = Vec::new();
@@ -305,7 +313,8 @@ async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
         let started = tokio::time::Instant::now();
         let err = h
             .producer
-            .dispatch(&job, &Work { id: 100 + i })
+            .dispatch(&job)
+            .send(&Work { id: 100 + i })
             .await
             .expect_err("a dispatch while the broker is unreachable succeeded");
         let took = started.elapsed();
@@ -327,7 +336,11 @@ async fn dispatch_fails_fast_while_the_broker_is_unreachable() {
     println!("rabbitmq: dispatch latencies while the broker is unreachable: {latencies:?}");
 
     outage.come_back().await;
-    h.producer.dispatch(&job, &Work { id: 2 }).await.unwrap();
+    h.producer
+        .dispatch(&job)
+        .send(&Work { id: 2 })
+        .await
+        .unwrap();
     // The messages accepted before and after the outage, and only those;
     // an uncertain dispatch 0 may have reached the broker, queued between
     // them (consume_ids sorts: [1, 100, 2] reads [1, 2, 100]).
@@ -396,7 +409,11 @@ async fn a_job_longer_than_the_consumer_timeout_is_refused_at_start() {
     registry.register(&fits, handler).unwrap();
     registry.register(&unbounded, handler).unwrap();
     let consumer = h.start(registry, 1);
-    h.producer.dispatch(&fits, &Work { id: 1 }).await.unwrap();
+    h.producer
+        .dispatch(&fits)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
     h.events.wait_count(h.patience, "succeeded", 1).await;
     consumer.shutdown().await.unwrap();
 

@@ -107,7 +107,8 @@ fn a_clean_shutdown_logs_no_error() {
             let producer = Producer::new(driver.clone());
             for id in 0..5 {
                 producer
-                    .dispatch(&job, &Work { id })
+                    .dispatch(&job)
+                    .send(&Work { id })
                     .await
                     .expect("dispatch");
             }

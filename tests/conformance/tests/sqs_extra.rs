@@ -327,7 +327,7 @@ async fn credentials_and_payloads_stay_out_of_logs_and_errors() {
     const ACCESS_KEY: &str = "AKIAQUEUELEAKPROBE01";
     const SECRET_KEY: &str = "queueLeakProbeSecret/0123456789abcdefXYZ";
     const TOKEN: &str = "queueLeakProbeSessionToken0123456789";
-    const PAYLOAD: &str = "queue-leak-probe-payload";
+    const PAYLOAD: &str = "jobrail-leak-probe-payload";
     let leaky = |endpoint: String| {
         let mut config = config();
         config.endpoint = Some(endpoint);

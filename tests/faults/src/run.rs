@@ -483,7 +483,7 @@ impl Suite {
             async move {
                 tokio::time::sleep(Duration::from_millis(100 * i)).await;
                 let started = Instant::now();
-                let result = producer.dispatch(job, &item).await;
+                let result = producer.dispatch(job).send(&item).await;
                 (item.id, result, started.elapsed())
             }
         });
@@ -581,7 +581,7 @@ async fn paced_dispatch(
     let results = stream::iter(items.into_iter().enumerate())
         .map(|(i, item)| async move {
             tokio::time::sleep_until(started + step * i as u32).await;
-            (item.id, producer.dispatch(job, &item).await)
+            (item.id, producer.dispatch(job).send(&item).await)
         })
         .buffer_unordered(16)
         .collect()
@@ -852,7 +852,8 @@ async fn provoke_connection_error(suite: &mut Suite, env: &Env) {
             // The NATS driver may connect lazily: a dispatch shows the error.
             let job = worker::job("faults-closed", 1, Duration::from_secs(5));
             let result = Producer::new(conn.driver())
-                .dispatch(&job, &suite.item(0))
+                .dispatch(&job)
+                .send(&suite.item(0))
                 .await;
             match result {
                 Ok(_) => suite.problems.push(format!(

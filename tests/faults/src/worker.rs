@@ -98,7 +98,7 @@ pub(crate) struct WorkerArgs {
 pub(crate) fn job(queue: &str, cap: u32, timeout: Duration) -> Job<Item> {
     Job::<Item>::builder(JOB)
         .queue(queue)
-        .retry(cap)
+        .delivery_cap((cap > 0).then_some(cap))
         .timeout(timeout)
         .build()
         .expect("the suite's job is valid")

@@ -616,7 +616,7 @@ pub fn registry(sc: &Scenario, world: &Arc<World>, clock: &Arc<TokioRuntime>) ->
     for (j, plan) in sc.jobs.iter().enumerate() {
         let mut b = Job::<Payload>::builder(plan.name.clone())
             .queue(plan.queue.clone())
-            .retry(plan.cap)
+            .delivery_cap((plan.cap > 0).then_some(plan.cap))
             .tier_one(plan.tier_one)
             .tier_one_backoff(Duration::from_millis(200), 2.0, Duration::from_secs(1));
         match plan.backoff {

@@ -1,0 +1,13 @@
+pub(crate) mod backend;
+pub(crate) mod breaker;
+pub(crate) mod cancel;
+pub(crate) mod envelope;
+pub(crate) mod error;
+pub(crate) mod failure;
+pub(crate) mod job;
+pub(crate) mod maybe_send;
+pub(crate) mod panic;
+pub(crate) mod policy;
+pub(crate) mod record;
+pub(crate) mod redact;
+pub(crate) mod runtime;

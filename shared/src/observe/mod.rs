@@ -1,0 +1,3 @@
+pub(crate) mod event;
+pub(crate) mod metrics;
+pub(crate) mod stats;

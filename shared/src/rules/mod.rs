@@ -1,0 +1,3 @@
+pub(crate) mod budget;
+pub(crate) mod replay;
+pub(crate) mod settle;

@@ -1,0 +1,12 @@
+pub(crate) mod claim;
+pub(crate) mod context;
+pub(crate) mod executor;
+pub(crate) mod limit;
+pub(crate) mod overrides;
+pub(crate) mod pipeline;
+pub(crate) mod registry;
+pub(crate) mod retry_delay;
+pub(crate) mod state;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
+pub(crate) mod unique;

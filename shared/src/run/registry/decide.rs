@@ -1,0 +1,326 @@
+//! The decision for one delivery: decode the envelope, find the handler,
+//! decode and validate the payload, run the two tiers and settle
+//! ([`Registry::process`]), with the early failures and the event.
+
+use std::sync::Arc;
+
+use crate::model::cancel::CancelToken;
+use crate::model::envelope::{Envelope, EnvelopeError, EnvelopeView};
+use crate::model::error::JobError;
+use crate::model::failure::{Failure, FailureKind};
+use crate::model::panic::guard;
+use crate::model::record::FailureRecord;
+use crate::model::runtime::Runtime;
+use crate::observe::event::{Event, EventKind};
+use crate::observe::stats::{Count, Resolution, UNREGISTERED_JOBS};
+use crate::rules::settle::{
+    exceeds_crash_bound, is_shutdown, settle, settle_unknown_name, Decision, Settlement,
+    SHUTDOWN_GRACE,
+};
+use crate::run::context::ContextParts;
+use crate::run::executor::run_tiers;
+
+use super::erased::ErasedJob;
+use super::message::{Known, Message};
+use super::{Incoming, Processed, Registry};
+
+/// What running the handler produced, for the event.
+#[derive(Default)]
+pub(super) struct RunSummary {
+    pub(super) executions: u32,
+    pub(super) resolution: Option<Resolution>,
+    pub(super) error: Option<String>,
+    pub(super) shutdown: bool,
+    /// An owned copy of the message id, for the event to take.
+    pub(super) message_id: Option<String>,
+}
+
+impl Registry {
+    /// [`Registry::process`].
+    pub(super) async fn decide(
+        &self,
+        delivery: Incoming<'_>,
+        runtime: &Arc<dyn Runtime>,
+        cancel: &CancelToken,
+    ) -> Processed {
+        let (mut envelope, job) = match self.route(delivery) {
+            Ok(routed) => routed,
+            Err(unrunnable) => return *unrunnable,
+        };
+        let spec = job.spec();
+        let payload = envelope.payload.get();
+        let prepared = match guard(|| job.prepare(payload)) {
+            Ok(Ok(prepared)) => prepared,
+            Ok(Err(failure)) => {
+                let envelope = envelope.to_envelope();
+                let known = Known::from_envelope(&envelope);
+                return self.fail_early(delivery, known, Some(&envelope), failure);
+            }
+            // A validation hook that panics is an ordinary error: retried by
+            // the job's policy, with no execution.
+            Err(panicked) => {
+                let result = Err(JobError::from(panicked));
+                let decision = settle(&spec.retry, delivery.attempt, &result, false);
+                let summary = RunSummary {
+                    error: result.as_ref().err().map(JobError::chain_text),
+                    ..RunSummary::default()
+                };
+                return self.finish(delivery, &envelope, decision, summary);
+            }
+        };
+
+        if exceeds_crash_bound(
+            spec.retry.max_deliveries,
+            delivery.attempt,
+            delivery.shutdown_returns,
+        ) {
+            // Earlier deliveries ended without a settlement (a worker that
+            // crashed or was killed mid-job): the cap is spent, so fail
+            // without running the handler again.
+            let failure = Failure {
+                kind: FailureKind::AttemptsExhausted,
+                message: format!(
+                    "delivery {} exceeds the cap of {} ({}): earlier deliveries ended without a settlement that retries (a worker that crashed, or a rejection the backend returned)",
+                    delivery.attempt,
+                    spec.retry.max_deliveries,
+                    match delivery.shutdown_returns {
+                        Some(n) => format!("{n} of them handed back by a graceful shutdown"),
+                        None => format!("with {SHUTDOWN_GRACE} delivery of grace: this backend cannot count graceful-shutdown returns"),
+                    }
+                ),
+            };
+            return self.finish(
+                delivery,
+                &envelope,
+                Decision::Fail(failure),
+                RunSummary::default(),
+            );
+        }
+        let (name, queue) = job.names();
+        let parts = Arc::new(ContextParts {
+            job: name.clone(),
+            queue: if &**queue == delivery.queue {
+                queue.clone()
+            } else {
+                Arc::from(delivery.queue)
+            },
+            message_id: envelope.id.to_string(),
+            attempt: delivery.attempt,
+            in_process_limit: spec.tier_one.attempts,
+            cancel: cancel.clone(),
+            runtime: runtime.clone(),
+            // Lent to the context, and given back below.
+            metadata: std::mem::take(&mut envelope.metadata),
+            state: self.state.clone(),
+        });
+        let meter = self.meter(&envelope.job, delivery.queue);
+        let mut prepared = Some(prepared);
+        let run = run_tiers(
+            spec,
+            |ctx| job.run(ctx, prepared.take(), payload),
+            &parts,
+            &meter,
+            delivery.deadline,
+        )
+        .await;
+        job.counters()
+            .add(Count::Executions, u64::from(run.executions));
+        // The event takes the context's copy of the id, and the envelope
+        // its metadata back, when no handler kept a context (the usual
+        // case); else they are copied.
+        let message_id = match Arc::try_unwrap(parts) {
+            Ok(parts) => {
+                envelope.metadata = parts.metadata;
+                Some(parts.message_id)
+            }
+            Err(parts) => {
+                envelope.metadata.clone_from(&parts.metadata);
+                None
+            }
+        };
+        let settlement = settle(
+            &spec.retry,
+            delivery.attempt,
+            &run.result,
+            cancel.is_cancelled(),
+        );
+        let resolution = Resolution::classify(
+            delivery.attempt,
+            spec.retry.max_deliveries,
+            run.in_process,
+            spec.tier_one.attempts,
+        );
+        let summary = RunSummary {
+            executions: run.executions,
+            resolution: Some(resolution),
+            error: run.result.as_ref().err().map(JobError::chain_text),
+            shutdown: is_shutdown(&run.result, cancel.is_cancelled()),
+            message_id,
+        };
+        self.finish(delivery, &envelope, settlement, summary)
+    }
+
+    /// The one decision for a body no handler can run, shared by
+    /// [`Registry::process`] and [`Registry::crashed`]: a body that is not
+    /// an envelope fails at once with its record; an envelope of a job no
+    /// handler is registered for follows the unknown-name rule (a retry,
+    /// then its record at the cap). Otherwise the envelope (its payload
+    /// still raw: nothing of the job's own code has run) and its job.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn route<'b>(
+        &self,
+        delivery: Incoming<'b>,
+    ) -> Result<(EnvelopeView<'b>, &dyn ErasedJob), Box<Processed>> {
+        let envelope = match EnvelopeView::decode(delivery.body) {
+            Ok(envelope) => envelope,
+            Err(e) => return Err(Box::new(self.malformed(delivery, e))),
+        };
+        match self.jobs.get(&*envelope.job) {
+            Some(job) => Ok((envelope, job.as_ref())),
+            None => {
+                let settlement = settle_unknown_name(
+                    &envelope.job,
+                    delivery.attempt,
+                    self.unknown_name_attempts,
+                    self.unknown_name_delay,
+                );
+                Err(Box::new(self.finish(
+                    delivery,
+                    &envelope,
+                    settlement,
+                    RunSummary::default(),
+                )))
+            }
+        }
+    }
+
+    /// A body that is not an envelope (or one of a newer format): a terminal
+    /// failure at once, keeping whatever identity the body shows.
+    pub(super) fn malformed(&self, delivery: Incoming<'_>, error: EnvelopeError) -> Processed {
+        let failure = Failure {
+            kind: FailureKind::MalformedEnvelope,
+            message: error.to_string(),
+        };
+        let known = Known::from_body(delivery.body);
+        self.fail_early(delivery, known, None, failure)
+    }
+
+    pub(super) fn fail_early(
+        &self,
+        delivery: Incoming<'_>,
+        known: Known,
+        envelope: Option<&Envelope>,
+        failure: Failure,
+    ) -> Processed {
+        let mut record = FailureRecord::build(
+            delivery.queue,
+            &failure,
+            delivery.attempt,
+            0,
+            envelope,
+            delivery.body,
+        );
+        record.job.clone_from(&known.job);
+        record.message_id.clone_from(&known.message_id);
+        let mut event = self.event(
+            delivery,
+            envelope,
+            0,
+            EventKind::Failed {
+                failure: failure.clone(),
+            },
+        );
+        event.job = known.job.unwrap_or_default();
+        event.message_id = known.message_id.unwrap_or_default();
+        Processed {
+            event,
+            settlement: Settlement::Fail(Box::new(record)),
+        }
+    }
+
+    pub(super) fn finish(
+        &self,
+        delivery: Incoming<'_>,
+        envelope: &impl Message,
+        decision: Decision,
+        run: RunSummary,
+    ) -> Processed {
+        let RunSummary {
+            executions,
+            resolution,
+            error,
+            shutdown,
+            message_id,
+        } = run;
+        // Made only for the outcomes that carry it.
+        let error =
+            move || error.unwrap_or_else(|| format!("unknown job name `{}`", envelope.job()));
+        let (kind, settlement) = match decision {
+            Decision::Ack => (
+                EventKind::Succeeded {
+                    resolution: resolution.unwrap_or(Resolution::FirstAttempt),
+                },
+                Settlement::Ack,
+            ),
+            Decision::Retry { delay, .. } => (
+                EventKind::Retried {
+                    delay,
+                    error: error(),
+                    shutdown,
+                },
+                Settlement::Retry { delay, shutdown },
+            ),
+            Decision::Reject => (EventKind::Rejected { error: error() }, Settlement::Reject),
+            Decision::Fail(failure) => {
+                let record = FailureRecord::build(
+                    delivery.queue,
+                    &failure,
+                    delivery.attempt,
+                    executions,
+                    Some(&envelope.owned()),
+                    delivery.body,
+                );
+                (
+                    EventKind::Failed { failure },
+                    Settlement::Fail(Box::new(record)),
+                )
+            }
+        };
+        let mut event = self.event(delivery, None::<&Envelope>, executions, kind);
+        event.job = envelope.job().to_string();
+        event.message_id = message_id.unwrap_or_else(|| envelope.id().to_string());
+        event.payload = self.include_payload.then(|| envelope.payload_value());
+        Processed { event, settlement }
+    }
+
+    pub(super) fn event(
+        &self,
+        delivery: Incoming<'_>,
+        envelope: Option<&impl Message>,
+        executions: u32,
+        kind: EventKind,
+    ) -> Event {
+        Event {
+            job: envelope.map(|e| e.job().to_string()).unwrap_or_default(),
+            message_id: envelope.map(|e| e.id().to_string()).unwrap_or_default(),
+            queue: delivery.queue.to_string(),
+            attempt: delivery.attempt,
+            executions,
+            kind,
+            payload: envelope
+                .filter(|_| self.include_payload)
+                .map(|e| e.payload_value()),
+        }
+    }
+
+    /// The counters' entry for `job`: its own if registered, else the one
+    /// shared entry [`UNREGISTERED_JOBS`] (names from message bodies must
+    /// not grow the counters without bound).
+    pub(super) fn counted_as<'a>(&self, job: &'a str) -> &'a str {
+        if self.jobs.contains_key(job) {
+            job
+        } else {
+            UNREGISTERED_JOBS
+        }
+    }
+}

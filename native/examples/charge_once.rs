@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! cargo run -p jobrail-native --example charge_once                       # claims in memory
-//! cargo run -p jobrail-native --features postgres --example charge_once -- --store postgres  # DATABASE_URL
-//! cargo run -p jobrail-native --features redis --example charge_once -- --store redis        # REDIS_URL
+//! cargo run -p jobrail-native --example charge_once -- --store postgres  # DATABASE_URL
+//! cargo run -p jobrail-native --example charge_once -- --store redis     # REDIS_URL
 //! ```
 //!
 //! It prints, per order, how many deliveries the worker saw and how many
@@ -41,36 +41,17 @@ struct Ledger {
 async fn store(name: &str) -> Result<Arc<dyn ClaimStore>, Box<dyn std::error::Error>> {
     match name {
         "memory" => Ok(Arc::new(MemoryClaims::new())),
-        #[cfg(feature = "postgres")]
         "postgres" => {
             let url = std::env::var("DATABASE_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-            Ok(Arc::new(
-                jobrail_native::postgres::PgClaims::connect(&url).await?,
-            ))
+            Ok(Arc::new(jobrail_postgres::PgClaims::connect(&url).await?))
         }
-        #[cfg(feature = "redis")]
         "redis" => {
             let url =
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-            Ok(Arc::new(
-                jobrail_native::redis::RedisClaims::connect(&url).await?,
-            ))
+            Ok(Arc::new(jobrail_redis::RedisClaims::connect(&url).await?))
         }
-        other => Err(format!(
-            "unknown store `{other}`: this build knows memory{}{}",
-            if cfg!(feature = "postgres") {
-                ", postgres"
-            } else {
-                ""
-            },
-            if cfg!(feature = "redis") {
-                ", redis"
-            } else {
-                ""
-            },
-        )
-        .into()),
+        other => Err(format!("unknown store `{other}`: memory, postgres or redis").into()),
     }
 }
 

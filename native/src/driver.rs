@@ -62,15 +62,23 @@ pub struct Capabilities {
 
 impl Capabilities {
     /// Refuses a body of `len` bytes above
-    /// [`max_message_bytes`](Self::max_message_bytes), before any I/O: not
-    /// accepted, naming the limit and the size. The [`Producer`](crate::Producer)
-    /// checks every dispatch; a driver whose limit is known only once
-    /// connected checks again in `send`.
-    pub(crate) fn refuse_oversize(
-        &self,
-        driver: &'static str,
-        len: usize,
-    ) -> Result<(), DriverError> {
+    /// [`max_message_bytes`](Self::max_message_bytes), before any I/O:
+    /// [`ErrorKind::NotAccepted`] from `driver`, naming the limit and the
+    /// size; `Ok` within the limit or without one. The
+    /// [`Producer`](crate::Producer) checks every dispatch; a driver whose
+    /// limit is known only once connected checks again in `send`.
+    ///
+    /// ```
+    /// use jobrail_native::{Capabilities, ErrorKind};
+    ///
+    /// let mut caps = Capabilities::full();
+    /// caps.max_message_bytes = Some(1024);
+    /// assert!(caps.refuse_oversize("mine", 1024).is_ok());
+    /// let err = caps.refuse_oversize("mine", 1025).unwrap_err();
+    /// assert_eq!(err.kind(), ErrorKind::NotAccepted);
+    /// assert!(err.to_string().contains("message of 1025 bytes is over the mine driver's limit of 1024 bytes"));
+    /// ```
+    pub fn refuse_oversize(&self, driver: &'static str, len: usize) -> Result<(), DriverError> {
         match self.max_message_bytes {
             Some(limit) if len > limit => Err(DriverError::new(
                 driver,

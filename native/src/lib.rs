@@ -24,13 +24,19 @@
 //! - `sqs`: Amazon SQS through aws-sdk-sqs (feature `sqs`):
 //!   `sqs::{SqsDriver, SqsConfig, SqsCredentials}`.
 //!
-//! Running an effect once ([`jobrail::ClaimStore`], [`jobrail::run_once`]):
+//! Running an effect once ([`jobrail::ClaimStore`], [`jobrail::run_once`])
+//! is in crates of their own, so that their clients' versions are not part
+//! of this crate's API:
 //!
-//! - `postgres`: claims on Postgres, with completion in the caller's own
-//!   transaction, and the transactional outbox for dispatch (feature
-//!   `postgres`): `postgres::{PgClaims, Outbox, OutboxRelay}`.
-//! - `redis`: claims on Redis with fencing tokens (feature `redis`):
-//!   `redis::RedisClaims`.
+//! - `jobrail-postgres`: claims on Postgres, with completion in the
+//!   caller's own transaction, and the transactional outbox for dispatch:
+//!   `jobrail_postgres::{PgClaims, Outbox, OutboxRelay}`.
+//! - `jobrail-redis`: claims on Redis with fencing tokens:
+//!   `jobrail_redis::RedisClaims`.
+//!
+//! A driver of your own implements [`Driver`] with the helpers of
+//! [`kit`] (errors that keep the client's cause, the stopped state, the
+//! waits between reconnection attempts), as the drivers here do.
 //!
 //! # Example
 //!
@@ -95,23 +101,21 @@ mod readme_doctests {
 mod consumer;
 mod driver;
 mod failures;
+pub mod kit;
 #[cfg(feature = "memory")]
 mod memory;
 mod metrics;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod overrides;
-#[cfg(feature = "postgres")]
-pub mod postgres;
 mod producer;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
-#[cfg(feature = "redis")]
-pub mod redis;
 mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;
-mod support;
+// The consumer names the kit by its earlier path.
+use kit as support;
 mod unique;
 
 pub use crate::metrics::describe_metrics;

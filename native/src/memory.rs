@@ -12,7 +12,7 @@ use crate::driver::{
     Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription,
 };
 use crate::failures::{Admin, ClaimedFailure, FailureStore, QueueDepth, StoredFailure};
-use crate::support::{lock, Lifecycle};
+use crate::kit::{lock, Lifecycle};
 
 const NAME: &str = "memory";
 

@@ -20,7 +20,7 @@ use super::config::Auth;
 use super::errors::{self, error};
 use super::{read, write, NatsDriver};
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::Reconnect;
+use crate::kit::Reconnect;
 
 /// The first wait before a reconnection attempt; the waits double from
 /// there up to [`max_reconnect_backoff`](super::NatsConfig::max_reconnect_backoff).

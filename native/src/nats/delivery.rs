@@ -30,7 +30,7 @@ use super::errors::{self, error};
 use super::publish::Stored;
 use super::{NatsDriver, ATTEMPTS_HEADER, SHUTDOWNS_HEADER};
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
-use crate::support::{lock, Reconnect};
+use crate::kit::{lock, Reconnect};
 
 /// Kept past a pull request's expiry before the subscription stops counting
 /// it on its own (the server's `408` normally ends it first).

@@ -23,7 +23,7 @@ use async_nats::ConnectError;
 
 use super::NAME;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::failed;
+use crate::kit::failed;
 
 /// A descriptive error of `kind`, with no client error behind it.
 pub(super) fn error(kind: ErrorKind, message: impl Into<String>) -> DriverError {

@@ -26,7 +26,7 @@ use super::NatsDriver;
 use crate::driver::{DriverError, ErrorKind};
 use crate::failures::{Admin, ClaimedFailure, FailureStore, QueueDepth, StoredFailure};
 #[cfg(feature = "testing")]
-use crate::support::lock;
+use crate::kit::lock;
 
 /// How many times a claim reads the store again when the entry it found
 /// was removed before its claim was stored.

@@ -325,7 +325,7 @@ use connection::Link;
 
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
 use crate::failures::{Admin, FailureStore};
-use crate::support::Lifecycle;
+use crate::kit::Lifecycle;
 
 const NAME: &str = "nats";
 

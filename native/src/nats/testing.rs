@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::errors;
 use super::NatsDriver;
 use crate::driver::DriverError;
-use crate::support::lock;
+use crate::kit::lock;
 
 impl NatsDriver {
     /// Messages stored in `queue`'s work stream (ready, waiting for a retry

@@ -15,7 +15,7 @@ use super::errors::{self, config_error, error};
 use super::{read, write, NatsDriver};
 use crate::driver::{DriverError, ErrorKind};
 #[cfg(feature = "testing")]
-use crate::support::lock;
+use crate::kit::lock;
 
 /// Which stream a name is, for its configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

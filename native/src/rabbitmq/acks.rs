@@ -48,7 +48,7 @@ use tokio::time::Instant;
 
 use super::errors::{error, failed};
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::lock;
+use crate::kit::lock;
 
 /// How long acks above a delivery still running wait for it, counted from
 /// when that delivery was handed out, before they are written one by one

@@ -14,7 +14,7 @@ use super::acks::AckRuns;
 use super::errors::{answer, bounded, error};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::lock;
+use crate::kit::lock;
 
 /// How long [`Driver::stop`](crate::Driver::stop) waits, after a released
 /// channel closed, for lapin to remove it from the connection (see

@@ -17,7 +17,7 @@ use super::config::RabbitConfig;
 use super::errors::{bounded, config_error, error};
 use super::{RabbitDriver, ATTEMPTS_HEADER, CONSUMER_TIMEOUT_MARGIN, SHUTDOWNS_HEADER};
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
-use crate::support::Reconnect;
+use crate::kit::Reconnect;
 
 /// Refuses a job that can hold one delivery longer than the broker's
 /// `consumer_timeout` allows, with [`CONSUMER_TIMEOUT_MARGIN`] to spare (see

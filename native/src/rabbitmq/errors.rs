@@ -1,5 +1,5 @@
 //! How the broker's answers become [`DriverError`]s: each failed lapin call
-//! keeps lapin's error as its cause (built on [`crate::support::failed`]),
+//! keeps lapin's error as its cause (built on [`crate::kit::failed`]),
 //! under the [`ErrorKind`] that tells the caller what it may assume.
 
 use std::future::Future;
@@ -28,7 +28,7 @@ pub(super) fn failed(
     doing: impl Into<String>,
     cause: lapin::Error,
 ) -> DriverError {
-    crate::support::failed(NAME, kind, doing, cause)
+    crate::kit::failed(NAME, kind, doing, cause)
 }
 
 /// A broker round trip bounded by `limit`; a failure or a timeout is `kind`.

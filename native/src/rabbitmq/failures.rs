@@ -28,7 +28,7 @@ use super::errors::{bounded, error, not_found};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
 use crate::failures::{Admin, ClaimedFailure, FailureStore, QueueDepth, StoredFailure};
-use crate::support::lock;
+use crate::kit::lock;
 
 /// A message a scan took and holds unacknowledged.
 struct Held {

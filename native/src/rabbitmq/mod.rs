@@ -323,7 +323,7 @@ use delivery::RabbitSubscription;
 use crate::driver::ErrorKind;
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
 use crate::failures::{Admin, FailureStore};
-use crate::support::Lifecycle;
+use crate::kit::Lifecycle;
 
 const NAME: &str = "rabbitmq";
 

@@ -10,7 +10,7 @@ use lapin::BasicProperties;
 use super::errors::{bounded, error};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::lock;
+use crate::kit::lock;
 
 impl RabbitDriver {
     /// The bucket a delay rounds up to; `None` above the largest bucket.

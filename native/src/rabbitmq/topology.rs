@@ -10,7 +10,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use super::errors::{answer, conflicting_queue, error, precondition_failed};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::lock;
+use crate::kit::lock;
 
 /// Which kind of queue a name is, for its arguments.
 #[derive(Debug, Clone, Copy)]

@@ -34,7 +34,7 @@ use super::errors::{error, fan_out, sdk_error};
 use super::publish::BATCH_ENTRIES;
 use super::SqsDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::lock;
+use crate::kit::lock;
 
 /// The longest an ack waits for others to share its `DeleteMessageBatch`
 /// call while more deliveries of its subscription are in hand.

@@ -32,7 +32,7 @@ use super::{
     SqsDriver, ATTEMPTS_ATTRIBUTE, ENCODING_ATTRIBUTE, MAX_VISIBILITY, NAME, SHUTDOWNS_ATTRIBUTE,
 };
 use crate::driver::{Delivery, DriverError, ErrorKind, Subscription};
-use crate::support::failed;
+use crate::kit::failed;
 
 /// Whether a received message's body is base64 (see [`ENCODING_ATTRIBUTE`]).
 pub(super) fn is_base64(message: &Message) -> bool {

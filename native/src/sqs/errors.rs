@@ -24,7 +24,7 @@ use aws_sdk_sqs::error::{ConnectorError, ProvideErrorMetadata, SdkError};
 
 use super::NAME;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::failed;
+use crate::kit::failed;
 
 /// A configuration error described by `message`.
 pub(super) fn config_error(message: impl Into<String>) -> DriverError {

@@ -29,7 +29,7 @@ use super::topology::check_name;
 use super::{SqsDriver, ENCODING_ATTRIBUTE};
 use crate::driver::{DriverError, ErrorKind};
 use crate::failures::{Admin, ClaimedFailure, FailureStore, QueueDepth, StoredFailure};
-use crate::support::lock;
+use crate::kit::lock;
 
 /// How long a scan hides each message it received, and how long a claim's
 /// hold lasts after its last renewal: what a crash leaves hidden.

@@ -259,7 +259,7 @@ use delivery::SqsSubscription;
 
 use crate::driver::{Capabilities, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 use crate::failures::{Admin, FailureStore};
-use crate::support::Lifecycle;
+use crate::kit::Lifecycle;
 
 const NAME: &str = "sqs";
 

@@ -29,7 +29,7 @@ use super::errors::{error, fan_out, is_missing_queue, sdk_error};
 use super::topology::Role;
 use super::{SqsDriver, ENCODING_ATTRIBUTE, MAX_DELAY_SECONDS, NAME};
 use crate::driver::{DriverError, ErrorKind, Outgoing};
-use crate::support::failed;
+use crate::kit::failed;
 
 /// A body as SQS message text, and whether it had to be base64-encoded.
 fn encode_body(body: &[u8]) -> (String, bool) {

@@ -11,7 +11,7 @@ use super::errors::{config_error, sdk_error};
 use super::topology::{check_name, Role};
 use super::SqsDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::lock;
+use crate::kit::lock;
 
 impl SqsDriver {
     /// Every queue this driver created (work and failure queues).

@@ -7,7 +7,7 @@ use super::connection::bounded;
 use super::errors::{config_error, error, is_existing_queue, is_missing_queue, sdk_error};
 use super::SqsDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::support::{failed, lock};
+use crate::kit::{failed, lock};
 
 /// Retention of created failure queues: SQS's maximum, 14 days.
 const FAILURE_RETENTION_SECONDS: u32 = 14 * 24 * 3600;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use jobrail::ClaimStore;
 use jobrail_conformance::claims::ClaimFixture;
-use jobrail_native::postgres::PgClaims;
+use jobrail_postgres::PgClaims;
 
 struct Postgres {
     url: String,

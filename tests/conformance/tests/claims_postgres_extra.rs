@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use jobrail::{Claim, ClaimError, ClaimStore};
 use jobrail_conformance::claims::unique_key;
-use jobrail_native::postgres::PgClaims;
+use jobrail_postgres::PgClaims;
 use tokio_postgres::{Client, NoTls};
 
 fn database_url() -> String {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jobrail::ClaimStore;
 use jobrail_conformance::claims::ClaimFixture;
-use jobrail_native::redis::RedisClaims;
+use jobrail_redis::RedisClaims;
 
 fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use jobrail::{Claim, ClaimError, ClaimStore, MAX_CLAIM_KEY_BYTES};
 use jobrail_conformance::servers::Relay;
-use jobrail_native::redis::RedisClaims;
+use jobrail_redis::RedisClaims;
 use redis::aio::MultiplexedConnection;
 use redis::AsyncCommands;
 

@@ -18,11 +18,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jobrail::{Job, JobContext, Registry};
 use jobrail_conformance::scenarios::Work;
-use jobrail_native::postgres::{Outbox, OutboxError, OutboxRelay, RelayPass};
 use jobrail_native::{
     Capabilities, Consumer, DispatchOptions, Driver, DriverError, ErrorKind, MemoryDriver,
     Outgoing, Producer, Subscription,
 };
+use jobrail_postgres::{Outbox, OutboxError, OutboxRelay, PgConnect, RelayPass};
 use tokio::time::Instant;
 use tokio_postgres::Client;
 
@@ -31,6 +31,11 @@ const MS: fn(u64) -> Duration = Duration::from_millis;
 fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// How the relays connect: `DATABASE_URL`.
+fn pg_connect() -> PgConnect {
+    PgConnect::new(&database_url()).expect("DATABASE_URL parses")
 }
 
 /// A connection of the test's own.
@@ -307,7 +312,7 @@ async fn committed_jobs_run_once(driver: Arc<dyn Driver>, queue: &str) {
 
     let relay = Arc::new(
         OutboxRelay::new(
-            database_url(),
+            &pg_connect(),
             tables.outbox.clone(),
             Producer::new(driver.clone()),
         )
@@ -496,7 +501,7 @@ async fn a_relay_killed_between_send_and_mark_sends_again() {
     // The next relay: the dead session's locks go with it, perhaps only
     // after a moment; SKIP LOCKED passes over them until then.
     let relay = OutboxRelay::new(
-        database_url(),
+        &pg_connect(),
         tables.outbox.clone(),
         Producer::new(Arc::new(driver.clone())),
     );
@@ -585,7 +590,7 @@ async fn two_relays_send_each_row_once() {
     };
     let relay = |probe: &Arc<Probe>| {
         OutboxRelay::new(
-            database_url(),
+            &pg_connect(),
             tables.outbox.clone(),
             Producer::new(probe.clone()),
         )
@@ -673,7 +678,7 @@ async fn refused_rows_stay_unsent_with_their_error() {
         .unwrap();
 
     let relay = OutboxRelay::new(
-        database_url(),
+        &pg_connect(),
         tables.outbox.clone(),
         Producer::new(probe.clone()),
     )
@@ -746,7 +751,7 @@ async fn a_delay_counts_from_the_dispatch() {
         .unwrap();
     tokio::time::sleep(MS(600)).await;
     let relay = OutboxRelay::new(
-        database_url(),
+        &pg_connect(),
         tables.outbox.clone(),
         Producer::new(probe.clone()),
     );
@@ -786,8 +791,12 @@ async fn a_running_relay_reconnects_after_losing_its_connection() {
         }
     );
     let relay = Arc::new(
-        OutboxRelay::new(url, tables.outbox.clone(), Producer::new(probe.clone()))
-            .poll_interval(MS(20)),
+        OutboxRelay::new(
+            &PgConnect::new(&url).unwrap(),
+            tables.outbox.clone(),
+            Producer::new(probe.clone()),
+        )
+        .poll_interval(MS(20)),
     );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn({

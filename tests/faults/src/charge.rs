@@ -1,5 +1,5 @@
 //! The exactly-once charge: a handler that charges an account through a
-//! claim on Postgres (`jobrail_native::postgres::PgClaims`), the charge and
+//! claim on Postgres (`jobrail_postgres::PgClaims`), the charge and
 //! the claim's completion committed in one transaction.
 //!
 //! The worker side ([`register`]) appends to the run's ledger file, one
@@ -69,7 +69,7 @@ mod pg {
 
     use futures_util::stream::{self, StreamExt};
     use jobrail::{Claim, ClaimError, ClaimStore, Job, JobContext, JobError, Registry};
-    use jobrail_native::postgres::PgClaims;
+    use jobrail_postgres::PgClaims;
     use tokio::sync::{Mutex, MutexGuard};
     use tokio_postgres::{Client, NoTls};
 

@@ -12,10 +12,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use jobrail_native::postgres::{Outbox, OutboxRelay};
 use jobrail_native::{
     Admin, Capabilities, Driver, DriverError, FailureStore, Outgoing, Producer, Subscription,
 };
+use jobrail_postgres::{Outbox, OutboxRelay, PgConnect};
 
 /// Delegates to a real driver, and aborts the process as soon as a batch
 /// it sent comes back confirmed.
@@ -119,7 +119,14 @@ async fn main() -> ExitCode {
         }
     };
     let producer = Producer::new(Arc::new(AbortAfterConfirm(driver)));
-    let relay = OutboxRelay::new(database, outbox, producer);
+    let connect = match PgConnect::new(&database) {
+        Ok(connect) => connect,
+        Err(e) => {
+            eprintln!("outbox_relay_crash: DATABASE_URL: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let relay = OutboxRelay::new(&connect, outbox, producer);
     match relay.run_once().await {
         Ok(pass) => {
             println!("pass ended without a confirm: {pass:?}");

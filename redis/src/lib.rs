@@ -1,9 +1,11 @@
-//! Redis: claims that run an effect once ([`RedisClaims`]).
+//! jobrail on Redis: claims that run an effect once ([`RedisClaims`]).
 //!
 //! [`RedisClaims`] is a [`ClaimStore`] on one Redis primary, through the
 //! `redis` crate's [`ConnectionManager`] (one multiplexed connection that
 //! reconnects on its own). See [`jobrail::run_once`] for how a handler uses
-//! a claim.
+//! a claim. The `redis` crate is re-exported as [`redis`](mod@redis), so the
+//! manager you pass to [`RedisClaims::from_manager`] is of the version this
+//! crate was built with.
 //!
 //! # Data
 //!
@@ -69,7 +71,7 @@
 //!   write (`UPDATE ... SET fence = $f WHERE fence < $f`).
 //!
 //! When the effect is a write to a database, prefer the Postgres store
-//! (`postgres::PgClaims`): its `complete_in` records the completion in the
+//! (`jobrail_postgres::PgClaims`): its `complete_in` records the completion in the
 //! same transaction as the effect, so the two cannot part. Redis claims suit
 //! effects outside any database (a call to a remote service, an email),
 //! with the remote side's idempotency key where it has one.
@@ -82,6 +84,8 @@ use std::time::Duration;
 use ::redis::aio::ConnectionManager;
 use ::redis::{Client, RedisError, Script};
 use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimStore};
+
+pub use ::redis;
 
 /// The prefix of every Redis key unless [`RedisClaims::with_prefix`] sets
 /// another.
@@ -189,7 +193,7 @@ impl Scripts {
 /// ```no_run
 /// use std::time::Duration;
 /// use jobrail::{run_once, JobError, Once};
-/// use jobrail_native::redis::RedisClaims;
+/// use jobrail_redis::RedisClaims;
 ///
 /// # async fn charge(_order: &str, _fence: u64) -> Result<(), JobError> { Ok(()) }
 /// # async fn handler() -> Result<(), JobError> {

@@ -11,10 +11,10 @@ use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tracing::{debug, warn};
 
-use super::connect::connect;
-use super::outbox::{Outbox, OutboxError};
-use crate::driver::Outgoing;
-use crate::producer::Producer;
+use jobrail_native::{Outgoing, Producer};
+
+use crate::connect::{Dialer, PgConnect};
+use crate::outbox::{Outbox, OutboxError};
 
 /// The longest wait between two passes after database errors.
 const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
@@ -47,8 +47,8 @@ pub struct RelayPass {
 ///
 /// A row is never deleted unsent, and a row is marked sent only after the
 /// broker confirmed it. A failed send, whether certainly not accepted
-/// ([`ErrorKind::NotAccepted`](crate::ErrorKind::NotAccepted)) or perhaps
-/// accepted ([`ErrorKind::Uncertain`](crate::ErrorKind::Uncertain)), leaves
+/// ([`ErrorKind::NotAccepted`](jobrail_native::ErrorKind::NotAccepted)) or perhaps
+/// accepted ([`ErrorKind::Uncertain`](jobrail_native::ErrorKind::Uncertain)), leaves
 /// the row unsent, and a later pass sends it again after a wait that
 /// doubles with each attempt ([`retry_wait`](Self::retry_wait)). A relay
 /// that dies between the broker's confirm and the commit of its marks (the
@@ -60,15 +60,17 @@ pub struct RelayPass {
 ///
 /// # Connection
 ///
-/// [`OutboxRelay::new`] connects on the first pass and reconnects when the
-/// connection is lost; [`OutboxRelay::with_client`] uses the caller's
+/// [`OutboxRelay::new`] connects through a [`PgConnect`] on the first pass
+/// and again when the connection is lost (after the
+/// [reconnection wait](PgConnect#reconnection) if the last attempt failed);
+/// [`OutboxRelay::with_client`] uses the caller's
 /// client (whose connection the caller drives) and, once that connection
 /// is closed, fails every pass. The relay needs a connection of its own:
 /// a pass holds a transaction open while it sends.
 pub struct OutboxRelay {
     outbox: Outbox,
     producer: Producer,
-    url: Option<String>,
+    dialer: Option<Dialer>,
     client: Mutex<Option<Client>>,
     batch_size: usize,
     poll_interval: Duration,
@@ -80,7 +82,7 @@ impl fmt::Debug for OutboxRelay {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboxRelay")
             .field("outbox", &self.outbox)
-            .field("reconnects", &self.url.is_some())
+            .field("reconnects", &self.dialer.is_some())
             .field("batch_size", &self.batch_size)
             .field("poll_interval", &self.poll_interval)
             .field("retry_first", &self.retry_first)
@@ -90,11 +92,11 @@ impl fmt::Debug for OutboxRelay {
 }
 
 impl OutboxRelay {
-    /// A relay of `outbox` that connects to `url` (no TLS) on its first
+    /// A relay of `outbox` that connects through `connect` on its first
     /// pass, and again whenever the connection is lost, and publishes
     /// through `producer`.
-    pub fn new(url: impl Into<String>, outbox: Outbox, producer: Producer) -> Self {
-        Self::build(Some(url.into()), None, outbox, producer)
+    pub fn new(connect: &PgConnect, outbox: Outbox, producer: Producer) -> Self {
+        Self::build(Some(connect.dialer()), None, outbox, producer)
     }
 
     /// A relay of `outbox` on `client`, a connection of its own (see
@@ -104,7 +106,7 @@ impl OutboxRelay {
     }
 
     fn build(
-        url: Option<String>,
+        dialer: Option<Dialer>,
         client: Option<Client>,
         outbox: Outbox,
         producer: Producer,
@@ -112,7 +114,7 @@ impl OutboxRelay {
         OutboxRelay {
             outbox,
             producer,
-            url,
+            dialer,
             client: Mutex::new(client),
             batch_size: 100,
             poll_interval: Duration::from_millis(200),
@@ -157,12 +159,20 @@ impl OutboxRelay {
     pub async fn run_once(&self) -> Result<RelayPass, OutboxError> {
         let mut slot = self.client.lock().await;
         let client = self.ready(&mut slot).await?;
+        let result = self.pass(client).await;
+        self.after_error(&mut slot, &result);
+        result
+    }
+
+    /// The pass of [`run_once`](Self::run_once) on `client`.
+    async fn pass(&self, client: &mut Client) -> Result<RelayPass, OutboxError> {
         let tx = client.transaction().await?;
         let table = self.outbox.table();
+        let quoted = self.outbox.quoted();
         let select = format!(
             "SELECT id, message_id, queue, body, \
                     GREATEST(0, delay_ms - (EXTRACT(EPOCH FROM clock_timestamp() - created_at) * 1000)::bigint) \
-             FROM {table} \
+             FROM {quoted} \
              WHERE sent_at IS NULL AND (retry_at IS NULL OR retry_at <= clock_timestamp()) \
              ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
         );
@@ -229,7 +239,7 @@ impl OutboxRelay {
 
         if !sent.is_empty() {
             let mark = format!(
-                "UPDATE {table} SET sent_at = clock_timestamp(), attempts = attempts + 1, \
+                "UPDATE {quoted} SET sent_at = clock_timestamp(), attempts = attempts + 1, \
                  last_error = NULL, retry_at = NULL WHERE id = ANY($1)"
             );
             tx.execute_typed(&mark, &[(&sent, Type::INT8_ARRAY)])
@@ -237,7 +247,7 @@ impl OutboxRelay {
         }
         if !failed.is_empty() {
             let record = format!(
-                "UPDATE {table} AS o SET attempts = o.attempts + 1, last_error = f.error, \
+                "UPDATE {quoted} AS o SET attempts = o.attempts + 1, last_error = f.error, \
                  retry_at = clock_timestamp() + make_interval(secs => \
                      LEAST($4, $3 * power(2, LEAST(o.attempts, 40)))) \
                  FROM unnest($1::bigint[], $2::text[]) AS f(id, error) WHERE o.id = f.id"
@@ -324,19 +334,44 @@ impl OutboxRelay {
         let client = self.ready(&mut slot).await?;
         let sql = format!(
             "DELETE FROM {} WHERE sent_at < clock_timestamp() - make_interval(secs => $1)",
-            self.outbox.table()
+            self.outbox.quoted()
         );
         let secs = older_than.as_secs_f64();
-        Ok(client.execute_typed(&sql, &[(&secs, Type::FLOAT8)]).await?)
+        let result = client
+            .execute_typed(&sql, &[(&secs, Type::FLOAT8)])
+            .await
+            .map_err(OutboxError::from);
+        self.after_error(&mut slot, &result);
+        result
+    }
+
+    /// Forgets a connection that `result` shows lost (closed, terminated by
+    /// the server, the server shutting down), so the next pass connects
+    /// again at once rather than fail on it; only a relay that connects
+    /// itself does.
+    fn after_error<T>(&self, slot: &mut Option<Client>, result: &Result<T, OutboxError>) {
+        let Err(OutboxError::Database(error)) = result else {
+            return;
+        };
+        let lost = error.is_closed()
+            || slot.as_ref().is_some_and(Client::is_closed)
+            || error.code().is_some_and(|code| {
+                let code = code.code();
+                code.starts_with("08") || code.starts_with("57P")
+            });
+        if lost && self.dialer.is_some() {
+            debug!(table = self.outbox.table(), %error, "outbox relay: connection lost");
+            *slot = None;
+        }
     }
 
     /// The relay's connection, made (again) if there is none or it closed
-    /// and the relay has a URL.
+    /// and the relay has a [`PgConnect`].
     async fn ready<'a>(&self, slot: &'a mut Option<Client>) -> Result<&'a mut Client, OutboxError> {
-        if let Some(url) = &self.url {
+        if let Some(dialer) = &self.dialer {
             if slot.as_ref().is_none_or(Client::is_closed) {
                 *slot = None;
-                *slot = Some(connect(url).await?);
+                *slot = Some(dialer.dial().await?);
             }
         }
         slot.as_mut()

@@ -11,10 +11,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, GenericClient, Statement};
 
-use super::connect::connect;
-
-/// The longest identifier Postgres keeps (NAMEDATALEN - 1).
-const MAX_IDENTIFIER: usize = 63;
+use crate::connect::{Dialer, PgConnect};
+use crate::schema::{TableName, DONE_INDEX};
 
 /// The oldest done row [`PgClaims::purge_done`] looks back to: 1,000 years
 /// (so the cutoff stays within Postgres's timestamps).
@@ -27,7 +25,8 @@ const MAX_PURGE_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
 /// # Data
 ///
 /// One row per business key (table `jobrail_claims` unless
-/// [`PgClaims::connect_with_table`] names another; [`PgClaims::install_sql`]
+/// [`PgClaims::connect_with_table`] names another, by the
+/// [crate's rule](crate); [`PgClaims::install_sql`]
 /// prints its DDL):
 ///
 /// | column        | type          |                                              |
@@ -70,8 +69,10 @@ const MAX_PURGE_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
 ///
 /// # Connection
 ///
-/// A store holds one connection (no TLS); concurrent operations pipeline on
-/// it. When the server closes it, the next operation connects again; an
+/// A store holds one connection, made through a [`PgConnect`] (TLS as the
+/// URL's `sslmode` says); concurrent operations pipeline on it. When the
+/// server closes it, the next operation connects again, after the
+/// [reconnection wait](PgConnect#reconnection) if the last attempt failed; an
 /// operation interrupted by the loss is tried once more on the new
 /// connection (a claim whose answer was lost then finds its own claim
 /// and answers [`Claim::Held`]; a completion whose answer was lost finds
@@ -83,7 +84,7 @@ const MAX_PURGE_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
 /// ```no_run
 /// use std::time::Duration;
 /// use jobrail::{run_once, JobError};
-/// use jobrail_native::postgres::PgClaims;
+/// use jobrail_postgres::PgClaims;
 ///
 /// # async fn example() -> Result<(), JobError> {
 /// let claims = PgClaims::connect("postgres://app@db.internal/shop").await?;
@@ -102,7 +103,7 @@ pub struct PgClaims {
 }
 
 struct Inner {
-    url: String,
+    dialer: Dialer,
     table: Table,
     sql: Sql,
     /// The connection and its statements; `None` until the next operation
@@ -110,10 +111,10 @@ struct Inner {
     conn: Mutex<Option<Arc<Conn>>>,
 }
 
-/// A checked table name.
+/// A checked table name, as SQL needs it.
 struct Table {
     /// As the caller gave it.
-    name: String,
+    name: TableName,
     /// Quoted, for SQL: `"schema"."table"` or `"table"`.
     quoted: String,
     /// The quoted name of the index on done rows (in the table's schema).
@@ -154,7 +155,7 @@ impl fmt::Debug for PgClaims {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Not the URL: it may carry a password.
         f.debug_struct("PgClaims")
-            .field("table", &self.inner.table.name)
+            .field("table", &self.inner.table.name.as_str())
             .finish_non_exhaustive()
     }
 }
@@ -165,24 +166,37 @@ impl PgClaims {
     pub const DEFAULT_TABLE: &'static str = "jobrail_claims";
 
     /// Connects to the database at `url` (a `postgres://` URL or a
-    /// key-value string, no TLS) and creates the table
-    /// [`DEFAULT_TABLE`](Self::DEFAULT_TABLE) if it is missing.
+    /// key-value string; TLS as its `sslmode` says, see [`PgConnect`]) and
+    /// creates the table [`DEFAULT_TABLE`](Self::DEFAULT_TABLE) if it is
+    /// missing. A URL that does not parse is [`ClaimError::Invalid`].
     pub async fn connect(url: &str) -> Result<PgClaims, ClaimError> {
         Self::connect_with_table(url, Self::DEFAULT_TABLE).await
     }
 
-    /// [`connect`](Self::connect), with the claims in `table`: a lowercase
-    /// identifier (`[a-z_][a-z0-9_]*`, at most 63 bytes), optionally
-    /// qualified by a schema of the same form (`schema.table`; the schema
-    /// must exist). An unqualified name is found through the connection's
-    /// `search_path`. The table is created if it is missing; creating it
-    /// from several processes at once is safe.
+    /// [`connect`](Self::connect), with the claims in `table`, named by the
+    /// [crate's rule](crate) (`table` or `schema.table`, each part
+    /// `[a-z_][a-z0-9_]*`, the table at most [`MAX_TABLE_BYTES`](crate::MAX_TABLE_BYTES)
+    /// bytes; the schema must exist). An unqualified name is found through
+    /// the connection's `search_path`. The table is created if it is
+    /// missing; creating it from several processes at once is safe.
     pub async fn connect_with_table(url: &str, table: &str) -> Result<PgClaims, ClaimError> {
+        let connect = PgConnect::new(url).map_err(|error| {
+            ClaimError::Invalid(format!(
+                "the Postgres connection settings do not parse: {error}"
+            ))
+        })?;
+        Self::connect_to(connect, table).await
+    }
+
+    /// [`connect_with_table`](Self::connect_with_table) through `connect`:
+    /// settings built in code, TLS roots of the caller's, other
+    /// reconnection waits.
+    pub async fn connect_to(connect: PgConnect, table: &str) -> Result<PgClaims, ClaimError> {
         let table = Table::parse(table)?;
         let sql = Sql::new(&table.quoted);
         let store = PgClaims {
             inner: Arc::new(Inner {
-                url: url.to_owned(),
+                dialer: connect.dialer(),
                 table,
                 sql,
                 conn: Mutex::new(None),
@@ -201,7 +215,7 @@ impl PgClaims {
 
     /// The table of claims, as given.
     pub fn table(&self) -> &str {
-        &self.inner.table.name
+        self.inner.table.name.as_str()
     }
 
     /// Records the completion of the claim `fence` of `key` through
@@ -222,14 +236,12 @@ impl PgClaims {
     /// ```no_run
     /// use std::time::Duration;
     /// use jobrail::{Claim, ClaimError, ClaimStore};
-    /// use jobrail_native::postgres::PgClaims;
-    /// use tokio_postgres::NoTls;
+    /// use jobrail_postgres::{PgClaims, PgConnect};
     ///
     /// # async fn example() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// let url = "postgres://app@db.internal/shop";
-    /// let claims = PgClaims::connect(url).await?;
-    /// let (mut client, connection) = tokio_postgres::connect(url, NoTls).await?;
-    /// tokio::spawn(connection);
+    /// let connect = PgConnect::new("postgres://app@db.internal/shop")?;
+    /// let claims = PgClaims::connect_to(connect.clone(), PgClaims::DEFAULT_TABLE).await?;
+    /// let mut client = connect.connect().await?;
     ///
     /// let key = "refund:order-42";
     /// if let Claim::Claimed { fence } = claims.claim(key, Duration::from_secs(60)).await? {
@@ -474,7 +486,7 @@ impl Conn {
     /// Connects, creates the table if it is missing and prepares the
     /// statements.
     async fn open(inner: &Inner) -> Result<Conn, tokio_postgres::Error> {
-        let client = connect(&inner.url).await?;
+        let client = inner.dialer.dial().await?;
         ensure_table(&client, &inner.table).await?;
         let sql = &inner.sql;
         let (claim, read, complete, release, extend, purge) = tokio::try_join!(
@@ -576,25 +588,11 @@ fn micros(duration: Duration) -> i64 {
 
 impl Table {
     fn parse(table: &str) -> Result<Table, ClaimError> {
-        let parts: Vec<&str> = table.split('.').collect();
-        if parts.len() > 2 || !parts.iter().all(|part| identifier(part)) {
-            return Err(ClaimError::Invalid(format!(
-                "`{table}` is not a table name this store accepts: a lowercase identifier \
-                 ([a-z_][a-z0-9_]*, at most {MAX_IDENTIFIER} bytes), optionally `schema.table`"
-            )));
-        }
-        let name = parts[parts.len() - 1];
-        let quoted = parts
-            .iter()
-            .map(|part| format!("\"{part}\""))
-            .collect::<Vec<_>>()
-            .join(".");
-        const SUFFIX: &str = "_done_at";
-        let stem = &name[..name.len().min(MAX_IDENTIFIER - SUFFIX.len())];
+        let name = TableName::parse(table).map_err(|e| ClaimError::Invalid(e.to_string()))?;
         Ok(Table {
-            name: table.to_owned(),
-            quoted,
-            done_index: format!("\"{stem}{SUFFIX}\""),
+            quoted: name.quoted(),
+            done_index: name.index(DONE_INDEX),
+            name,
         })
     }
 
@@ -614,17 +612,6 @@ impl Table {
              CREATE INDEX IF NOT EXISTS {done_index} ON {quoted} (done_at) WHERE state = 'done';\n"
         )
     }
-}
-
-/// `[a-z_][a-z0-9_]*`, 1 to 63 bytes.
-fn identifier(part: &str) -> bool {
-    let mut bytes = part.bytes();
-    match bytes.next() {
-        Some(first) if first.is_ascii_lowercase() || first == b'_' => {}
-        _ => return false,
-    }
-    part.len() <= MAX_IDENTIFIER
-        && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
 }
 
 impl Sql {
@@ -684,30 +671,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn table_names() {
-        for good in ["jobrail_claims", "_t", "s.t9", &"a".repeat(63)] {
-            assert!(Table::parse(good).is_ok(), "{good}");
-        }
-        for bad in [
-            "",
-            "Claims",
-            "9t",
-            "a-b",
-            "a.b.c",
-            ".t",
-            "s.",
-            "t; DROP TABLE x",
-            "\"t\"",
-            &"a".repeat(64),
-        ] {
-            assert!(
-                matches!(Table::parse(bad), Err(ClaimError::Invalid(_))),
-                "{bad}"
-            );
-        }
-        let long = Table::parse(&format!("s.{}", "a".repeat(63))).unwrap();
-        assert_eq!(long.quoted, format!("\"s\".\"{}\"", "a".repeat(63)));
-        assert_eq!(long.done_index.len(), 63 + 2);
+    fn table_names_follow_the_crate_rule() {
+        let long = Table::parse(&format!("s.{}", "a".repeat(55))).unwrap();
+        assert_eq!(long.quoted, format!("\"s\".\"{}\"", "a".repeat(55)));
+        assert_eq!(long.done_index, format!("\"{}_done_at\"", "a".repeat(55)));
+        assert!(long.ddl().contains(&format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {} (done_at)",
+            long.done_index, long.quoted
+        )));
+        let err = match Table::parse(&"a".repeat(56)) {
+            Err(ClaimError::Invalid(why)) => why,
+            _ => panic!("a 56-byte table is refused"),
+        };
+        assert!(err.contains("more than 55"), "{err}");
+        assert!(matches!(Table::parse("a.b.c"), Err(ClaimError::Invalid(_))));
     }
 
     #[test]

@@ -7,15 +7,12 @@ use serde::Serialize;
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 
-use crate::producer::DispatchOptions;
+use jobrail_native::DispatchOptions;
+
+use crate::schema::{TableName, UNSENT_INDEX};
 
 /// The table [`Outbox::new`] uses.
 pub const DEFAULT_OUTBOX_TABLE: &str = "jobrail_outbox";
-
-/// The longest table name (each part of `schema.table`), in bytes: what
-/// Postgres keeps of an identifier (63) less the suffix of the index named
-/// after the table.
-pub const MAX_OUTBOX_TABLE_BYTES: usize = 48;
 
 /// An error from the outbox or its relay.
 #[derive(Debug, thiserror::Error)]
@@ -43,15 +40,15 @@ pub enum OutboxError {
 /// it commits first and the process dies before the dispatch, the job is
 /// lost. The outbox makes the dispatch part of the transaction:
 /// [`Outbox::dispatch`] encodes the job's envelope exactly as
-/// [`Producer::dispatch`](crate::Producer::dispatch) does and INSERTs it as
+/// [`Producer::dispatch`](jobrail_native::Producer::dispatch) does and INSERTs it as
 /// a row, through the caller's own client or transaction. The row commits
 /// with the business change or vanishes with it. An [`OutboxRelay`]
 /// publishes committed rows to the broker afterwards and marks them sent.
 ///
 /// ```no_run
-/// # async fn example(mut client: tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn example(mut client: jobrail_postgres::tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
 /// use jobrail::Job;
-/// use jobrail_native::postgres::Outbox;
+/// use jobrail_postgres::Outbox;
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct Ship { order: i64 }
@@ -82,8 +79,8 @@ pub enum OutboxError {
 ///   ahead, and two relays publish disjoint batches side by side.
 /// - **Delays.** A delay ([`DispatchOptions::delay`]) counts from the
 ///   dispatch: the relay hands the broker what is left of it. Like
-///   [`Producer`](crate::Producer), it needs a backend that delays
-///   ([`Capabilities::delayed_dispatch`](crate::Capabilities::delayed_dispatch));
+///   [`Producer`](jobrail_native::Producer), it needs a backend that delays
+///   ([`Capabilities::delayed_dispatch`](jobrail_native::Capabilities::delayed_dispatch));
 ///   on one that cannot, the row stays unsent with the refusal as its last
 ///   error.
 /// - **Refusals.** What can be known without the broker is refused at
@@ -100,18 +97,20 @@ pub enum OutboxError {
 /// and `retry_at` (when a refused row may be tried again). Sent rows stay
 /// until [`OutboxRelay::purge_sent`] removes them.
 ///
-/// [`OutboxRelay`]: crate::postgres::OutboxRelay
-/// [`OutboxRelay::purge_sent`]: crate::postgres::OutboxRelay::purge_sent
-/// [`DispatchOptions::delay`]: crate::DispatchOptions::delay
+/// [`OutboxRelay`]: crate::OutboxRelay
+/// [`OutboxRelay::purge_sent`]: crate::OutboxRelay::purge_sent
+/// [`DispatchOptions::delay`]: jobrail_native::DispatchOptions::delay
 #[derive(Clone, PartialEq, Eq)]
 pub struct Outbox {
-    table: String,
+    table: TableName,
+    /// The table's name quoted for SQL.
+    quoted: String,
 }
 
 impl fmt::Debug for Outbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Outbox")
-            .field("table", &self.table)
+            .field("table", &self.table.as_str())
             .finish()
     }
 }
@@ -125,38 +124,38 @@ impl Default for Outbox {
 impl Outbox {
     /// The outbox in the table `jobrail_outbox` ([`DEFAULT_OUTBOX_TABLE`]).
     pub fn new() -> Self {
-        Outbox {
-            table: DEFAULT_OUTBOX_TABLE.to_owned(),
-        }
+        Outbox::with_table(DEFAULT_OUTBOX_TABLE).expect("the default table name is valid")
     }
 
-    /// The outbox in the table `name`, optionally schema-qualified
-    /// (`jobs.outbox`). Each part is a lowercase letter or `_`, then
-    /// lowercase letters, digits and `_`, at most
-    /// [`MAX_OUTBOX_TABLE_BYTES`] long; anything else is
-    /// [`OutboxError::Invalid`] (the name is written into SQL as it is).
+    /// The outbox in the table `name`, named by the [crate's rule](crate):
+    /// `table` or `schema.table` (`jobs.outbox`), each part a lowercase
+    /// letter or `_`, then lowercase letters, digits and `_`, the table at
+    /// most [`MAX_TABLE_BYTES`](crate::MAX_TABLE_BYTES) bytes; anything
+    /// else is [`OutboxError::Invalid`], naming the rule.
     pub fn with_table(name: impl Into<String>) -> Result<Self, OutboxError> {
-        let table = name.into();
-        validate_table(&table)?;
-        Ok(Outbox { table })
+        let table =
+            TableName::parse(&name.into()).map_err(|e| OutboxError::Invalid(e.to_string()))?;
+        Ok(Outbox {
+            quoted: table.quoted(),
+            table,
+        })
     }
 
-    /// The table's name.
+    /// The table's name, as given.
     pub fn table(&self) -> &str {
-        &self.table
+        self.table.as_str()
     }
 
-    /// The name of the partial index on unsent rows (in the table's schema).
-    fn index(&self) -> String {
-        let bare = self.table.rsplit('.').next().unwrap_or(&self.table);
-        format!("{bare}_unsent")
+    /// The table's name quoted for SQL.
+    pub(crate) fn quoted(&self) -> &str {
+        &self.quoted
     }
 
     /// The DDL that creates the table and its index if they are missing,
     /// for migration tools. Running it again changes nothing.
     pub fn install_sql(&self) -> String {
-        let table = &self.table;
-        let index = self.index();
+        let table = &self.quoted;
+        let index = self.table.index(UNSENT_INDEX);
         format!(
             "CREATE TABLE IF NOT EXISTS {table} (\n\
              \x20   id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
@@ -179,7 +178,7 @@ impl Outbox {
     /// advisory lock so that processes installing at once do not race. On
     /// a transaction, the table exists for others once it commits.
     pub async fn install(&self, client: &impl GenericClient) -> Result<(), OutboxError> {
-        let lock = advisory_key(&self.table);
+        let lock = advisory_key(self.table.as_str());
         let ddl = self.install_sql();
         client
             .batch_execute(&format!(
@@ -227,7 +226,7 @@ impl Outbox {
             encode_envelope(job.name(), payload, &options.metadata).map_err(OutboxError::Encode)?;
         let sql = format!(
             "INSERT INTO {} (message_id, queue, body, delay_ms) VALUES ($1, $2, $3, $4)",
-            self.table
+            self.quoted
         );
         let queue = job.queue();
         client
@@ -245,38 +244,6 @@ impl Outbox {
     }
 }
 
-/// Checks a table name: one or two dot-separated parts, each an unquoted
-/// lowercase identifier of at most [`MAX_OUTBOX_TABLE_BYTES`].
-fn validate_table(name: &str) -> Result<(), OutboxError> {
-    let invalid = |why: &str| {
-        Err(OutboxError::Invalid(format!(
-            "outbox table name `{}`: {why}",
-            name.escape_debug()
-        )))
-    };
-    let parts: Vec<&str> = name.split('.').collect();
-    if parts.len() > 2 {
-        return invalid("at most one `.`, between a schema and a table");
-    }
-    for part in parts {
-        let mut chars = part.chars();
-        match chars.next() {
-            None => return invalid("an empty part"),
-            Some(c) if c.is_ascii_lowercase() || c == '_' => {}
-            Some(_) => return invalid("each part starts with a lowercase letter or `_`"),
-        }
-        if !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
-            return invalid("only lowercase ASCII letters, digits and `_`");
-        }
-        if part.len() > MAX_OUTBOX_TABLE_BYTES {
-            return invalid(&format!(
-                "a part is longer than {MAX_OUTBOX_TABLE_BYTES} bytes"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// A stable 63-bit key for the install lock of `table` (FNV-1a).
 fn advisory_key(table: &str) -> i64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
@@ -292,28 +259,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn table_names_are_plain_identifiers() {
-        for good in ["jobrail_outbox", "_o", "jobs.outbox_2", &"a".repeat(48)] {
-            assert!(Outbox::with_table(good).is_ok(), "{good}");
+    fn table_names_follow_the_crate_rule() {
+        assert!(Outbox::with_table("a".repeat(55)).is_ok());
+        match Outbox::with_table("a".repeat(56)) {
+            Err(OutboxError::Invalid(why)) => assert!(why.contains("more than 55"), "{why}"),
+            other => panic!("a 56-byte table is refused: {other:?}"),
         }
-        for bad in [
-            "",
-            "Outbox",
-            "1outbox",
-            "out box",
-            "outbox;drop table x",
-            "a.b.c",
-            ".outbox",
-            "outbox.",
-            "\"outbox\"",
-            "outbóx",
-            &"a".repeat(49),
-        ] {
-            assert!(
-                matches!(Outbox::with_table(bad), Err(OutboxError::Invalid(_))),
-                "{bad}"
-            );
-        }
+        assert!(matches!(
+            Outbox::with_table("Outbox"),
+            Err(OutboxError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -321,7 +276,7 @@ mod tests {
         let outbox = Outbox::with_table("jobs.outbox").unwrap();
         assert!(outbox
             .install_sql()
-            .contains("CREATE INDEX IF NOT EXISTS outbox_unsent ON jobs.outbox"));
+            .contains("CREATE INDEX IF NOT EXISTS \"outbox_unsent\" ON \"jobs\".\"outbox\""));
         assert_eq!(Outbox::new().table(), DEFAULT_OUTBOX_TABLE);
     }
 

@@ -11,9 +11,9 @@ use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
 
 use crate::driver::{Delivery, Driver, DriverError, ErrorKind, Subscription};
+use crate::kit::Reconnect;
 use crate::metrics::DepthPoller;
 use crate::runtime::TokioRuntime;
-use crate::support::Reconnect;
 
 /// Builder for a [`Consumer`].
 pub struct ConsumerBuilder {

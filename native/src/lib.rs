@@ -114,8 +114,6 @@ pub mod rabbitmq;
 mod runtime;
 #[cfg(feature = "sqs")]
 pub mod sqs;
-// The consumer names the kit by its earlier path.
-use kit as support;
 mod unique;
 
 pub use crate::metrics::describe_metrics;

@@ -10,7 +10,7 @@ pub use jobrail::UniqueDispatch;
 /// Why a unique dispatch failed: the claim store's error
 /// (nothing was sent), or the driver's. The key stays taken for the window
 /// only if the backend may have accepted the message
-/// ([`ErrorKind::Uncertain`]); otherwise it was given back, and the
+/// ([`ErrorKind::Uncertain`](crate::ErrorKind::Uncertain)); otherwise it was given back, and the
 /// dispatch may be repeated.
 pub type UniqueDispatchError = jobrail::UniqueDispatchError<DriverError>;
 

@@ -42,7 +42,7 @@ pub struct EventRecord {
 pub struct DeliveryReport {
     /// The message's `attempts` on this delivery (first = 1).
     pub attempt: u32,
-    /// The invocation, an index into [`CloudflareQueues::batches`].
+    /// The invocation, an index into [`CloudflareQueues::batches`](super::CloudflareQueues::batches).
     pub batch: usize,
     /// When the batch was delivered, on the virtual clock.
     pub delivered_at: Duration,
@@ -108,7 +108,7 @@ pub enum MessageState {
 /// The life of one message.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MessageReport {
-    /// The platform id (for [`CloudflareQueues::send`], the envelope's id).
+    /// The platform id (for [`CloudflareQueues::send`](super::CloudflareQueues::send), the envelope's id).
     pub id: String,
     /// The queue it was sent to.
     pub queue: String,
@@ -179,7 +179,7 @@ pub struct Queued {
 /// One invocation of the consumer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchRun {
-    /// Its index in [`CloudflareQueues::batches`].
+    /// Its index in [`CloudflareQueues::batches`](super::CloudflareQueues::batches).
     pub index: usize,
     /// The queue.
     pub queue: String,

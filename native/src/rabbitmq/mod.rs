@@ -39,7 +39,7 @@
 //! ## Batches
 //!
 //! [`Driver::send_batch`] (behind
-//! [`Producer::dispatch_batch`](crate::Producer::dispatch_batch)) pipelines
+//! [`Dispatch::send_batch`](crate::Dispatch::send_batch)) pipelines
 //! the confirms: each message is checked as a single dispatch would be (too
 //! long, or a delay above the largest bucket, refuses that message alone),
 //! the work queue and the hold queues the batch needs are declared once,

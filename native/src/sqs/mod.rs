@@ -52,7 +52,7 @@
 //! with [`DriverError::find`]).
 //!
 //! A batch ([`Driver::send_batch`], behind
-//! [`Producer::dispatch_batch`](crate::Producer::dispatch_batch)) is
+//! [`Dispatch::send_batch`](crate::Dispatch::send_batch)) is
 //! `SendMessageBatch`: calls of at most 10 messages whose bodies and
 //! attributes add up to at most 256 KiB (a message longer than that goes
 //! alone), all in flight together, and one result per message. A delay

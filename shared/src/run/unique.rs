@@ -62,7 +62,7 @@ fn store_key(job_name: &str, key: &str) -> String {
 }
 
 /// Sends a job unless one of `job_name` with the same `key` was dispatched
-/// within `window`: the rule behind every producer's `dispatch_unique`.
+/// within `window`: the rule behind every producer's unique dispatch (`.unique(...)` on its dispatch builder).
 ///
 /// - The store key `unique:<job name>:<key>` is claimed for `window` (a
 ///   non-empty `key`, at most [`MAX_CLAIM_KEY_BYTES`](crate::MAX_CLAIM_KEY_BYTES)

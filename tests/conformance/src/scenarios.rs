@@ -1619,7 +1619,7 @@ pub async fn body_at_the_limit_round_trips(backend: &dyn Backend) {
     assert!(backend.failure_records(&h.queue).await.is_empty());
 }
 
-/// `Producer::dispatch_batch` answers once per payload, in order, with
+/// `Dispatch::send_batch` answers once per payload, in order, with
 /// distinct message ids; each message is delivered and succeeds exactly
 /// once, under those ids. 25 messages: more than one backend batch call
 /// where a call is bounded (SQS takes 10 at a time).

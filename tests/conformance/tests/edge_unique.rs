@@ -1,5 +1,5 @@
 //! Unique dispatch at the edge: the report worker's `POST /dispatch-unique`
-//! sends a healthy report through `EdgeProducer::dispatch_unique` on
+//! sends a healthy report through `EdgeProducer::dispatch(..).unique(..)` on
 //! `jobrail_edge::D1Claims`, the rule the native producer runs too
 //! (`jobrail::dispatch_unique`). Requests racing on one key send one job,
 //! and the worker's log shows that job ran once; another key is its own;

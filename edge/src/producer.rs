@@ -87,12 +87,9 @@ impl EdgeProducer {
     /// refused before any request if above the platform's size limit.
     pub async fn send_text(&self, body: String, delay: Option<Duration>) -> Result<(), EdgeError> {
         check_message_size(&body)?;
-        let mut message = MessageBuilder::new(body).content_type(QueueContentType::Text);
-        if let Some(seconds) = delay_seconds(delay.filter(|d| !d.is_zero()))? {
-            message = message.delay_seconds(seconds);
-        }
+        let message = text_message(body, delay_seconds(delay.filter(|d| !d.is_zero()))?);
         self.queue
-            .send(message.build())
+            .send(message)
             .await
             .map_err(|e| EdgeError::new(EdgeErrorKind::Uncertain, e.to_string()))
     }
@@ -188,12 +185,7 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
         for payload in payloads {
             let envelope = EdgeProducer::envelope(self.job, payload, self.metadata.clone())?;
             ids.push(envelope.id.clone());
-            let text = envelope_text(&envelope)?;
-            let mut message = MessageBuilder::new(text).content_type(QueueContentType::Text);
-            if let Some(seconds) = seconds {
-                message = message.delay_seconds(seconds);
-            }
-            batch = batch.message(message.build());
+            batch = batch.message(text_message(envelope_text(&envelope)?, seconds));
         }
         self.producer
             .queue
@@ -258,6 +250,16 @@ impl<P: Serialize, S: ClaimStore + ?Sized> UniqueDispatchBuilder<'_, P, S> {
         )
         .await
     }
+}
+
+/// A text message, delayed by `seconds` if given: what every send passes to
+/// the binding.
+fn text_message(text: String, seconds: Option<u32>) -> worker::SendMessage<String> {
+    let mut message = MessageBuilder::new(text).content_type(QueueContentType::Text);
+    if let Some(seconds) = seconds {
+        message = message.delay_seconds(seconds);
+    }
+    message.build()
 }
 
 /// Whether a send that failed with `error` certainly enqueued nothing: it

@@ -47,7 +47,7 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
     /// ([`ErrorKind::Unsupported`]), as does one whose limit the delay
     /// exceeds.
     pub fn delay(mut self, delay: Duration) -> Self {
-        self.options.delay = Some(delay).filter(|d| !d.is_zero());
+        self.options.delay = Some(delay);
         self
     }
 
@@ -61,7 +61,6 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
     /// Replaces the delay and the metadata at once.
     pub fn options(mut self, options: DispatchOptions) -> Self {
         self.options = options;
-        self.options.delay = self.options.delay.filter(|d| !d.is_zero());
         self
     }
 

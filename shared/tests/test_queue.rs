@@ -20,6 +20,10 @@ struct Work {
     succeeds_on: u32,
 }
 
+/// Executions so far, shared through the registry's state.
+#[derive(Default)]
+struct Executions(AtomicU32);
+
 fn declared(cap: Option<u32>, initial_ms: u64, multiplier: f64, max_ms: u64) -> Job<Work> {
     Job::<Work>::builder("work")
         .delivery_cap(cap)
@@ -63,6 +67,11 @@ proptest! {
             None => succeeds_on,
         };
         prop_assert_eq!(report.attempts(), (1..=last).collect::<Vec<_>>());
+        prop_assert_eq!(
+            report.deliveries.iter().map(|d| d.attempt).collect::<Vec<_>>(),
+            (1..=last).collect::<Vec<_>>(),
+            "each delivery reports the attempt it was delivered with"
+        );
         prop_assert_eq!(report.executions(), last);
         let backoff = Backoff::exponential(
             Duration::from_millis(initial_ms),
@@ -97,6 +106,74 @@ proptest! {
             prop_assert_eq!(record.kind, FailureKind::AttemptsExhausted);
             prop_assert_eq!(record.attempt, last);
             prop_assert_eq!(queue.failure_records(), std::slice::from_ref(record));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Tier one inside tier two, with the count kept in the registry's
+    /// state: each delivery runs up to `tier_one` executions, so the
+    /// success on execution `n` comes in delivery `ceil(n / tier_one)`, at
+    /// in-process attempt `n - (delivery - 1) * tier_one`; past the cap the
+    /// message fails after `cap * tier_one` executions.
+    #[test]
+    fn tier_one_inside_the_cap(
+        cap in proptest::option::of(1u32..5),
+        tier_one in 1u32..4,
+        succeeds_on_execution in 1u32..12,
+    ) {
+        let job = Job::<u32>::builder("work")
+            .delivery_cap(cap)
+            .backoff(Duration::from_secs(1), 1.0, Duration::from_secs(1))
+            .tier_one(tier_one)
+            .tier_one_backoff(Duration::ZERO, 1.0, Duration::ZERO)
+            .build()
+            .unwrap();
+        let mut registry = Registry::new();
+        registry.state(Executions::default());
+        registry
+            .register(&job, |ctx: JobContext, succeeds_on: u32| async move {
+                let n = ctx.state::<Executions>()?.0.fetch_add(1, Ordering::SeqCst) + 1;
+                if n < succeeds_on {
+                    return Err(JobError::new("not yet"));
+                }
+                Ok(())
+            })
+            .unwrap();
+        let mut queue = TestQueue::new(registry);
+        let id = queue.send(&job, &succeeds_on_execution);
+        queue.run_until_idle();
+        let report = queue.message(&id);
+
+        let delivery = succeeds_on_execution.div_ceil(tier_one);
+        let in_process = succeeds_on_execution - (delivery - 1) * tier_one;
+        let executions = queue.registry().state_of::<Executions>().unwrap().0.load(Ordering::SeqCst);
+        prop_assert_eq!(report.executions(), executions);
+        match cap {
+            Some(cap) if delivery > cap => {
+                prop_assert_eq!(&report.state, &MessageState::Failed);
+                prop_assert_eq!(report.attempts().len() as u32, cap);
+                prop_assert_eq!(executions, cap * tier_one);
+                prop_assert_eq!(
+                    report.failure_record().map(|r| r.kind),
+                    Some(FailureKind::AttemptsExhausted)
+                );
+            }
+            _ => {
+                prop_assert_eq!(&report.state, &MessageState::Acked);
+                prop_assert_eq!(report.attempts().len() as u32, delivery);
+                prop_assert_eq!(executions, succeeds_on_execution);
+                let expected = if delivery > 1 {
+                    Resolution::TierTwo { delivery, of: cap.unwrap_or(0), in_process }
+                } else if in_process > 1 {
+                    Resolution::TierOne { attempt: in_process, of: tier_one }
+                } else {
+                    Resolution::FirstAttempt
+                };
+                prop_assert_eq!(report.resolution(), Some(expected));
+            }
         }
     }
 }

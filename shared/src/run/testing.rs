@@ -543,6 +543,7 @@ impl TestQueue {
             self.runtime.advance(waiting.visible_at - now);
         }
         let delivered_at = self.now();
+        let attempt = waiting.attempt;
         let handle = TestDelivery {
             body: &waiting.body,
             attempt: waiting.attempt,
@@ -579,7 +580,7 @@ impl TestQueue {
         let report = &mut self.reports[index];
         report.state = state;
         report.deliveries.push(DeliveryReport {
-            attempt: report.deliveries.len() as u32 + 1,
+            attempt,
             delivered_at,
             settled_at,
             settlement: processed.settlement,

@@ -9,6 +9,56 @@
 //! the ack. No error or panic escapes the entry point with a message left to
 //! the platform's whole-batch retry.
 //!
+//! # Example
+//!
+//! A worker's jobs run natively under the platform's delivery rules with
+//! [`testing::CloudflareQueues`], on virtual time, as a unit test of the
+//! worker would (the Worker itself is wired with [`consumer!`]; see
+//! [Wiring a worker](#wiring-a-worker)):
+//!
+//! ```
+//! use jobrail::{Job, JobContext, JobError, Registry, RegistryError};
+//! use jobrail_edge::testing::{CloudflareQueues, MessageState};
+//!
+//! // The worker's wrangler.toml: the queue's consumer settings.
+//! const WRANGLER: &str = r#"
+//! [[queues.consumers]]
+//! queue = "emails"
+//! max_retries = 10
+//! dead_letter_queue = "emails-dlq"
+//! "#;
+//!
+//! fn welcome() -> Job<String> {
+//!     Job::<String>::builder("welcome").queue("emails").max_deliveries(5).build().unwrap()
+//! }
+//!
+//! fn jobs() -> Result<Registry, RegistryError> {
+//!     let mut registry = Registry::new();
+//!     registry.register(&welcome(), |ctx: JobContext, to: String| async move {
+//!         if ctx.attempt() == 1 {
+//!             return Err(JobError::new(format!("mail provider busy for {to}")));
+//!         }
+//!         Ok(())
+//!     })?;
+//!     Ok(registry)
+//! }
+//!
+//! let mut cf = CloudflareQueues::new(WRANGLER, jobs, jobrail_edge::Options::DEFAULT)?;
+//! let sent = cf.send(&welcome(), &"ada@example.com".to_string());
+//! cf.run_until_idle();
+//! assert_eq!(cf.state(&sent), &MessageState::Acked);
+//! assert_eq!(cf.message(&sent).attempts(), [1, 2]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # The guide
+//!
+//! The guide's [edge chapter](https://github.com/jobrail/jobrail/blob/main/guide/edge.md) says how each rule maps onto
+//! Cloudflare Queues, with claims in D1 and failure records kept for
+//! operators; [your own edge worker](https://github.com/jobrail/jobrail/blob/main/guide/edge-worker.md) starts one from
+//! the template and runs it under `wrangler dev`. The rules themselves are
+//! in [the settlement rules](https://github.com/jobrail/jobrail/blob/main/guide/rules.md).
+//!
 //! # Layout
 //!
 //! Each item has one path: the consumer, its settings and errors at the
@@ -222,6 +272,33 @@ pub mod __private {
 /// A message whose code panics does not fail the rest of its batch: the
 /// instance is reset and the batch continues, the panicking message settled
 /// by its job's retry policy as one failed execution.
+///
+/// # Example
+///
+/// The whole `src/lib.rs` of a worker with one job (compiled natively here,
+/// where the macro adds the wrangler.toml test; built for wasm32 it exports
+/// the queue handler):
+///
+/// ```no_run
+/// use jobrail::{Job, JobContext, PolicyError, Registry, RegistryError};
+///
+/// fn resize() -> Result<Job<String>, PolicyError> {
+///     Job::<String>::builder("resize-image").queue("images").max_deliveries(4).build()
+/// }
+///
+/// pub fn jobs() -> Result<Registry, RegistryError> {
+///     let mut registry = Registry::new();
+///     registry.register(&resize()?, |_ctx: JobContext, key: String| async move {
+///         // Resize the image stored under `key` here.
+///         let _ = key;
+///         Ok(())
+///     })?;
+///     Ok(registry)
+/// }
+///
+/// jobrail_edge::consumer!(jobs);
+/// # fn main() {}
+/// ```
 #[macro_export]
 macro_rules! consumer {
     ($jobs:path $(, options = $options:expr)? $(, wrangler = $wrangler:literal)? $(, other_queues = $other:path)? $(, after_batch = $after:path)? $(,)?) => {

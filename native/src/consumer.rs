@@ -131,6 +131,42 @@ impl ConsumerHandle {
 
 impl Consumer {
     /// Starts building a consumer of `registry`'s queues on `driver`.
+    ///
+    /// Each registered job's queue is consumed; [`ConsumerBuilder::concurrency`]
+    /// bounds the deliveries in progress. [`Consumer::spawn`] runs it on the
+    /// current tokio runtime, [`Consumer::run_until_signal`] until Ctrl-C or
+    /// SIGTERM (then drains: [`ConsumerHandle::shutdown`]).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use jobrail::{Job, JobContext, Registry};
+    /// use jobrail_native::{Consumer, MemoryDriver, Producer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let job = Job::<u32>::builder("square").max_deliveries(3).build()?;
+    /// let mut registry = Registry::new();
+    /// registry.register(&job, |_ctx: JobContext, n: u32| async move {
+    ///     println!("{}", n * n);
+    ///     Ok(())
+    /// })?;
+    ///
+    /// let driver = Arc::new(MemoryDriver::default());
+    /// Producer::new(driver.clone()).dispatch(&job).send(&7).await?;
+    /// let consumer = Consumer::builder(driver.clone(), registry)
+    ///     .concurrency(8)
+    ///     .build()
+    ///     .spawn();
+    /// while driver.depth("default") > 0 {
+    ///     tokio::task::yield_now().await;
+    /// }
+    /// // Stops taking deliveries and waits for those in progress to settle.
+    /// consumer.shutdown().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder(driver: Arc<dyn Driver>, registry: Registry) -> ConsumerBuilder {
         ConsumerBuilder {
             driver,

@@ -193,6 +193,46 @@ pub struct Replayed {
 /// first, so concurrent replays of one record send it once; the new
 /// message's id is derived from the entry id, so a backend that
 /// deduplicates by message id (NATS) drops a second copy too.
+///
+/// # Example
+///
+/// A handler that fails permanently leaves a record; the operator lists it,
+/// replays it (a new message, its attempts counted afresh) and purges what
+/// is left. The `jobrail failed` commands do the same from a shell.
+///
+/// ```
+/// use std::sync::Arc;
+/// use jobrail::{Job, JobContext, JobError, Registry};
+/// use jobrail_native::{Consumer, Failures, MemoryDriver, Page, Producer, Purge};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let job = Job::<u32>::builder("invoice").max_deliveries(3).build()?;
+/// let mut registry = Registry::new();
+/// registry.register(&job, |_ctx: JobContext, n: u32| async move {
+///     Err(JobError::permanent(format!("invoice {n} has no customer")))
+/// })?;
+/// let driver = Arc::new(MemoryDriver::default());
+/// Producer::new(driver.clone()).dispatch(&job).send(&42).await?;
+/// let consumer = Consumer::builder(driver.clone(), registry).build().spawn();
+/// while driver.failure_records("default").is_empty() {
+///     tokio::task::yield_now().await;
+/// }
+/// consumer.shutdown().await?;
+///
+/// let failures = Failures::new(driver.clone());
+/// let page = failures.list("default", &Page::default()).await?;
+/// assert_eq!(page.total, 1);
+/// let record = page.entries[0].record.as_ref().unwrap();
+/// assert_eq!(record.job.as_deref(), Some("invoice"));
+///
+/// let replayed = failures.replay("default", &page.entries[0].id, false).await?;
+/// assert_eq!(replayed.queue, "default");
+/// assert_eq!(driver.depth("default"), 1);
+/// assert_eq!(failures.purge("default", &Purge::All).await?, 0);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct Failures {
     driver: Arc<dyn Driver>,

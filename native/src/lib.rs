@@ -5,6 +5,43 @@
 //! a [`jobrail::Registry`], dispatch with a [`Producer`], and consume with a
 //! [`Consumer`].
 //!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use jobrail::{Job, JobContext, Registry};
+//! use jobrail_native::{Consumer, MemoryDriver, Producer};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct Greet { name: String }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let job = Job::<Greet>::builder("greet").build().unwrap();
+//! let driver = Arc::new(MemoryDriver::default());
+//! Producer::new(driver.clone()).dispatch(&job).send(&Greet { name: "Ada".into() }).await.unwrap();
+//!
+//! let mut registry = Registry::new();
+//! registry.register(&job, |_ctx: JobContext, greet: Greet| async move {
+//!     println!("hello, {}", greet.name);
+//!     Ok(())
+//! }).unwrap();
+//! let consumer = Consumer::builder(driver.clone(), registry).build().spawn();
+//! while driver.depth("default") > 0 { tokio::task::yield_now().await; }
+//! consumer.shutdown().await.unwrap();
+//! # }
+//! ```
+//!
+//! # The guide
+//!
+//! The [guide](https://github.com/jobrail/jobrail/blob/main/guide/README.md) has a chapter per concern:
+//! [declaring jobs](https://github.com/jobrail/jobrail/blob/main/guide/jobs.md), [the settlement rules](https://github.com/jobrail/jobrail/blob/main/guide/rules.md),
+//! each backend ([in memory](https://github.com/jobrail/jobrail/blob/main/guide/memory.md), [RabbitMQ](https://github.com/jobrail/jobrail/blob/main/guide/rabbitmq.md),
+//! [NATS JetStream](https://github.com/jobrail/jobrail/blob/main/guide/nats.md), [Amazon SQS](https://github.com/jobrail/jobrail/blob/main/guide/sqs.md)),
+//! [running an effect once](https://github.com/jobrail/jobrail/blob/main/guide/claims.md), [operating](https://github.com/jobrail/jobrail/blob/main/guide/operating.md)
+//! (the `jobrail` CLI, failure records, metrics) and
+//! [writing a driver](https://github.com/jobrail/jobrail/blob/main/guide/writing-a-driver.md).
+//!
 //! # What is where
 //!
 //! Every item has one path. The worker, the producer, the driver interface
@@ -38,32 +75,6 @@
 //! [`kit`] (errors that keep the client's cause, the stopped state, the
 //! waits between reconnection attempts), as the drivers here do.
 //!
-//! # Example
-//!
-//! ```
-//! use std::sync::Arc;
-//! use jobrail::{Job, JobContext, Registry};
-//! use jobrail_native::{Consumer, MemoryDriver, Producer};
-//!
-//! #[derive(serde::Serialize, serde::Deserialize)]
-//! struct Greet { name: String }
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() {
-//! let job = Job::<Greet>::builder("greet").build().unwrap();
-//! let driver = Arc::new(MemoryDriver::default());
-//! Producer::new(driver.clone()).dispatch(&job).send(&Greet { name: "Ada".into() }).await.unwrap();
-//!
-//! let mut registry = Registry::new();
-//! registry.register(&job, |_ctx: JobContext, greet: Greet| async move {
-//!     println!("hello, {}", greet.name);
-//!     Ok(())
-//! }).unwrap();
-//! let consumer = Consumer::builder(driver.clone(), registry).build().spawn();
-//! while driver.depth("default") > 0 { tokio::task::yield_now().await; }
-//! consumer.shutdown().await.unwrap();
-//! # }
-//! ```
 
 /// The README's and the guide's examples, compiled and run as doc tests
 /// (`native/tests/readme.rs` checks that every Rust block in them is one of

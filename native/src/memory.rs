@@ -175,6 +175,27 @@ impl Default for MemoryDriver {
 
 impl MemoryDriver {
     /// A driver with `config`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use jobrail::Job;
+    /// use jobrail_native::{MemoryConfig, MemoryDriver, Producer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // Behaves like a broker whose longest retry delay is one hour.
+    /// let driver = Arc::new(MemoryDriver::new(
+    ///     MemoryConfig::default().max_retry_delay(Some(Duration::from_secs(3600))),
+    /// ));
+    /// let job = Job::<String>::builder("echo").max_deliveries(3).build()?;
+    /// Producer::new(driver.clone()).dispatch(&job).send(&"hi".to_string()).await?;
+    /// assert_eq!(driver.depth("default"), 1);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn new(config: MemoryConfig) -> Self {
         MemoryDriver {
             inner: Arc::new(Inner {

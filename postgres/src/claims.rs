@@ -169,6 +169,27 @@ impl PgClaims {
     /// key-value string; TLS as its `sslmode` says, see [`PgConnect`]) and
     /// creates the table [`DEFAULT_TABLE`](Self::DEFAULT_TABLE) if it is
     /// missing. A URL that does not parse is [`ClaimError::Invalid`].
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use jobrail::{run_once, JobError, Once};
+    /// use jobrail_postgres::PgClaims;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let claims = PgClaims::connect("postgres://app@127.0.0.1:5432/app").await?;
+    /// let once = run_once(&claims, "charge:order-42", Duration::from_secs(60), |_fence| async {
+    ///     // The effect: runs once for this key, across workers and redeliveries.
+    ///     Ok::<_, JobError>("receipt-1")
+    /// })
+    /// .await
+    /// .map_err(JobError::into_inner)?;
+    /// assert!(matches!(once, Once::Ran(_) | Once::AlreadyDone));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(url: &str) -> Result<PgClaims, ClaimError> {
         Self::connect_with_table(url, Self::DEFAULT_TABLE).await
     }

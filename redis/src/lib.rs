@@ -240,6 +240,27 @@ impl RedisClaims {
     /// (about 10 s with the crate's defaults) before it fails with
     /// [`ClaimError::Store`]; [`from_manager`](Self::from_manager) takes a
     /// manager with other bounds.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use jobrail::{run_once, JobError, Once};
+    /// use jobrail_redis::RedisClaims;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let claims = RedisClaims::connect("redis://127.0.0.1:6379").await?;
+    /// let once = run_once(&claims, "charge:order-42", Duration::from_secs(60), |_fence| async {
+    ///     // The effect: runs once for this key, across workers and redeliveries.
+    ///     Ok::<_, JobError>("receipt-1")
+    /// })
+    /// .await
+    /// .map_err(JobError::into_inner)?;
+    /// assert!(matches!(once, Once::Ran(_) | Once::AlreadyDone));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(url: &str) -> Result<Self, ClaimError> {
         let shown = redact(url);
         let client =

@@ -9,6 +9,84 @@
 //! no I/O, owns no async runtime and builds for `wasm32-unknown-unknown` as
 //! well as native targets.
 //!
+//! # Example
+//!
+//! A job is declared once (its name, queue and retry policy) and its
+//! handler registered once; any host runs it. Here the test queue of
+//! [`testing`] runs it on virtual time, as a unit test of the application
+//! would:
+//!
+//! ```
+//! use std::time::Duration;
+//! use jobrail::testing::{MessageState, TestQueue};
+//! use jobrail::{Job, JobContext, JobError, Registry};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct BuildReport { report_id: u64 }
+//!
+//! let job = Job::<BuildReport>::builder("build-report")
+//!     .max_deliveries(5)
+//!     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
+//!     .build()?;
+//! let mut registry = Registry::new();
+//! registry.register(&job, |ctx: JobContext, report: BuildReport| async move {
+//!     if ctx.attempt() < 3 {
+//!         return Err(JobError::new(format!("report {}: upstream unavailable", report.report_id)));
+//!     }
+//!     Ok(())
+//! })?;
+//!
+//! let mut queue = TestQueue::new(registry);
+//! let sent = queue.send(&job, &BuildReport { report_id: 7 });
+//! queue.run_until_idle();
+//! assert_eq!(queue.state(&sent), &MessageState::Acked);
+//! assert_eq!(queue.message(&sent).attempts(), [1, 2, 3]);
+//! assert_eq!(queue.now(), Duration::from_secs(2 + 4)); // virtual time
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Below the test queue, every host calls the same three steps; this is
+//! the first of them for one delivery:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use jobrail::{CancelToken, Incoming, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct BuildReport { report_id: u64 }
+//!
+//! let job = Job::<BuildReport>::builder("build-report")
+//!     .max_deliveries(5)
+//!     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
+//!     .build()
+//!     .unwrap();
+//! let mut registry = Registry::new();
+//! registry
+//!     .register(&job, |_ctx: JobContext, _report: BuildReport| async {
+//!         Err::<(), _>(JobError::new("upstream unavailable"))
+//!     })
+//!     .unwrap();
+//!
+//! let body = Envelope::new("build-report", serde_json::json!({"report_id": 1})).encode();
+//! let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
+//! let delivery = Incoming { queue: "default", body: &body, attempt: 1, shutdown_returns: None, deadline: None };
+//! let processed = futures_executor::block_on(
+//!     registry.process(delivery, &runtime, &CancelToken::new()),
+//! );
+//! assert_eq!(processed.settlement, Settlement::Retry { delay: Some(Duration::from_secs(2)), shutdown: false });
+//! ```
+//!
+//! # The guide
+//!
+//! The crate's API is documented item by item here; how to use it is in
+//! the [guide](https://github.com/jobrail/jobrail/blob/main/guide/README.md): [declaring jobs](https://github.com/jobrail/jobrail/blob/main/guide/jobs.md),
+//! [the settlement rules](https://github.com/jobrail/jobrail/blob/main/guide/rules.md) (the contract every backend
+//! keeps), [two tiers and the failure budget](https://github.com/jobrail/jobrail/blob/main/guide/tiers.md),
+//! [running an effect once](https://github.com/jobrail/jobrail/blob/main/guide/claims.md), the backends, and
+//! [operating](https://github.com/jobrail/jobrail/blob/main/guide/operating.md). Workers are in `jobrail-native`
+//! (servers) and `jobrail-edge` (Cloudflare Queues).
+//!
 //! # Layout
 //!
 //! Every public item has one path, at the crate root (`jobrail::Job`,
@@ -76,36 +154,6 @@
 //! - `testing` (not on wasm32): the public `jobrail::testing`, a registry's
 //!   jobs run on virtual time through the pipeline every host runs.
 //!
-//! # Example
-//!
-//! ```
-//! use std::sync::Arc;
-//! use std::time::Duration;
-//! use jobrail::{CancelToken, Incoming, Envelope, Job, JobContext, JobError, Registry, Runtime, Settlement, VirtualRuntime};
-//!
-//! #[derive(serde::Serialize, serde::Deserialize)]
-//! struct BuildReport { report_id: u64 }
-//!
-//! let job = Job::<BuildReport>::builder("build-report")
-//!     .max_deliveries(5)
-//!     .backoff(Duration::from_secs(2), 2.0, Duration::from_secs(10))
-//!     .build()
-//!     .unwrap();
-//! let mut registry = Registry::new();
-//! registry
-//!     .register(&job, |_ctx: JobContext, _report: BuildReport| async {
-//!         Err::<(), _>(JobError::new("upstream unavailable"))
-//!     })
-//!     .unwrap();
-//!
-//! let body = Envelope::new("build-report", serde_json::json!({"report_id": 1})).encode();
-//! let runtime: Arc<dyn Runtime> = Arc::new(VirtualRuntime::new());
-//! let delivery = Incoming { queue: "default", body: &body, attempt: 1, shutdown_returns: None, deadline: None };
-//! let processed = futures_executor::block_on(
-//!     registry.process(delivery, &runtime, &CancelToken::new()),
-//! );
-//! assert_eq!(processed.settlement, Settlement::Retry { delay: Some(Duration::from_secs(2)), shutdown: false });
-//! ```
 
 // On wasm32 the runtime is single-threaded and `MaybeSend` is empty, so shared
 // state held in `Arc` need not be `Send`; one `Arc` type keeps both targets alike.

@@ -9,6 +9,23 @@ use crate::driver::DriverError;
 /// Settings for [`NatsDriver`](super::NatsDriver).
 ///
 /// `Debug` never shows the password or token in [`url`](Self::url).
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail_native::nats::{NatsConfig, NatsDriver};
+///
+/// let config = NatsConfig::new("nats://127.0.0.1:4222")
+///     // How long a delivery is held before the server redelivers it; the
+///     // driver renews it while the handler runs.
+///     .ack_wait(Duration::from_secs(60))
+///     .failure_subject(Some("{prefix}.{queue}.failed"));
+/// assert_eq!(config.stream_prefix, "QUEUE");
+/// // `new` checks the settings and connects on first use.
+/// let _driver = NatsDriver::new(config)?;
+/// # Ok::<(), jobrail_native::DriverError>(())
+/// ```
 #[derive(Clone)]
 pub struct NatsConfig {
     /// `nats://host:port`, optionally with credentials:

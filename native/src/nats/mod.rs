@@ -429,6 +429,24 @@ impl NatsDriver {
 
     /// A driver with `config`, connected now (so a wrong URL or credentials
     /// fail here, as [`ErrorKind::Connection`](crate::ErrorKind::Connection)).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use jobrail::Registry;
+    /// use jobrail_native::Consumer;
+    /// use jobrail_native::nats::{NatsConfig, NatsDriver};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), jobrail_native::DriverError> {
+    /// # let registry = Registry::new();
+    /// // Fails now, as ErrorKind::Connection, when the server is unreachable.
+    /// let driver = Arc::new(NatsDriver::connect(NatsConfig::new("nats://127.0.0.1:4222")).await?);
+    /// Consumer::builder(driver, registry).build().run_until_signal().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(config: NatsConfig) -> Result<Self, DriverError> {
         let driver = Self::new(config)?;
         driver.link().await?;

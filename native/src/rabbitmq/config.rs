@@ -13,6 +13,27 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 134_217_728;
 /// Settings for [`RabbitDriver`](super::RabbitDriver).
 ///
 /// `Debug` never shows the password in [`url`](Self::url).
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail_native::ErrorKind;
+/// use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+///
+/// let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+///     // Retry delays round up to one of these; a longer one is refused.
+///     .delay_buckets([Duration::from_secs(1), Duration::from_secs(30), Duration::from_secs(600)])
+///     .failure_queue(Some("{queue}.failed"));
+/// // `new` checks the settings and connects on first use.
+/// let driver = RabbitDriver::new(config)?;
+/// assert_eq!(driver.config().delay_buckets.len(), 3);
+///
+/// // A bucket that is not a whole number of milliseconds is a configuration error.
+/// let bad = RabbitConfig::new("amqp://127.0.0.1").delay_buckets([Duration::from_micros(1500)]);
+/// assert_eq!(RabbitDriver::new(bad).unwrap_err().kind(), ErrorKind::Config);
+/// # Ok::<(), jobrail_native::DriverError>(())
+/// ```
 #[derive(Clone)]
 pub struct RabbitConfig {
     /// `amqp://user:password@host:port/vhost` (or `amqps://` with the

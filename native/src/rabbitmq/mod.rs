@@ -424,6 +424,25 @@ impl RabbitDriver {
 
     /// A driver with `config`, connected now (so a wrong URL or credentials
     /// fail here, as [`ErrorKind::Connection`]).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use jobrail::Registry;
+    /// use jobrail_native::Consumer;
+    /// use jobrail_native::rabbitmq::{RabbitConfig, RabbitDriver};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), jobrail_native::DriverError> {
+    /// # let registry = Registry::new();
+    /// let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    /// // Fails now, as ErrorKind::Connection, when the broker is unreachable.
+    /// let driver = Arc::new(RabbitDriver::connect(RabbitConfig::new(url)).await?);
+    /// Consumer::builder(driver, registry).build().run_until_signal().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(config: RabbitConfig) -> Result<Self, DriverError> {
         let driver = Self::new(config)?;
         driver.connection().await?;

@@ -188,6 +188,29 @@ pub trait SqsCredentialSource: Send + Sync + fmt::Debug {
 /// (see the [module documentation](super#delivery-limit)).
 ///
 /// `Debug` never shows credentials.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail_native::sqs::{SqsConfig, SqsCredentials, SqsDriver};
+///
+/// let config = SqsConfig::new("us-east-1")
+///     // An emulator or a VPC endpoint; without it, AWS's endpoint for the region.
+///     .endpoint("http://127.0.0.1:4517")
+///     .credentials(SqsCredentials::fixed("test", "test"))
+///     .visibility_timeout(Duration::from_secs(60))
+///     .failure_queue(Some("{queue}-failed"));
+/// // `new` checks the settings and makes no request.
+/// let _driver = SqsDriver::new(config)?;
+///
+/// // Visibility timeouts are whole seconds from 1 s to 12 h.
+/// let bad = SqsConfig::new("us-east-1")
+///     .credentials(SqsCredentials::fixed("test", "test"))
+///     .visibility_timeout(Duration::from_millis(1500));
+/// assert!(SqsDriver::new(bad).is_err());
+/// # Ok::<(), jobrail_native::DriverError>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct SqsConfig {
     /// The region (`us-east-1`...).

@@ -327,6 +327,25 @@ impl SqsDriver {
     /// A driver with `config` whose endpoint and credentials were checked
     /// now (`ListQueues`): a wrong endpoint is [`ErrorKind::Connection`],
     /// refused credentials [`ErrorKind::Config`].
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use jobrail::Registry;
+    /// use jobrail_native::Consumer;
+    /// use jobrail_native::sqs::{SqsConfig, SqsDriver};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), jobrail_native::DriverError> {
+    /// # let registry = Registry::new();
+    /// // Credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; one
+    /// // ListQueues call checks them and the endpoint now.
+    /// let driver = Arc::new(SqsDriver::connect(SqsConfig::new("eu-west-1")).await?);
+    /// Consumer::builder(driver, registry).build().run_until_signal().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect(config: SqsConfig) -> Result<Self, DriverError> {
         let driver = Self::new(config)?;
         driver.probe().await?;

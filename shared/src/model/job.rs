@@ -161,6 +161,41 @@ impl<P> fmt::Debug for Job<P> {
 
 impl<P> Job<P> {
     /// Starts a declaration.
+    ///
+    /// `name` is the job's wire name: every message carries it, and a worker
+    /// finds the handler by it. The queue defaults to `default`; a job that
+    /// does not choose its cap ([`max_deliveries`](JobBuilder::max_deliveries)
+    /// or [`uncapped`](JobBuilder::uncapped)) is named by
+    /// [`Registry::warnings`](crate::Registry::warnings). The guide's chapter on
+    /// [declaring jobs](https://github.com/jobrail/jobrail/blob/main/guide/jobs.md)
+    /// explains each setting.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use jobrail::Job;
+    ///
+    /// struct Charge {
+    ///     order_id: u64,
+    /// }
+    ///
+    /// let charge = Job::<Charge>::builder("charge")
+    ///     .queue("payments")
+    ///     // Five deliveries in all, 1 s, 2 s, 4 s, 8 s apart (at most 60 s).
+    ///     .max_deliveries(5)
+    ///     .backoff(Duration::from_secs(1), 2.0, Duration::from_secs(60))
+    ///     // Within each delivery, up to three executions before redelivery.
+    ///     .tier_one(3)
+    ///     .timeout(Duration::from_secs(30))
+    ///     .build()?;
+    /// assert_eq!(charge.queue(), "payments");
+    /// assert_eq!(charge.spec().retry.max_deliveries, 5);
+    ///
+    /// // A cap of zero deliveries is refused: a job without a cap says so.
+    /// assert!(Job::<Charge>::builder("charge").max_deliveries(0).build().is_err());
+    /// # Ok::<(), jobrail::PolicyError>(())
+    /// ```
     pub fn builder(name: impl Into<String>) -> JobBuilder<P> {
         JobBuilder {
             spec: JobSpec {

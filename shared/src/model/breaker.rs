@@ -112,6 +112,28 @@ struct Inner {
 ///
 /// The clock is injected, so the breaker behaves the same natively and on the
 /// edge and is testable without sleeping.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail::{BreakerConfig, BreakerState, CircuitBreaker, Job};
+///
+/// let payments = CircuitBreaker::new(
+///     "payments-api",
+///     BreakerConfig { failure_threshold: 2, cool_down: Duration::from_secs(30) },
+/// )?;
+/// // The job's executions feed it; while it is open, tier one is skipped and
+/// // the delivery goes back to the backend with its backoff.
+/// let job = Job::<u64>::builder("charge").max_deliveries(5).tier_one(3).breaker(payments.clone()).build()?;
+///
+/// payments.record_failure();
+/// payments.record_failure();
+/// assert_eq!(payments.state(), BreakerState::Open);
+/// assert!(payments.acquire().is_err());
+/// # let _ = job;
+/// # Ok::<(), jobrail::PolicyError>(())
+/// ```
 #[derive(Clone)]
 pub struct CircuitBreaker {
     inner: Arc<Inner>,

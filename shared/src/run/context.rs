@@ -81,6 +81,38 @@ impl From<DeadlineExceeded> for Interrupted {
 /// made once per delivery and shared; each execution adds only its attempt
 /// and deadline. The job and queue names are the registered job's own
 /// (shared, not copied) when the delivery comes from the job's queue.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail::testing::TestQueue;
+/// use jobrail::{Job, JobContext, JobError, Registry};
+///
+/// struct Mailer {
+///     from: &'static str,
+/// }
+///
+/// let job = Job::<String>::builder("notify").max_deliveries(3).tier_one(2).build()?;
+/// let mut registry = Registry::new();
+/// registry.state(Mailer { from: "ops@example.com" });
+/// registry.register(&job, |ctx: JobContext, to: String| async move {
+///     let mailer = ctx.state::<Mailer>()?; // the registry's state, by type
+///     // The delivery (tier two) and the execution within it (tier one).
+///     if (ctx.attempt(), ctx.in_process_attempt()) == (1, 1) {
+///         return Err(JobError::new(format!("{} -> {to}: busy", mailer.from)));
+///     }
+///     ctx.check_deadline()?; // an error once the job's timeout has passed
+///     Ok(())
+/// })?;
+///
+/// let mut queue = TestQueue::new(registry);
+/// let sent = queue.send(&job, &"ada@example.com".to_string());
+/// queue.run_until_idle();
+/// assert_eq!(queue.message(&sent).attempts(), [1]); // resolved in process
+/// # let _ = Duration::ZERO;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct JobContext {
     parts: Arc<ContextParts>,

@@ -394,6 +394,32 @@ struct Waiting {
 
 /// A queue on virtual time for testing handlers. See the
 /// [module documentation](self).
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail::testing::{MessageState, TestQueue};
+/// use jobrail::{FailureKind, Job, JobContext, JobError, Registry};
+///
+/// let job = Job::<u32>::builder("flaky")
+///     .max_deliveries(3)
+///     .backoff(Duration::from_secs(30), 2.0, Duration::ZERO)
+///     .build()?;
+/// let mut registry = Registry::new();
+/// registry.register(&job, |_ctx: JobContext, _n: u32| async move {
+///     Err::<(), _>(JobError::new("upstream busy"))
+/// })?;
+///
+/// let mut queue = TestQueue::new(registry);
+/// let sent = queue.send(&job, &1);
+/// queue.run_until_idle();
+/// assert_eq!(queue.state(&sent), &MessageState::Failed);
+/// assert_eq!(queue.message(&sent).attempts(), [1, 2, 3]);
+/// assert_eq!(queue.failure_records()[0].kind, FailureKind::AttemptsExhausted);
+/// assert_eq!(queue.now(), Duration::from_secs(30 + 60)); // no time passed
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct TestQueue {
     registry: Registry,
     runtime: TestRuntime,

@@ -397,6 +397,15 @@ fn apply(spec: &mut JobSpec, o: &JobOverride) -> Result<(), PolicyError> {
     let name = spec.name.clone();
     let job = name.as_str();
     if let Some(attempts) = o.attempts {
+        if attempts == 0 {
+            // As `.max_deliveries(0)` is refused at build: a cap of no
+            // deliveries would silently mean no cap at all.
+            return Err(PolicyError::invalid(
+                job,
+                "attempts",
+                "0 deliveries is no cap; a job without one is declared `.uncapped()` in code",
+            ));
+        }
         spec.retry.max_deliveries = attempts;
         spec.cap_chosen = true;
     }
@@ -611,6 +620,27 @@ mod tests {
         let file =
             Overrides::from_toml("[jobs.build-report]\ntier_one = { attempts = 4 }\n").unwrap();
         assert!(r.apply_overrides(&file.merge(env)).is_err());
+        assert_eq!(snapshot(&r), before, "nothing applied");
+    }
+
+    #[test]
+    fn an_override_of_zero_deliveries_is_refused_as_in_code() {
+        // `.max_deliveries(0)` is refused at build; an operator's 0 would
+        // remove the cap as silently, so it is refused too, from the file
+        // and from the environment alike, and nothing is applied.
+        let mut r = registry();
+        let before = snapshot(&r);
+        let file = Overrides::from_toml("[jobs.build-report]\nattempts = 0\n").unwrap();
+        let err = r.apply_overrides(&file).unwrap_err();
+        let text = err.to_string();
+        assert_eq!(invalid(err), ("build-report".to_string(), "attempts".to_string()));
+        assert!(text.contains("uncapped"), "{text}");
+        let env = Overrides::from_env([(
+            "JOBRAIL_JOB__BUILD_REPORT__ATTEMPTS".to_string(),
+            "0".to_string(),
+        )])
+        .unwrap();
+        assert!(r.apply_overrides(&env).is_err());
         assert_eq!(snapshot(&r), before, "nothing applied");
     }
 

@@ -14,7 +14,7 @@
 //! page `native/src/lib.rs` does not include, and a relative link to a file
 //! or heading that is not there.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The files `tests/run` builds that the README may quote: the template
 /// worker (for wasm32, and its native test), the report worker (wasm32).
@@ -76,7 +76,8 @@ fn every_rust_snippet_is_compiled() {
     let (mut doctests, mut excerpts, mut problems) = (0, 0, Vec::new());
     for page in pages() {
         let included = format!("\"../../{page}\"");
-        if page != "guide/README.md" && !lib.contains(&included) {
+        let unlisted = ["guide/README.md", "guide/SUMMARY.md"];
+        if !unlisted.contains(&page.as_str()) && !lib.contains(&included) {
             problems.push(format!(
                 "{page}: not among native/src/lib.rs's doc-test pages"
             ));
@@ -206,6 +207,49 @@ fn links(text: &str) -> Vec<String> {
     found
 }
 
+/// The repository's address for its own files: links of the guide to files
+/// outside it, and of the API docs to the guide, use it, so that they work on
+/// the repository's site, in the rendered book and on docs.rs alike.
+const REPO: &str = "https://github.com/jobrail/jobrail/blob/main/";
+
+/// Checks one link target of a page in `dir` (a path from the root); `None`
+/// when it is another site's.
+fn check_link(page: &str, dir: &Path, target: &str) -> Option<Result<(), String>> {
+    let (local, from_root) = match target.strip_prefix(REPO) {
+        Some(path) => (path, true),
+        None if target.contains("://") || target.starts_with("mailto:") => return None,
+        None => (target, false),
+    };
+    let (file, fragment) = match local.split_once('#') {
+        Some((file, fragment)) => (file, Some(fragment)),
+        None => (local, None),
+    };
+    let path = if file.is_empty() {
+        root().join(page)
+    } else if from_root {
+        root().join(file)
+    } else {
+        root().join(dir).join(file)
+    };
+    if !from_root && page.starts_with("guide/") && file.starts_with("../") {
+        return Some(Err(format!(
+            "{page}: a link to {target} leaves the guide: write it as {REPO}{}, \
+             which the rendered book can follow",
+            file.trim_start_matches("../")
+        )));
+    }
+    if !path.exists() {
+        return Some(Err(format!("{page}: a link to {target}: no such file")));
+    }
+    if let Some(fragment) = fragment {
+        let target_text = std::fs::read_to_string(&path).unwrap_or_default();
+        if !anchors(&target_text).iter().any(|a| a == fragment) {
+            return Some(Err(format!("{page}: a link to {target}: no such heading")));
+        }
+    }
+    Some(Ok(()))
+}
+
 #[test]
 fn every_link_between_pages_resolves() {
     let mut problems = Vec::new();
@@ -214,27 +258,10 @@ fn every_link_between_pages_resolves() {
         let text = std::fs::read_to_string(root().join(&page)).unwrap();
         let dir = Path::new(&page).parent().unwrap().to_path_buf();
         for target in links(&text) {
-            if target.contains("://") || target.starts_with("mailto:") {
-                continue;
-            }
-            let (file, fragment) = match target.split_once('#') {
-                Some((file, fragment)) => (file, Some(fragment)),
-                None => (target.as_str(), None),
-            };
-            let path = if file.is_empty() {
-                root().join(&page)
-            } else {
-                root().join(&dir).join(file)
-            };
-            checked += 1;
-            if !path.exists() {
-                problems.push(format!("{page}: a link to {target}: no such file"));
-                continue;
-            }
-            if let Some(fragment) = fragment {
-                let target_text = std::fs::read_to_string(&path).unwrap_or_default();
-                if !anchors(&target_text).iter().any(|a| a == fragment) {
-                    problems.push(format!("{page}: a link to {target}: no such heading"));
+            if let Some(result) = check_link(&page, &dir, &target) {
+                checked += 1;
+                if let Err(problem) = result {
+                    problems.push(problem);
                 }
             }
         }
@@ -242,4 +269,61 @@ fn every_link_between_pages_resolves() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
     assert!(checked > 0, "no links checked");
     println!("README and guide: {checked} links between pages resolve");
+}
+
+#[test]
+fn every_guide_page_is_a_chapter_of_the_book() {
+    let summary = std::fs::read_to_string(root().join("guide/SUMMARY.md")).unwrap();
+    let chapters = links(&summary);
+    let missing: Vec<String> = pages()
+        .into_iter()
+        .filter(|page| page.starts_with("guide/") && page != "guide/SUMMARY.md")
+        .filter(|page| !chapters.iter().any(|c| format!("guide/{c}") == *page))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "guide pages missing from guide/SUMMARY.md (the book would not show them): {missing:?}"
+    );
+}
+
+/// The API docs' links to the guide and the repository's files (the crate
+/// roots link their chapters): each names a file and heading that exist.
+#[test]
+fn the_api_docs_links_into_the_repository_resolve() {
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    let mut stack: Vec<PathBuf> = ["shared/src", "native/src", "edge/src", "postgres/src", "redis/src"]
+        .iter()
+        .map(|dir| root().join(dir))
+        .collect();
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let shown = path.strip_prefix(root()).unwrap().display().to_string();
+            let mut rest = text.as_str();
+            while let Some(at) = rest.find(REPO) {
+                rest = &rest[at..];
+                let end = rest
+                    .find(|c: char| c == ')' || c == '>' || c.is_whitespace() || c == '"')
+                    .unwrap_or(rest.len());
+                let target = &rest[..end];
+                rest = &rest[end..];
+                if let Some(Err(problem)) = check_link(&shown, Path::new(""), target) {
+                    problems.push(problem);
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(checked > 0, "no links into the repository found in the API docs");
+    println!("API docs: {checked} links into the repository resolve");
 }

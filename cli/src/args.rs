@@ -26,7 +26,7 @@ the failure stream of Q on NATS, Q-failed on SQS) unless --failure-queue gives \
 the pattern the worker was configured with.
 
 Exit status: 0 on success, 1 on an error (an unreachable broker, a refused \
-replay...), 2 on a usage error, 3 when a record or job named is not there.";
+replay...), 2 on a usage error, 3 when a record named is not there.";
 
 /// `jobrail`: the operator's tool.
 #[derive(Debug, Parser)]

@@ -17,7 +17,7 @@ pub(crate) struct CliError {
 pub(crate) const FAILED: u8 = 1;
 /// Exit status of a command line that cannot be carried out as given.
 pub(crate) const USAGE: u8 = 2;
-/// Exit status when a record or job named is not there.
+/// Exit status when a record named is not there.
 pub(crate) const NOT_FOUND: u8 = 3;
 
 impl CliError {

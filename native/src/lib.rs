@@ -95,6 +95,7 @@ mod readme_doctests {
         Rules: "../../guide/rules.md",
         Tiers: "../../guide/tiers.md",
         Claims: "../../guide/claims.md",
+        Memory: "../../guide/memory.md",
         Rabbitmq: "../../guide/rabbitmq.md",
         Nats: "../../guide/nats.md",
         Sqs: "../../guide/sqs.md",

@@ -292,10 +292,16 @@ fn every_guide_page_is_a_chapter_of_the_book() {
 fn the_api_docs_links_into_the_repository_resolve() {
     let mut problems = Vec::new();
     let mut checked = 0;
-    let mut stack: Vec<PathBuf> = ["shared/src", "native/src", "edge/src", "postgres/src", "redis/src"]
-        .iter()
-        .map(|dir| root().join(dir))
-        .collect();
+    let mut stack: Vec<PathBuf> = [
+        "shared/src",
+        "native/src",
+        "edge/src",
+        "postgres/src",
+        "redis/src",
+    ]
+    .iter()
+    .map(|dir| root().join(dir))
+    .collect();
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -324,6 +330,9 @@ fn the_api_docs_links_into_the_repository_resolve() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
-    assert!(checked > 0, "no links into the repository found in the API docs");
+    assert!(
+        checked > 0,
+        "no links into the repository found in the API docs"
+    );
     println!("API docs: {checked} links into the repository resolve");
 }

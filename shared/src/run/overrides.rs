@@ -633,7 +633,10 @@ mod tests {
         let file = Overrides::from_toml("[jobs.build-report]\nattempts = 0\n").unwrap();
         let err = r.apply_overrides(&file).unwrap_err();
         let text = err.to_string();
-        assert_eq!(invalid(err), ("build-report".to_string(), "attempts".to_string()));
+        assert_eq!(
+            invalid(err),
+            ("build-report".to_string(), "attempts".to_string())
+        );
         assert!(text.contains("uncapped"), "{text}");
         let env = Overrides::from_env([(
             "JOBRAIL_JOB__BUILD_REPORT__ATTEMPTS".to_string(),

@@ -139,6 +139,35 @@ impl PgConnect {
         Ok(client)
     }
 
+    /// Connects once, as [`connect`](Self::connect) does, and forwards the
+    /// connection's notifications (`NOTIFY`) to the receiver; the receiver
+    /// ends when the connection does.
+    pub(crate) async fn connect_listening(
+        &self,
+    ) -> Result<
+        (
+            Client,
+            tokio::sync::mpsc::UnboundedReceiver<tokio_postgres::Notification>,
+        ),
+        tokio_postgres::Error,
+    > {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let client = if self.config.get_ssl_mode() == SslMode::Require {
+            let tls = self.tls.clone().unwrap_or_else(platform_tls);
+            let (client, connection) = self
+                .config
+                .connect(MakeRustlsConnect::new((*tls).clone()))
+                .await?;
+            tokio::spawn(forward(connection, sender));
+            client
+        } else {
+            let (client, connection) = self.config.connect(NoTls).await?;
+            tokio::spawn(forward(connection, sender));
+            client
+        };
+        Ok((client, receiver))
+    }
+
     /// A dialer on these settings, for a store or relay of its own.
     pub(crate) fn dialer(&self) -> Dialer {
         Dialer {
@@ -158,6 +187,29 @@ where
 {
     if let Err(error) = connection.await {
         tracing::debug!(%error, "postgres connection ended");
+    }
+}
+
+/// Runs a connection until it ends, sending its notifications on.
+async fn forward<S, T>(
+    mut connection: tokio_postgres::Connection<S, T>,
+    sender: tokio::sync::mpsc::UnboundedSender<tokio_postgres::Notification>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+    while let Some(message) = futures_util::StreamExt::next(&mut messages).await {
+        match message {
+            Ok(tokio_postgres::AsyncMessage::Notification(notification)) => {
+                let _ = sender.send(notification);
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::debug!(%error, "postgres listening connection ended");
+                return;
+            }
+        }
     }
 }
 

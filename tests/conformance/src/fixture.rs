@@ -436,3 +436,79 @@ impl Broker for Sqs {
         ))
     }
 }
+
+/// The Postgres queue (`jobrail_postgres::PgDriver`), in a schema of the
+/// suite's own, installed (idempotently) before each driver connects.
+#[cfg(feature = "postgres")]
+pub struct Postgres;
+
+/// The suite's Postgres settings: the database at `DATABASE_URL` (default
+/// `postgres://postgres@127.0.0.1:5432/test`), schema `schema`, a lease of
+/// two seconds (a retry without a delay comes back one lease later, so the
+/// scenarios take seconds) and a size limit of 256 KiB so that the size
+/// scenarios run with small bodies.
+#[cfg(feature = "postgres")]
+pub fn postgres_config(schema: &str) -> jobrail_postgres::PgConfig {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let mut config = jobrail_postgres::PgConfig::new(&url)
+        .unwrap_or_else(|e| panic!("DATABASE_URL: {e}"))
+        .schema(schema);
+    config.max_message_bytes = 256 * 1024;
+    config.lease(std::time::Duration::from_secs(2))
+}
+
+#[cfg(feature = "postgres")]
+#[async_trait]
+impl Broker for Postgres {
+    type Driver = jobrail_postgres::PgDriver;
+    type Config = jobrail_postgres::PgConfig;
+    const WHERE: &'static str = "Postgres at DATABASE_URL";
+
+    fn new(config: Self::Config) -> Result<Self::Driver, DriverError> {
+        jobrail_postgres::PgDriver::new(config)
+    }
+    async fn connect(config: Self::Config) -> Result<Self::Driver, DriverError> {
+        jobrail_postgres::PgDriver::install(&config).await?;
+        jobrail_postgres::PgDriver::connect(config).await
+    }
+    async fn inject_failure_body(
+        driver: &Self::Driver,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_failure_body(queue, body).await
+    }
+    async fn inject_body(
+        driver: &Self::Driver,
+        queue: &str,
+        body: Vec<u8>,
+    ) -> Result<(), DriverError> {
+        driver.inject_body(queue, body).await
+    }
+    fn declared(driver: &Self::Driver) -> Vec<String> {
+        driver.declared_queues()
+    }
+    async fn delete(cleaner: &Self::Driver, names: &[String]) -> Result<(), DriverError> {
+        cleaner.delete_queues(names).await
+    }
+
+    /// A lease of one second (the shortest there is).
+    fn short_hold(config: &Self::Config) -> Option<Self::Config> {
+        Some(config.clone().lease(std::time::Duration::from_secs(1)))
+    }
+
+    /// A password in the URL, pointed where nothing listens.
+    fn unreachable(config: &Self::Config) -> Option<(Vec<Self::Config>, Vec<String>)> {
+        const PASSWORD: &str = "conformance-postgres-password";
+        let url = format!("postgres://app:{PASSWORD}@{}/test", closed_address());
+        let mut unreachable = jobrail_postgres::PgConfig::new(&url)
+            .unwrap_or_else(|e| panic!("a URL that parses: {e}"))
+            .schema(config.schema_name());
+        unreachable.connect = unreachable.connect.clone().reconnect_wait(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_millis(10),
+        );
+        Some((vec![unreachable], vec![PASSWORD.into()]))
+    }
+}

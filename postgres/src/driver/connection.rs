@@ -1,0 +1,311 @@
+//! The driver's connections: a few clients that pipeline its statements,
+//! each with the statements prepared, opened again after the server closed
+//! one; and the connection that listens for new jobs.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use jobrail_native::kit::{lock, Reconnect};
+use jobrail_native::DriverError;
+use tokio::sync::Notify;
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, Statement};
+
+use super::errors::{connect_error, read_error};
+use super::topology::{channel, check, quoted};
+use super::PgConfig;
+use crate::connect::Dialer;
+
+/// One connection and its prepared statements.
+pub(crate) struct Conn {
+    pub(crate) client: Client,
+    pub(crate) fetch: Statement,
+    pub(crate) next_due: Statement,
+    pub(crate) renew: Statement,
+    pub(crate) delete: Statement,
+    pub(crate) retry: Statement,
+    pub(crate) release: Statement,
+    pub(crate) fail: Statement,
+    pub(crate) insert: Statement,
+    pub(crate) insert_many: Statement,
+}
+
+/// The SQL of every statement, for one schema.
+pub(crate) struct Sql {
+    pub(crate) fetch: String,
+    pub(crate) next_due: String,
+    pub(crate) renew: String,
+    pub(crate) delete: String,
+    pub(crate) retry: String,
+    pub(crate) release: String,
+    pub(crate) fail: String,
+    pub(crate) insert: String,
+    pub(crate) insert_many: String,
+    /// Deletes a held row inside a caller's transaction (`complete_in`).
+    pub(crate) complete: String,
+}
+
+impl Sql {
+    pub(crate) fn new(schema: &str) -> Sql {
+        let s = quoted(schema);
+        let channel = channel(schema);
+        Sql {
+            // Rows due, oldest first, that no other transaction has locked;
+            // each gets a new fencing token, one more attempt, and its
+            // lease's end as its run time.
+            fetch: format!(
+                "WITH picked AS (\
+                   SELECT id FROM {s}.jobs WHERE queue = $1 AND run_at <= now() \
+                   ORDER BY run_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                 UPDATE {s}.jobs AS j SET attempts = j.attempts + 1, \
+                   lease = nextval('{s}.leases'), \
+                   run_at = now() + $3::int8 * interval '1 microsecond' \
+                 FROM picked WHERE j.id = picked.id \
+                 RETURNING j.id, j.message_id, j.body, j.attempts, j.shutdowns, j.lease"
+            ),
+            // Microseconds until the queue's next row is due (a delay or a
+            // lease ending), NULL when the queue is empty.
+            next_due: format!(
+                "SELECT (extract(epoch FROM min(run_at) - now()) * 1000000)::int8 \
+                 FROM {s}.jobs WHERE queue = $1"
+            ),
+            // Extends a lease still held; a row locked by the handler's own
+            // transaction is skipped (not waited for) and reported held.
+            renew: format!(
+                "WITH u AS (UPDATE {s}.jobs SET run_at = now() + $3::int8 * interval '1 microsecond' \
+                   WHERE id = (SELECT id FROM {s}.jobs WHERE id = $1 AND lease = $2 \
+                               FOR UPDATE SKIP LOCKED) RETURNING 1) \
+                 SELECT (SELECT count(*) FROM u)::int8, \
+                        EXISTS (SELECT 1 FROM {s}.jobs WHERE id = $1 AND lease = $2)"
+            ),
+            delete: format!("DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2"),
+            retry: format!(
+                "WITH u AS (UPDATE {s}.jobs SET lease = NULL, \
+                   run_at = now() + $3::int8 * interval '1 microsecond', shutdowns = shutdowns + $4 \
+                   WHERE id = $1 AND lease = $2 RETURNING queue, $3::int8 = 0 AS due) \
+                 SELECT (SELECT count(*) FROM u)::int8, \
+                   (SELECT count(*) FROM (SELECT pg_notify('{channel}', queue) FROM u WHERE due) n)::int8"
+            ),
+            // A delivery given back unsettled: due now, with `$3` attempts
+            // taken back (1 for a message never handed to a handler).
+            release: format!(
+                "WITH u AS (UPDATE {s}.jobs SET lease = NULL, run_at = now(), \
+                   attempts = greatest(attempts - $3, 0) \
+                   WHERE id = $1 AND lease = $2 RETURNING queue) \
+                 SELECT (SELECT count(*) FROM u)::int8, \
+                   (SELECT count(*) FROM (SELECT pg_notify('{channel}', queue) FROM u) n)::int8"
+            ),
+            fail: format!(
+                "WITH d AS (DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2 RETURNING queue) \
+                 INSERT INTO {s}.failures (queue, entry_id, message_id, body) \
+                 SELECT queue, $3, $4, $5 FROM d"
+            ),
+            insert: format!(
+                "INSERT INTO {s}.jobs (queue, message_id, body, run_at) \
+                 VALUES ($1, $2, $3, now() + $4::int8 * interval '1 microsecond')"
+            ),
+            insert_many: format!(
+                "INSERT INTO {s}.jobs (queue, message_id, body, run_at) \
+                 SELECT $1, m.id, m.body, now() + m.delay * interval '1 microsecond' \
+                 FROM unnest($2::text[], $3::bytea[], $4::int8[]) AS m(id, body, delay)"
+            ),
+            complete: format!("DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2"),
+        }
+    }
+}
+
+impl Conn {
+    async fn open(dialer: &Dialer, sql: &Sql, config: &PgConfig) -> Result<Conn, DriverError> {
+        let client = dialer.dial().await.map_err(connect_error)?;
+        let lock_ms = config.lock_timeout.as_millis().max(1);
+        client
+            .batch_execute(&format!("SET lock_timeout = {lock_ms}"))
+            .await
+            .map_err(|e| read_error("set lock_timeout", e))?;
+        let prepare = |text: &str, types: &[Type]| {
+            let client = &client;
+            let text = text.to_owned();
+            let types = types.to_vec();
+            async move {
+                client
+                    .prepare_typed(&text, &types)
+                    .await
+                    .map_err(|e| read_error("prepare the driver's statements", e))
+            }
+        };
+        use Type as T;
+        let fetch = prepare(&sql.fetch, &[T::TEXT, T::INT8, T::INT8]).await?;
+        let next_due = prepare(&sql.next_due, &[T::TEXT]).await?;
+        let renew = prepare(&sql.renew, &[T::INT8, T::INT8, T::INT8]).await?;
+        let delete = prepare(&sql.delete, &[T::INT8, T::INT8]).await?;
+        let retry = prepare(&sql.retry, &[T::INT8, T::INT8, T::INT8, T::INT4]).await?;
+        let release = prepare(&sql.release, &[T::INT8, T::INT8, T::INT4]).await?;
+        let fail = prepare(&sql.fail, &[T::INT8, T::INT8, T::TEXT, T::TEXT, T::BYTEA]).await?;
+        let insert = prepare(&sql.insert, &[T::TEXT, T::TEXT, T::BYTEA, T::INT8]).await?;
+        let insert_many = prepare(
+            &sql.insert_many,
+            &[T::TEXT, T::TEXT_ARRAY, T::BYTEA_ARRAY, T::INT8_ARRAY],
+        )
+        .await?;
+        Ok(Conn {
+            client,
+            fetch,
+            next_due,
+            renew,
+            delete,
+            retry,
+            release,
+            fail,
+            insert,
+            insert_many,
+        })
+    }
+}
+
+/// The driver's statement connections, used in turn.
+pub(crate) struct Pool {
+    dialer: Dialer,
+    sql: Sql,
+    config: PgConfig,
+    slots: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
+    next: AtomicUsize,
+}
+
+impl Pool {
+    pub(crate) fn new(config: &PgConfig) -> Pool {
+        Pool {
+            dialer: config.connect.dialer(),
+            sql: Sql::new(&config.schema),
+            config: config.clone(),
+            slots: (0..config.connections)
+                .map(|_| tokio::sync::Mutex::new(None))
+                .collect(),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    pub(crate) fn sql(&self) -> &Sql {
+        &self.sql
+    }
+
+    /// A live connection, the next in turn, opened (and checked against
+    /// the schema, for the first) if it is not.
+    pub(crate) async fn get(&self) -> Result<Arc<Conn>, DriverError> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let mut slot = self.slots[n].lock().await;
+        if let Some(conn) = slot.as_ref() {
+            if !conn.client.is_closed() {
+                return Ok(conn.clone());
+            }
+        }
+        *slot = None;
+        let conn = Arc::new(Conn::open(&self.dialer, &self.sql, &self.config).await?);
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Connects one connection and checks that the schema is installed at
+    /// this driver's version.
+    pub(crate) async fn check(&self) -> Result<(), DriverError> {
+        let client = self.dialer.dial().await.map_err(connect_error)?;
+        check(&client, &self.config.schema).await
+    }
+
+    /// A connection of the caller's own (install).
+    pub(crate) async fn dial(&self) -> Result<Client, DriverError> {
+        self.dialer.dial().await.map_err(connect_error)
+    }
+}
+
+/// Who waits for new jobs on which queue: the listener wakes them.
+#[derive(Default)]
+pub(crate) struct Waiters {
+    by_queue: Mutex<HashMap<String, Vec<Weak<Notify>>>>,
+}
+
+impl Waiters {
+    /// A wake-up for `queue`, signalled on every notification for it.
+    pub(crate) fn register(&self, queue: &str) -> Arc<Notify> {
+        let notify = Arc::new(Notify::new());
+        let mut by_queue = lock(&self.by_queue);
+        let list = by_queue.entry(queue.to_owned()).or_default();
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(&notify));
+        notify
+    }
+
+    /// Wakes every subscription of `queue` (a stored wake-up where one is
+    /// not waiting yet).
+    pub(crate) fn wake(&self, queue: &str) {
+        let by_queue = lock(&self.by_queue);
+        if let Some(list) = by_queue.get(queue) {
+            for waiter in list.iter().filter_map(Weak::upgrade) {
+                waiter.notify_one();
+            }
+        }
+    }
+
+    /// Wakes every subscription (the listener reconnected: notifications
+    /// may have been missed).
+    pub(crate) fn wake_all(&self) {
+        let by_queue = lock(&self.by_queue);
+        for waiter in by_queue.values().flatten().filter_map(Weak::upgrade) {
+            waiter.notify_one();
+        }
+    }
+}
+
+/// Listens on the schema's channel until `stopped`, waking the waiters of
+/// each notified queue, connecting again after a lost connection (the
+/// subscriptions poll meanwhile).
+pub(crate) async fn listen(
+    config: PgConfig,
+    waiters: Arc<Waiters>,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) {
+    let channel = channel(&config.schema);
+    let mut wait = Reconnect::new(Duration::from_millis(100), Duration::from_secs(5));
+    loop {
+        if *stopped.borrow() {
+            return;
+        }
+        let session = async {
+            let (client, notifications) = config.connect.connect_listening().await?;
+            client
+                .batch_execute(&format!("LISTEN \"{channel}\""))
+                .await?;
+            Ok::<_, tokio_postgres::Error>((client, notifications))
+        };
+        let outcome = tokio::select! {
+            _ = stopped.changed() => return,
+            outcome = session => outcome,
+        };
+        match outcome {
+            Ok((_client, mut notifications)) => {
+                wait.succeeded();
+                // What was dispatched while no one listened.
+                waiters.wake_all();
+                loop {
+                    tokio::select! {
+                        _ = stopped.changed() => return,
+                        notification = notifications.recv() => match notification {
+                            Some(n) => waiters.wake(n.payload()),
+                            None => break,
+                        },
+                    }
+                }
+                tracing::debug!("postgres: the listening connection ended; connecting again");
+            }
+            Err(error) => {
+                let pause = wait.failed();
+                tracing::debug!(%error, ?pause, "postgres: cannot listen; subscriptions poll meanwhile");
+                tokio::select! {
+                    _ = stopped.changed() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Dispatch: one INSERT per message, one multi-row INSERT per batch, and
+//! the same INSERT inside a caller's transaction.
+
+use jobrail::{encode_envelope, Job};
+use jobrail_native::{DispatchOptions, DriverError, ErrorKind, Outgoing};
+use serde::Serialize;
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient;
+
+use super::errors::{write_error, NAME};
+use super::{micros, Inner, PgDriver};
+
+impl Inner {
+    pub(crate) async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
+        self.life.check_running()?;
+        self.refuse_oversize(message.body.len())?;
+        let conn = self.pool.get().await.map_err(DriverError::not_sent)?;
+        let delay = micros(message.delay.unwrap_or_default());
+        conn.client
+            .execute(&conn.insert, &[&queue, &message.id, &message.body, &delay])
+            .await
+            .map_err(|e| write_error(format!("insert into queue `{queue}`"), e))?;
+        self.declared(queue);
+        Ok(())
+    }
+
+    /// One INSERT for every message within the size limit; the others are
+    /// refused alone, before any I/O.
+    pub(crate) async fn send_batch(
+        &self,
+        queue: &str,
+        messages: Vec<Outgoing>,
+    ) -> Vec<Result<(), DriverError>> {
+        let mut results: Vec<Option<Result<(), DriverError>>> = Vec::with_capacity(messages.len());
+        let (mut ids, mut bodies, mut delays) = (Vec::new(), Vec::new(), Vec::new());
+        for message in messages {
+            if let Err(error) = self
+                .life
+                .check_running()
+                .and_then(|()| self.refuse_oversize(message.body.len()))
+            {
+                results.push(Some(Err(error)));
+                continue;
+            }
+            ids.push(message.id);
+            bodies.push(message.body);
+            delays.push(micros(message.delay.unwrap_or_default()));
+            results.push(None);
+        }
+        if !ids.is_empty() {
+            let outcome = match self.pool.get().await {
+                Err(error) => Err(error.not_sent()),
+                Ok(conn) => conn
+                    .client
+                    .execute(&conn.insert_many, &[&queue, &ids, &bodies, &delays])
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| write_error(format!("insert a batch into queue `{queue}`"), e)),
+            };
+            if outcome.is_ok() {
+                self.declared(queue);
+            }
+            let error = outcome.err().map(std::sync::Arc::new);
+            for slot in results.iter_mut().filter(|r| r.is_none()) {
+                *slot = Some(match &error {
+                    None => Ok(()),
+                    Some(error) => Err(DriverError::new(NAME, error.kind(), error.clone())),
+                });
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every message has a result"))
+            .collect()
+    }
+
+    fn refuse_oversize(&self, len: usize) -> Result<(), DriverError> {
+        if len > self.config.max_message_bytes {
+            return Err(DriverError::new(
+                NAME,
+                ErrorKind::NotAccepted,
+                format!(
+                    "message of {len} bytes is over the postgres driver's limit of {} bytes \
+                     (max_message_bytes); nothing was sent",
+                    self.config.max_message_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl PgDriver {
+    /// Dispatches `payload` as `job` through `client`: a
+    /// [`tokio_postgres::Transaction`] of the caller's, so the job exists
+    /// if and only if that transaction commits (no outbox, no relay), or a
+    /// client in autocommit. Returns the message id. The envelope is the
+    /// one [`Producer::dispatch`](jobrail_native::Producer::dispatch)
+    /// sends; workers are woken at commit.
+    ///
+    /// ```no_run
+    /// # async fn example(driver: jobrail_postgres::PgDriver, mut client: jobrail_postgres::tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+    /// use jobrail::Job;
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Ship { order: i64 }
+    /// let ship = Job::<Ship>::builder("ship").queue("shipping").build()?;
+    ///
+    /// let tx = client.transaction().await?;
+    /// tx.execute("UPDATE orders SET state = 'paid' WHERE id = $1", &[&42_i64]).await?;
+    /// driver.dispatch_in(&tx, &ship, &Ship { order: 42 }).await?;
+    /// tx.commit().await?; // the job exists from here on, and only from here
+    /// # Ok(()) }
+    /// ```
+    pub async fn dispatch_in<P: Serialize>(
+        &self,
+        client: &impl GenericClient,
+        job: &Job<P>,
+        payload: &P,
+    ) -> Result<String, DriverError> {
+        self.dispatch_in_with(client, job, payload, DispatchOptions::default())
+            .await
+    }
+
+    /// [`dispatch_in`](Self::dispatch_in) with options: a delay (counted
+    /// from the INSERT, on the server's clock) and metadata.
+    pub async fn dispatch_in_with<P: Serialize>(
+        &self,
+        client: &impl GenericClient,
+        job: &Job<P>,
+        payload: &P,
+        options: DispatchOptions,
+    ) -> Result<String, DriverError> {
+        let (id, body) = encode_envelope(job.name(), payload, &options.metadata)
+            .map_err(|e| DriverError::new(NAME, ErrorKind::Encode, e))?;
+        self.inner.refuse_oversize(body.len())?;
+        let delay = micros(options.delay.unwrap_or_default());
+        let queue = job.queue();
+        client
+            .execute_typed(
+                &self.inner.pool.sql().insert,
+                &[
+                    (&queue, Type::TEXT),
+                    (&id, Type::TEXT),
+                    (&body, Type::BYTEA),
+                    (&delay, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| write_error(format!("insert into queue `{queue}` in a transaction"), e))?;
+        Ok(id)
+    }
+}

@@ -9,21 +9,31 @@ use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 pub(crate) const DEFAULT_RABBITMQ_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// The NATS URL when neither `--nats-url` nor `NATS_URL` is set.
 pub(crate) const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+/// The Postgres URL when neither `--database-url` nor `DATABASE_URL` is set
+/// (the quick start's).
+pub(crate) const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// The Postgres driver's schema when neither `--schema` nor `JOBRAIL_SCHEMA`
+/// is set (`jobrail_postgres::DEFAULT_SCHEMA`).
+pub(crate) const DEFAULT_SCHEMA: &str = "jobrail";
 
-const ABOUT: &str = "Operate jobrail queues: failure records, queue depths, failure budgets";
+const ABOUT: &str =
+    "Operate jobrail queues: failure records, queue depths, failure budgets, the Postgres tables";
 
 const LONG_ABOUT: &str = "\
 Operate jobrail queues: list, show, replay and purge the failure records a \
-worker left, read a queue's depth, and compute each job's failure budget from \
-the configuration the worker reads.
+worker left, read a queue's depth, compute each job's failure budget from the \
+configuration the worker reads, and install the Postgres driver's tables \
+(jobrail --backend postgres install).
 
 The backend and its connection come from flags or from the same environment \
 variables the worker and the quick start read: JOBRAIL_BACKEND, RABBITMQ_URL, \
 NATS_URL, SQS_ENDPOINT and AWS_REGION (SQS credentials from the usual AWS \
-variables; with SQS_ENDPOINT, an emulator, fixed test keys). Failure \
-destinations are found by each driver's default naming (Q.failed on RabbitMQ, \
-the failure stream of Q on NATS, Q-failed on SQS) unless --failure-queue gives \
-the pattern the worker was configured with.
+variables; with SQS_ENDPOINT, an emulator, fixed test keys), DATABASE_URL and \
+JOBRAIL_SCHEMA (Postgres). Failure destinations are found by each driver's \
+default naming (Q.failed on RabbitMQ, the failure stream of Q on NATS, \
+Q-failed on SQS) unless --failure-queue gives the pattern the worker was \
+configured with; on Postgres they are the rows of the schema's `failures` \
+table.
 
 Exit status: 0 on success, 1 on an error (an unreachable broker, a refused \
 replay...), 2 on a usage error, 3 when a record named is not there.";
@@ -54,6 +64,8 @@ pub(crate) enum BackendKind {
     Nats,
     /// Amazon SQS (`--region`, `AWS_REGION`; `--sqs-endpoint`, `SQS_ENDPOINT`).
     Sqs,
+    /// Postgres (`--database-url`, `DATABASE_URL`; `--schema`, `JOBRAIL_SCHEMA`).
+    Postgres,
 }
 
 impl BackendKind {
@@ -64,6 +76,7 @@ impl BackendKind {
             BackendKind::Rabbitmq => "rabbitmq",
             BackendKind::Nats => "nats",
             BackendKind::Sqs => "sqs",
+            BackendKind::Postgres => "postgres",
         }
     }
 }
@@ -101,10 +114,25 @@ pub(crate) struct Connection {
     /// The SQS region.
     #[arg(long, global = true, env = "AWS_REGION", default_value = "us-east-1")]
     pub(crate) region: String,
+    /// The Postgres URL, postgres://user:password@host:port/database (or
+    /// `host=... dbname=...`) [default: postgres://postgres@127.0.0.1:5432/test].
+    #[arg(
+        long,
+        global = true,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = DEFAULT_DATABASE_URL,
+        hide_default_value = true
+    )]
+    pub(crate) database_url: String,
+    /// The schema of the Postgres driver's tables.
+    #[arg(long, global = true, env = "JOBRAIL_SCHEMA", default_value = DEFAULT_SCHEMA)]
+    pub(crate) schema: String,
     /// The failure destination pattern the worker was configured with,
     /// `{queue}` standing for the work queue (RabbitMQ's failure queue,
     /// NATS's failure subject, where `{prefix}` is the subject prefix, SQS's
-    /// failure queue). Default: each driver's own.
+    /// failure queue; not for Postgres, whose failures are rows of its
+    /// schema). Default: each driver's own.
     #[arg(long, global = true, value_name = "PATTERN")]
     pub(crate) failure_queue: Option<String>,
 }
@@ -136,6 +164,18 @@ pub(crate) enum Command {
         /// for jobs that only JOBRAIL_JOB__ variables override.
         #[arg(long = "job", value_name = "NAME")]
         jobs: Vec<String>,
+    },
+    /// Postgres only: install or upgrade the driver's tables in the schema.
+    ///
+    /// Creates the schema (--schema, JOBRAIL_SCHEMA) and its tables, or
+    /// upgrades them to this build's version, in one transaction; nothing
+    /// changes when they are current. Prints the version found and the
+    /// version now. With --print, prints the SQL instead, without
+    /// connecting, for a migration tool of your own.
+    Install {
+        /// Print the SQL that installs the tables on an empty database; connect to nothing.
+        #[arg(long)]
+        print: bool,
     },
 }
 
@@ -295,6 +335,33 @@ mod tests {
         ));
         let err = parse(&["--backend", "kafka", "depth", "--queue", "q"]).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidValue);
+    }
+
+    #[test]
+    fn postgres_takes_a_url_and_a_schema() {
+        let cli = parse(&[
+            "--backend",
+            "postgres",
+            "--database-url",
+            "postgres://app@db/shop",
+            "--schema",
+            "queue_a",
+            "install",
+            "--print",
+        ])
+        .unwrap();
+        assert_eq!(cli.connection.backend, Some(BackendKind::Postgres));
+        assert_eq!(cli.connection.database_url, "postgres://app@db/shop");
+        assert_eq!(cli.connection.schema, "queue_a");
+        assert!(matches!(cli.command, Command::Install { print: true }));
+        let cli = parse(&["install"]).unwrap();
+        assert!(matches!(cli.command, Command::Install { print: false }));
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_default_schema_is_the_drivers() {
+        assert_eq!(DEFAULT_SCHEMA, jobrail_postgres::DEFAULT_SCHEMA);
     }
 
     #[test]

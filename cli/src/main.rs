@@ -7,6 +7,9 @@
 //! jobrail --backend rabbitmq failed purge --queue reports --older-than 7d
 //! jobrail --backend rabbitmq depth --queue reports
 //! JOBRAIL_CONFIG=jobs.toml jobrail --backend rabbitmq budget
+//! DATABASE_URL=postgres://app@db/shop jobrail --backend postgres install
+//! jobrail --backend postgres --schema jobrail install --print
+//! jobrail --backend postgres failed list --queue reports
 //! ```
 //!
 //! `jobrail --help` lists the flags and the environment variables read;
@@ -93,6 +96,7 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
             let result = commands::failed(driver.clone(), command).await;
             stop(driver.as_ref(), result).await
         }
+        Command::Install { print } => backend::install(&cli.connection, print).await,
         Command::Depth { queue } => {
             let driver = backend::connect(&cli.connection).await?;
             let result = commands::depth(driver.clone(), &queue).await;

@@ -1,10 +1,19 @@
 //! The quick start: report jobs with injected failures, on the memory driver,
 //! or on a broker with `--backend rabbitmq|nats|sqs` (build with the
-//! driver's feature; `RABBITMQ_URL`, `NATS_URL`, `SQS_ENDPOINT` point at it).
+//! driver's feature; `RABBITMQ_URL`, `NATS_URL`, `SQS_ENDPOINT` point at it),
+//! or on Postgres with `--backend postgres` (always built in: jobrail-postgres
+//! is a dev-dependency of this crate; `DATABASE_URL` points at it).
 //!
 //! ```text
 //! cargo run -p jobrail-native --example quickstart
+//! cargo run -p jobrail-native --example quickstart -- --backend postgres
 //! ```
+//!
+//! On Postgres it uses a schema of its own, `jobrail_quickstart`
+//! (`jobrail --backend postgres --schema jobrail_quickstart ...` reads it),
+//! installs the tables there if they are missing, and, unless
+//! `--consume-only`, first deletes what an earlier run left on its queue
+//! (waiting rows and failure records), so each run starts clean.
 //!
 //! It dispatches one report per behaviour of the example report service,
 //! plus a report that fails validation, a poison message and a job name this
@@ -120,7 +129,12 @@ enum Backend {
     Nats(jobrail_native::nats::NatsDriver),
     #[cfg(feature = "sqs")]
     Sqs(jobrail_native::sqs::SqsDriver),
+    Postgres(jobrail_postgres::PgDriver),
 }
+
+/// The Postgres schema of the quick start: its own, apart from an
+/// application's `jobrail`.
+const POSTGRES_SCHEMA: &str = "jobrail_quickstart";
 
 /// The backends this build of the example can use.
 fn available() -> Vec<&'static str> {
@@ -134,11 +148,14 @@ fn available() -> Vec<&'static str> {
     if cfg!(feature = "sqs") {
         names.push("sqs");
     }
+    names.push("postgres");
     names
 }
 
 impl Backend {
-    async fn connect(name: &str) -> Result<Self, Box<dyn std::error::Error>> {
+    /// Connects to the backend `name`; `fresh`: start from an empty queue
+    /// where the backend is the demo's own (Postgres's schema).
+    async fn connect(name: &str, fresh: bool) -> Result<Self, Box<dyn std::error::Error>> {
         match name {
             "memory" => Ok(Backend::Memory(jobrail_native::MemoryDriver::default())),
             #[cfg(feature = "rabbitmq")]
@@ -168,6 +185,22 @@ impl Backend {
                 }
                 Ok(Backend::Sqs(jobrail_native::sqs::SqsDriver::connect(config).await?))
             }
+            "postgres" => {
+                use jobrail_postgres::{PgConfig, PgDriver};
+                let url = std::env::var("DATABASE_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+                let config = PgConfig::new(&url)?.schema(POSTGRES_SCHEMA);
+                // The driver never creates its tables: an application runs
+                // PgDriver::install from a deploy step (or `jobrail install`).
+                PgDriver::install(&config).await?;
+                let driver = PgDriver::connect(config).await?;
+                if fresh {
+                    if let Some(admin) = jobrail_native::Driver::admin(&driver) {
+                        admin.delete_queue(report_job::QUEUE).await?;
+                    }
+                }
+                Ok(Backend::Postgres(driver))
+            }
             other => Err(format!(
                 "unknown backend `{other}`: this build knows {} (build with --features rabbitmq, nats or sqs for more)",
                 available().join(", ")
@@ -185,6 +218,7 @@ impl Backend {
             Backend::Nats(d) => Arc::new(d.clone()),
             #[cfg(feature = "sqs")]
             Backend::Sqs(d) => Arc::new(d.clone()),
+            Backend::Postgres(d) => Arc::new(d.clone()),
         }
     }
 
@@ -216,7 +250,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(metrics) = &metrics {
         metrics.serve()?;
     }
-    let backend = Backend::connect(&backend).await?;
+    let consume = args.iter().any(|a| a == "--consume-only");
+    let backend = Backend::connect(&backend, !consume).await?;
     let driver = backend.driver();
 
     let job = report_job::job()?;
@@ -227,14 +262,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unknown_name_attempts(UnknownNameAttempts::limited(2))
         .unknown_name_retry_delay(Duration::from_millis(500));
     jobrail_native::apply_env_overrides(&mut registry)?;
-    if args.iter().any(|a| a == "--consume-only") {
+    if consume {
         return consume_only(driver, registry).await;
     }
 
     println!(
-        "queue quick start on the {} driver, queue `{}`\n",
+        "queue quick start on the {} driver, queue `{}`{}\n",
         driver.name(),
-        report_job::QUEUE
+        report_job::QUEUE,
+        match backend {
+            Backend::Postgres(_) => format!(" (schema `{POSTGRES_SCHEMA}`)"),
+            _ => String::new(),
+        }
     );
     let producer = Producer::new(driver.clone());
     let mut names = BTreeMap::new();

@@ -24,7 +24,8 @@ pub(crate) struct Conn {
     pub(crate) fetch: Statement,
     pub(crate) next_due: Statement,
     pub(crate) renew: Statement,
-    pub(crate) delete: Statement,
+    pub(crate) delete_many: Statement,
+    pub(crate) notify: Statement,
     pub(crate) retry: Statement,
     pub(crate) release: Statement,
     pub(crate) fail: Statement,
@@ -37,7 +38,8 @@ pub(crate) struct Sql {
     pub(crate) fetch: String,
     pub(crate) next_due: String,
     pub(crate) renew: String,
-    pub(crate) delete: String,
+    pub(crate) delete_many: String,
+    pub(crate) notify: String,
     pub(crate) retry: String,
     pub(crate) release: String,
     pub(crate) fail: String,
@@ -45,6 +47,8 @@ pub(crate) struct Sql {
     pub(crate) insert_many: String,
     /// Deletes a held row inside a caller's transaction (`complete_in`).
     pub(crate) complete: String,
+    /// Inserts a row and notifies, inside a caller's transaction.
+    pub(crate) insert_notify: String,
 }
 
 impl Sql {
@@ -80,22 +84,22 @@ impl Sql {
                  SELECT (SELECT count(*) FROM u)::int8, \
                         EXISTS (SELECT 1 FROM {s}.jobs WHERE id = $1 AND lease = $2)"
             ),
-            delete: format!("DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2"),
+            delete_many: format!(
+                "DELETE FROM {s}.jobs AS j USING unnest($1::int8[], $2::int8[]) AS d(id, lease) \
+                 WHERE j.id = d.id AND j.lease = d.lease RETURNING j.id"
+            ),
+            notify: format!("SELECT pg_notify('{channel}', $1)"),
             retry: format!(
-                "WITH u AS (UPDATE {s}.jobs SET lease = NULL, \
+                "UPDATE {s}.jobs SET lease = NULL, \
                    run_at = now() + $3::int8 * interval '1 microsecond', shutdowns = shutdowns + $4 \
-                   WHERE id = $1 AND lease = $2 RETURNING queue, $3::int8 = 0 AS due) \
-                 SELECT (SELECT count(*) FROM u)::int8, \
-                   (SELECT count(*) FROM (SELECT pg_notify('{channel}', queue) FROM u WHERE due) n)::int8"
+                 WHERE id = $1 AND lease = $2"
             ),
             // A delivery given back unsettled: due now, with `$3` attempts
             // taken back (1 for a message never handed to a handler).
             release: format!(
-                "WITH u AS (UPDATE {s}.jobs SET lease = NULL, run_at = now(), \
+                "UPDATE {s}.jobs SET lease = NULL, run_at = now(), \
                    attempts = greatest(attempts - $3, 0) \
-                   WHERE id = $1 AND lease = $2 RETURNING queue) \
-                 SELECT (SELECT count(*) FROM u)::int8, \
-                   (SELECT count(*) FROM (SELECT pg_notify('{channel}', queue) FROM u) n)::int8"
+                 WHERE id = $1 AND lease = $2"
             ),
             fail: format!(
                 "WITH d AS (DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2 RETURNING queue) \
@@ -112,6 +116,13 @@ impl Sql {
                  FROM unnest($2::text[], $3::bytea[], $4::int8[]) AS m(id, body, delay)"
             ),
             complete: format!("DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2"),
+            // Inside the caller's transaction: the notification goes out
+            // when it commits, and never if it rolls back.
+            insert_notify: format!(
+                "WITH i AS (INSERT INTO {s}.jobs (queue, message_id, body, run_at) \
+                   VALUES ($1, $2, $3, now() + $4::int8 * interval '1 microsecond') RETURNING queue) \
+                 SELECT pg_notify('{channel}', queue) FROM i"
+            ),
         }
     }
 }
@@ -139,7 +150,8 @@ impl Conn {
         let fetch = prepare(&sql.fetch, &[T::TEXT, T::INT8, T::INT8]).await?;
         let next_due = prepare(&sql.next_due, &[T::TEXT]).await?;
         let renew = prepare(&sql.renew, &[T::INT8, T::INT8, T::INT8]).await?;
-        let delete = prepare(&sql.delete, &[T::INT8, T::INT8]).await?;
+        let delete_many = prepare(&sql.delete_many, &[T::INT8_ARRAY, T::INT8_ARRAY]).await?;
+        let notify = prepare(&sql.notify, &[T::TEXT]).await?;
         let retry = prepare(&sql.retry, &[T::INT8, T::INT8, T::INT8, T::INT4]).await?;
         let release = prepare(&sql.release, &[T::INT8, T::INT8, T::INT4]).await?;
         let fail = prepare(&sql.fail, &[T::INT8, T::INT8, T::TEXT, T::TEXT, T::BYTEA]).await?;
@@ -154,7 +166,8 @@ impl Conn {
             fetch,
             next_due,
             renew,
-            delete,
+            delete_many,
+            notify,
             retry,
             release,
             fail,
@@ -307,5 +320,67 @@ pub(crate) async fn listen(
                 }
             }
         }
+    }
+}
+
+/// Notifications for the driver's own writes, coalesced per queue: at most
+/// one `NOTIFY` in flight for a queue; writes that finish meanwhile are
+/// announced by one more once it returns. Each notification is sent after
+/// the writes it announces committed, so a woken worker finds them.
+#[derive(Default)]
+pub(crate) struct Announcer {
+    queues: Mutex<HashMap<String, Announcing>>,
+}
+
+#[derive(Default)]
+struct Announcing {
+    /// A notification is being sent.
+    running: bool,
+    /// A write finished since it started.
+    again: bool,
+}
+
+impl Announcer {
+    /// Says that `queue` has new rows due: wakes this driver's own
+    /// subscriptions of it at once, and the other workers' through
+    /// `NOTIFY`.
+    pub(crate) fn announce(self: &Arc<Self>, pool: &Arc<Pool>, waiters: &Waiters, queue: &str) {
+        waiters.wake(queue);
+        {
+            let mut queues = lock(&self.queues);
+            let state = queues.entry(queue.to_owned()).or_default();
+            if state.running {
+                state.again = true;
+                return;
+            }
+            state.running = true;
+        }
+        let (announcer, pool, queue) = (self.clone(), pool.clone(), queue.to_owned());
+        tokio::spawn(async move {
+            loop {
+                let sent = match pool.get().await {
+                    Ok(conn) => conn
+                        .client
+                        .execute(&conn.notify, &[&queue])
+                        .await
+                        .map(|_| ()),
+                    Err(error) => {
+                        tracing::debug!(%error, queue, "postgres: no notification sent; other workers find the rows at their next poll");
+                        Ok(())
+                    }
+                };
+                if let Err(error) = sent {
+                    tracing::debug!(%error, queue, "postgres: no notification sent; other workers find the rows at their next poll");
+                }
+                let mut queues = lock(&announcer.queues);
+                let state = queues.entry(queue.clone()).or_default();
+                if state.again {
+                    state.again = false;
+                } else {
+                    state.running = false;
+                    return;
+                }
+            }
+        });
     }
 }

@@ -256,11 +256,15 @@ impl Drop for PgDelivery {
             return;
         };
         let inner = self.inner.clone();
+        let queue = self.queue.clone();
         let (id, lease) = (self.row.id, self.row.lease);
         let taken_back = i32::from(!self.handed_out);
         runtime.spawn(async move {
-            if let Err(error) = inner.release(id, lease, taken_back).await {
-                tracing::debug!(%error, "postgres: an unsettled delivery was not released; it comes back when its lease ends");
+            match inner.release(id, lease, taken_back).await {
+                Ok(()) => inner.announce(&queue),
+                Err(error) => {
+                    tracing::debug!(%error, "postgres: an unsettled delivery was not released; it comes back when its lease ends");
+                }
             }
         });
     }
@@ -307,14 +311,9 @@ impl Delivery for PgDelivery {
         let conn = self.inner.pool.get().await?;
         match settlement {
             Settlement::Ack | Settlement::Reject => {
-                let what = settlement.name();
-                let n = conn
-                    .client
-                    .execute(&conn.delete, &[&id, &lease])
-                    .await
-                    .map_err(|e| write_error(format!("{what}: delete the row"), e))?;
-                if n == 0 {
-                    return self.unmatched(what).await;
+                drop(conn);
+                if !self.inner.acks().delete(id, lease).await? {
+                    return self.unmatched(settlement.name()).await;
                 }
             }
             Settlement::Retry { delay, shutdown } => {
@@ -322,13 +321,16 @@ impl Delivery for PgDelivery {
                 // a broker's visibility timeout or ack wait would.
                 let delay = micros(delay.unwrap_or(self.inner.config.lease));
                 let shutdowns = i32::from(*shutdown);
-                let row = conn
+                let n = conn
                     .client
-                    .query_one(&conn.retry, &[&id, &lease, &delay, &shutdowns])
+                    .execute(&conn.retry, &[&id, &lease, &delay, &shutdowns])
                     .await
                     .map_err(|e| write_error("retry: set the row's run time", e))?;
-                if row.get::<_, i64>(0) == 0 {
+                if n == 0 {
                     return self.unmatched("retry").await;
+                }
+                if delay == 0 {
+                    self.inner.announce(&self.queue);
                 }
             }
             Settlement::Fail(record) => {
@@ -407,7 +409,7 @@ impl Inner {
     async fn release(&self, id: i64, lease: i64, taken_back: i32) -> Result<(), DriverError> {
         let conn = self.pool.get().await?;
         conn.client
-            .query_one(&conn.release, &[&id, &lease, &taken_back])
+            .execute(&conn.release, &[&id, &lease, &taken_back])
             .await
             .map_err(|e| write_error("release a delivery", e))?;
         Ok(())

@@ -34,8 +34,10 @@
 //! time first, with `FOR UPDATE SKIP LOCKED` (workers never wait on each
 //! other's rows), and gives each a new fencing token (`lease`), one more
 //! attempt and the end of its lease as its run time. With nothing due it
-//! waits for a notification (`LISTEN` on `jobrail.<schema>`, sent at the
-//! commit of every insert), the next row's due time (a delay or a lease
+//! waits for a notification (`LISTEN` on `jobrail.<schema>`: the driver
+//! notifies after its inserts, coalescing them to one notification in
+//! flight per queue, and [`PgDriver::dispatch_in`] notifies at the caller's
+//! commit), the next row's due time (a delay or a lease
 //! ending), or at most [`poll_interval`](PgConfig::poll_interval), whichever
 //! comes first: an idle worker picks a new job up within milliseconds and
 //! otherwise reads the table once per poll interval. A lost listening
@@ -62,7 +64,10 @@
 //!
 //! # Settlements
 //!
-//! - Ack and reject: the row is deleted.
+//! - Ack and reject: the row is deleted. Acknowledgements that arrive
+//!   while earlier ones are in flight go together in one `DELETE` (at most
+//!   one batch in flight per connection), so a busy worker commits once
+//!   per batch, and each learns whether its own row matched.
 //! - Retry: the lease is cleared and the run time set to the delay's end,
 //!   any time ahead (a zero delay is due at once, and a notification goes
 //!   out). A retry without a delay (the backend's own timing) comes back
@@ -85,6 +90,7 @@
 //! Every error from a statement keeps tokio-postgres's error as its cause
 //! ([`DriverError::find`]).
 
+mod acks;
 mod config;
 mod connection;
 mod delivery;
@@ -97,7 +103,7 @@ mod topology;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -112,7 +118,8 @@ use tokio_postgres::GenericClient;
 pub use config::{PgConfig, DEFAULT_SCHEMA, MAX_MESSAGE_BYTES_LIMIT};
 pub use topology::SCHEMA_VERSION;
 
-use connection::{Pool, Waiters};
+use acks::Acks;
+use connection::{Announcer, Pool, Waiters};
 use delivery::{PgDelivery, PgSubscription};
 use errors::{write_error, NAME};
 
@@ -171,6 +178,9 @@ pub(crate) struct Inner {
     pub(crate) config: PgConfig,
     pub(crate) pool: Arc<Pool>,
     pub(crate) waiters: Arc<Waiters>,
+    pub(crate) announcer: Arc<Announcer>,
+    /// Started on the first acknowledgement (it needs the runtime).
+    acks: OnceLock<Acks>,
     pub(crate) life: Lifecycle,
     held: Mutex<HashMap<HeldKey, Held>>,
     queues: Mutex<BTreeSet<String>>,
@@ -189,6 +199,8 @@ impl PgDriver {
                 pool: Arc::new(Pool::new(&config)),
                 config,
                 waiters: Arc::default(),
+                announcer: Arc::default(),
+                acks: OnceLock::new(),
                 life: Lifecycle::new(NAME),
                 held: Mutex::default(),
                 queues: Mutex::default(),
@@ -364,6 +376,24 @@ impl Inner {
         if !queues.contains(queue) {
             queues.insert(queue.to_owned());
         }
+    }
+
+    /// Says that `queue` has rows due (see [`Announcer`]).
+    pub(crate) fn announce(&self, queue: &str) {
+        self.announcer.announce(&self.pool, &self.waiters, queue);
+    }
+
+    /// The batched acknowledgements.
+    pub(crate) fn acks(&self) -> &Acks {
+        self.acks.get_or_init(|| {
+            Acks::start(
+                self.pool.clone(),
+                std::env::var("XACK")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(2),
+            )
+        })
     }
 
     fn clone_pool(&self) -> Arc<Pool> {

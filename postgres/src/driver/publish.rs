@@ -21,6 +21,7 @@ impl Inner {
             .await
             .map_err(|e| write_error(format!("insert into queue `{queue}`"), e))?;
         self.declared(queue);
+        self.announce(queue);
         Ok(())
     }
 
@@ -59,6 +60,7 @@ impl Inner {
             };
             if outcome.is_ok() {
                 self.declared(queue);
+                self.announce(queue);
             }
             let error = outcome.err().map(std::sync::Arc::new);
             for slot in results.iter_mut().filter(|r| r.is_none()) {
@@ -96,7 +98,11 @@ impl PgDriver {
     /// if and only if that transaction commits (no outbox, no relay), or a
     /// client in autocommit. Returns the message id. The envelope is the
     /// one [`Producer::dispatch`](jobrail_native::Producer::dispatch)
-    /// sends; workers are woken at commit.
+    /// sends. The statement notifies the workers, at commit: a notifying
+    /// commit waits for the database's other notifying commits, so keep
+    /// bulk dispatch to [`Producer`](jobrail_native::Producer) (whose
+    /// notifications the driver coalesces) where it need not be
+    /// transactional.
     ///
     /// ```no_run
     /// # async fn example(driver: jobrail_postgres::PgDriver, mut client: jobrail_postgres::tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
@@ -138,7 +144,7 @@ impl PgDriver {
         let queue = job.queue();
         client
             .execute_typed(
-                &self.inner.pool.sql().insert,
+                &self.inner.pool.sql().insert_notify,
                 &[
                     (&queue, Type::TEXT),
                     (&id, Type::TEXT),

@@ -16,8 +16,14 @@
 //!   the entry's id, its message id and an operator's claim.
 //! - `migrations`: the versions applied.
 //!
-//! A trigger on `jobs` sends one `NOTIFY` per queue and statement on the
-//! channel `jobrail.<schema>` (payload: the queue), at commit.
+//! Workers are woken by `NOTIFY` on the channel `jobrail.<schema>`
+//! (payload: the queue), sent by the driver after its own inserts and, in
+//! [`PgDriver::dispatch_in`](super::PgDriver::dispatch_in), by the caller's
+//! transaction when it commits. There is no trigger: a notifying commit
+//! takes a lock that every other notifying commit of the database waits
+//! for, so the driver coalesces its notifications (one in flight per
+//! queue) instead of sending one per insert. Rows inserted by other means
+//! are found by the next poll.
 
 use jobrail_native::DriverError;
 use tokio_postgres::GenericClient;
@@ -55,15 +61,6 @@ CREATE TABLE {s}.failures (
     claimed_until timestamptz
 );
 CREATE INDEX failures_queue ON {s}.failures (queue, id);
-CREATE FUNCTION {s}.notify_jobs() RETURNS trigger LANGUAGE plpgsql AS $fn$
-BEGIN
-    PERFORM pg_notify({channel}, q.queue) FROM (SELECT DISTINCT queue FROM new_rows) AS q;
-    RETURN NULL;
-END
-$fn$;
-CREATE TRIGGER jobs_notify AFTER INSERT ON {s}.jobs
-    REFERENCING NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION {s}.notify_jobs();
 ",
 )];
 
@@ -196,9 +193,12 @@ mod tests {
     fn the_install_names_everything_under_the_schema() {
         let sql = install_sql("app_jobs", 0);
         assert!(sql.contains("CREATE TABLE \"app_jobs\".jobs"), "{sql}");
-        assert!(sql.contains("pg_notify('jobrail.app_jobs'"), "{sql}");
         assert!(sql.contains("INSERT INTO \"app_jobs\".migrations (version) VALUES (1)"));
         assert!(!sql.contains("{s}") && !sql.contains("{channel}"));
+        assert!(
+            !sql.contains("TRIGGER"),
+            "no trigger: notifications are the driver's"
+        );
         let upgrade = install_sql("app_jobs", SCHEMA_VERSION);
         assert!(
             !upgrade.contains("CREATE TABLE \"app_jobs\".jobs"),

@@ -16,6 +16,8 @@ pub(crate) const URL_VAR: &str = "FAULTS_URL";
 pub(crate) const SQS_KEY_VAR: &str = "FAULTS_SQS_KEY_ID";
 /// The SQS secret access key a worker uses.
 pub(crate) const SQS_SECRET_VAR: &str = "FAULTS_SQS_SECRET";
+/// The schema of the Postgres queue a worker uses.
+pub(crate) const PG_SCHEMA_VAR: &str = "FAULTS_PG_SCHEMA";
 
 /// A backend the suite can run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
@@ -28,6 +30,8 @@ pub(crate) enum Kind {
     Nats,
     /// SQS, usually the emulator (feature `sqs`).
     Sqs,
+    /// The Postgres queue driver, `PgDriver` (feature `postgres-queue`).
+    Postgres,
 }
 
 impl Kind {
@@ -38,6 +42,15 @@ impl Kind {
             Kind::Rabbitmq => "rabbitmq",
             Kind::Nats => "nats",
             Kind::Sqs => "sqs",
+            Kind::Postgres => "postgres",
+        }
+    }
+
+    /// The Cargo feature of jobrail-faults that builds the driver.
+    pub(crate) fn feature(self) -> &'static str {
+        match self {
+            Kind::Postgres => "postgres-queue",
+            other => other.name(),
         }
     }
 
@@ -48,6 +61,7 @@ impl Kind {
             Kind::Rabbitmq => cfg!(feature = "rabbitmq"),
             Kind::Nats => cfg!(feature = "nats"),
             Kind::Sqs => cfg!(feature = "sqs"),
+            Kind::Postgres => cfg!(feature = "postgres-queue"),
         }
     }
 }
@@ -65,6 +79,13 @@ pub(crate) struct Target {
     pub(crate) lease: Duration,
     /// Bound on each broker round trip (the drivers' default is 10 s).
     pub(crate) operation_timeout: Duration,
+    /// The Postgres queue's schema (the run's own).
+    pub(crate) pg_schema: Option<String>,
+    /// Whether a worker process connects (Postgres: its connections carry
+    /// the application name `<schema>_worker`, the orchestrator's
+    /// `<schema>_orchestrator`, so that only the workers' are terminated).
+    #[cfg_attr(not(feature = "postgres-queue"), allow(dead_code))]
+    pub(crate) worker: bool,
 }
 
 impl Target {
@@ -80,6 +101,8 @@ impl Target {
             sqs_keys: keys,
             lease,
             operation_timeout: Duration::from_secs(10),
+            pg_schema: std::env::var(PG_SCHEMA_VAR).ok(),
+            worker: true,
         }
     }
 
@@ -89,6 +112,9 @@ impl Target {
         if let Some((k, s)) = &self.sqs_keys {
             env.push((SQS_KEY_VAR, k.clone()));
             env.push((SQS_SECRET_VAR, s.clone()));
+        }
+        if let Some(schema) = &self.pg_schema {
+            env.push((PG_SCHEMA_VAR, schema.clone()));
         }
         env
     }
@@ -117,6 +143,37 @@ fn sqs_config(target: &Target) -> jobrail_native::sqs::SqsConfig {
     config
 }
 
+/// The Postgres queue settings of `target`: its schema, its lease, the
+/// application name of its role, reconnection waits of 50 ms to 1 s.
+#[cfg(feature = "postgres-queue")]
+pub(crate) fn pg_config(target: &Target) -> Result<jobrail_postgres::PgConfig, DriverError> {
+    use jobrail_postgres::{tokio_postgres, PgConfig, PgConnect};
+    let config_error =
+        |e: String| DriverError::new("jobrail-faults", jobrail_native::ErrorKind::Config, e);
+    let schema = target
+        .pg_schema
+        .clone()
+        .ok_or_else(|| config_error("the Postgres queue target has no schema".into()))?;
+    let mut config: tokio_postgres::Config = target
+        .url
+        .parse()
+        .map_err(|e| config_error(format!("the Postgres URL does not parse: {e}")))?;
+    let role = if target.worker {
+        "worker"
+    } else {
+        "orchestrator"
+    };
+    config.application_name(format!("{schema}_{role}"));
+    config.connect_timeout(Duration::from_secs(5));
+    let connect = PgConnect::from_config(config)
+        .reconnect_wait(Duration::from_millis(50), Duration::from_secs(1));
+    let mut config = PgConfig::with_connect(connect)
+        .schema(schema)
+        .lease(target.lease.max(Duration::from_secs(1)));
+    config.poll_interval = Duration::from_millis(500);
+    Ok(config)
+}
+
 /// A connected driver of any kind.
 #[derive(Clone)]
 pub(crate) enum Conn {
@@ -127,6 +184,8 @@ pub(crate) enum Conn {
     Nats(jobrail_native::nats::NatsDriver),
     #[cfg(feature = "sqs")]
     Sqs(jobrail_native::sqs::SqsDriver),
+    #[cfg(feature = "postgres-queue")]
+    Postgres(jobrail_postgres::PgDriver),
 }
 
 fn not_built(kind: Kind) -> DriverError {
@@ -136,7 +195,7 @@ fn not_built(kind: Kind) -> DriverError {
         format!(
             "this build has no {} driver: build jobrail-faults with `--features {}`",
             kind.name(),
-            kind.name()
+            kind.feature()
         ),
     )
 }
@@ -177,6 +236,10 @@ impl Conn {
             Kind::Sqs => Ok(Conn::Sqs(
                 jobrail_native::sqs::SqsDriver::connect(sqs_config(target)).await?,
             )),
+            #[cfg(feature = "postgres-queue")]
+            Kind::Postgres => Ok(Conn::Postgres(
+                jobrail_postgres::PgDriver::connect(pg_config(target)?).await?,
+            )),
             #[allow(unreachable_patterns)]
             other => Err(not_built(other)),
         }
@@ -201,6 +264,8 @@ impl Conn {
             Conn::Nats(d) => Arc::new(d.clone()),
             #[cfg(feature = "sqs")]
             Conn::Sqs(d) => Arc::new(d.clone()),
+            #[cfg(feature = "postgres-queue")]
+            Conn::Postgres(d) => Arc::new(d.clone()),
         }
     }
 

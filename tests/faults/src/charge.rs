@@ -58,6 +58,8 @@ fn amount_cents(id: u64) -> i64 {
     100 + (id % 900) as i64
 }
 
+#[cfg(feature = "postgres-queue")]
+pub(crate) use pg::register_tx;
 #[cfg(feature = "postgres")]
 pub(crate) use pg::{password, register, Ledger};
 
@@ -69,7 +71,7 @@ mod pg {
 
     use futures_util::stream::{self, StreamExt};
     use jobrail::{Claim, ClaimError, ClaimStore, Job, JobContext, JobError, Registry};
-    use jobrail_postgres::PgClaims;
+    use jobrail_postgres::{PgClaims, PgConnect};
     use tokio::sync::{Mutex, MutexGuard};
     use tokio_postgres::{Client, NoTls};
 
@@ -97,14 +99,14 @@ mod pg {
     /// One connection per concurrent handler (a transaction holds its
     /// connection), opened on first use and again once closed.
     struct Pool {
-        url: String,
+        connect: PgConnect,
         slots: Vec<Mutex<Option<Client>>>,
     }
 
     impl Pool {
-        fn new(url: String, size: usize) -> Pool {
+        fn new(connect: PgConnect, size: usize) -> Pool {
             Pool {
-                url,
+                connect,
                 slots: (0..size.max(1)).map(|_| Mutex::new(None)).collect(),
             }
         }
@@ -116,7 +118,7 @@ mod pg {
                 None => self.slots[fastrand::usize(..self.slots.len())].lock().await,
             };
             if slot.as_ref().is_none_or(Client::is_closed) {
-                *slot = Some(connect(&self.url).await?);
+                *slot = Some(self.connect.connect().await?);
             }
             Ok(slot)
         }
@@ -139,7 +141,7 @@ mod pg {
     ) -> Result<(), Box<dyn std::error::Error>> {
         let url = database_url();
         let claims = Arc::new(PgClaims::connect_with_table(&url, &tables.claims).await?);
-        let pool = Arc::new(Pool::new(url, concurrency));
+        let pool = Arc::new(Pool::new(PgConnect::new(&url)?, concurrency));
         let insert: Arc<str> = format!(
             "INSERT INTO {} (id, amount_cents, pid, fence) VALUES ($1, $2, $3, $4)",
             tables.ledger
@@ -204,6 +206,69 @@ mod pg {
                     return Err(e);
                 }
                 Ok(())
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Registers the transactional charging handler for `job` on the
+    /// Postgres queue `driver`: in one transaction of its own (a connection
+    /// per concurrent handler, to the queue's database), the ledger row and
+    /// the job's completion (`PgDriver::complete_in`, fenced by the
+    /// delivery's lease), then the commit. No claim: the job's row is gone
+    /// if and only if its charge committed.
+    #[cfg(feature = "postgres-queue")]
+    pub(crate) async fn register_tx(
+        registry: &mut Registry,
+        job: &Job<Item>,
+        ledger: Arc<File>,
+        table: &str,
+        driver: jobrail_postgres::PgDriver,
+        concurrency: usize,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let pool = Arc::new(Pool::new(driver.config().connect.clone(), concurrency));
+        let insert: Arc<str> =
+            format!("INSERT INTO {table} (id, amount_cents, pid, fence) VALUES ($1, $2, $3, $4)")
+                .into();
+        let pid = std::process::id();
+        registry.register(job, move |ctx: JobContext, item: Item| {
+            let (driver, pool, ledger, insert) =
+                (driver.clone(), pool.clone(), ledger.clone(), insert.clone());
+            async move {
+                let id = item.id;
+                append(&ledger, &format!("deliver {id} {pid}\n"));
+                pause().await;
+                // The attempt stands in for the fence: above 1, the charge
+                // was made by a redelivery.
+                let attempt = i64::from(ctx.attempt());
+                let charged = async {
+                    let mut slot = pool.get().await?;
+                    let client = slot.as_mut().expect("the pool connected the slot");
+                    let tx = client.transaction().await?;
+                    pause().await;
+                    tx.execute(
+                        &*insert,
+                        &[&(id as i64), &amount_cents(id), &i64::from(pid), &attempt],
+                    )
+                    .await?;
+                    // Dropping the transaction on an error rolls it back.
+                    if let Err(e) = driver.complete_in(&tx, &ctx).await {
+                        if e.kind() == jobrail_native::ErrorKind::NotAccepted {
+                            append(&ledger, &format!("lost {id} {pid} {attempt}\n"));
+                        }
+                        return Err(JobError::from(e));
+                    }
+                    pause().await;
+                    tx.commit().await?;
+                    Ok::<(), JobError>(())
+                }
+                .await;
+                if charged.is_ok() {
+                    // A kill here, after the commit and before the
+                    // settlement: the row is gone, nothing comes back.
+                    pause().await;
+                }
+                charged
             }
         })?;
         Ok(())

@@ -16,6 +16,7 @@
 //! cargo run -p jobrail-faults --features nats -- run --backend nats --fault kill
 //! cargo run -p jobrail-faults --features "postgres rabbitmq nats sqs" -- run   # everything
 //! cargo run -p jobrail-faults --features "postgres rabbitmq nats" -- run --fault charge
+//! cargo run -p jobrail-faults --features postgres-queue -- run --backend postgres
 //! ```
 //!
 //! Connections: RabbitMQ on 127.0.0.1:5672 (`FAULTS_RABBITMQ_PORT`
@@ -27,6 +28,16 @@
 //! tables of its own (`faults_<run>_<driver>_claims` and `..._ledger`),
 //! dropped at the end.
 //!
+//! The Postgres queue (`--backend postgres`, feature `postgres-queue`:
+//! `jobrail_postgres::PgDriver`) uses the same database, in a schema of the
+//! run's own (`faults_<run>`, installed with `PgDriver::install`, dropped
+//! at the end); a random password goes in its URL when `DATABASE_URL` has
+//! none (trust authentication never sends it; no log may show it). The
+//! workers' connections carry the application name `faults_<run>_worker`,
+//! the orchestrator's `faults_<run>_orchestrator`. Its job counts are
+//! smaller (`--pg-jobs` 2,000, `--pg-charges` 500) so that the fault step
+//! stays short on two cores shared with the server.
+//!
 //! # The faults
 //!
 //! - **kill load** (`--fault kill`): 5,000 jobs (300 on SQS, whose emulator
@@ -35,7 +46,8 @@
 //!   before its effect, so kills land mid-job); a random worker is SIGKILLed
 //!   every 0.7–1.5 s and restarted at once, six times (only kills that land
 //!   while work remains count; a shortfall is noted in the row). Leases
-//!   (NATS AckWait, SQS visibility) are 3 s so killed work returns quickly.
+//!   (NATS AckWait, SQS visibility, the Postgres queue's lease) are 3 s so
+//!   killed work returns quickly.
 //!   Each worker's handler panics on the first delivery of business id 1
 //!   (the facade catches it; the job is retried).
 //!   Duplicates are expected (at-least-once: an effect written but not yet
@@ -45,7 +57,13 @@
 //!   `nats-server` (SIGTERM, then started again on the same port and store),
 //!   or a private RabbitMQ node (`rabbitmqctl stop_app` / `start_app`). The
 //!   shared brokers are never restarted (with `FAULTS_SHARED_BROKER=1`, the
-//!   shared RabbitMQ node is used if a private node cannot start). During
+//!   shared RabbitMQ node is used if a private node cannot start). Postgres
+//!   queue: a private server (`initdb` into a temporary directory, trust
+//!   authentication, a free port, run as the `postgres` user when the suite
+//!   runs as root) with the run's schema, stopped with `pg_ctl stop -m
+//!   immediate` (recovery from the WAL at the next start) and started again;
+//!   its directory is removed at the end and its log scanned with the
+//!   others. The shared server on 5432 is never restarted. During
 //!   the outage five dispatches are timed (error kind and latency). SQS: the
 //!   emulator keeps its state in memory, so instead five dispatches go to a
 //!   closed loopback port; memory: five dispatches after the driver stopped.
@@ -56,7 +74,15 @@
 //!   loop did not end). The facade's crash bound ends it: a delivery whose
 //!   attempt is past cap + allowance (0 where the driver counts graceful
 //!   shutdown returns, else `SHUTDOWN_GRACE`) is recorded without running.
-//! - **slow handler** (`--fault slow`, NATS and SQS): five jobs whose
+//! - **connections terminated** (`--fault terminate`, Postgres queue only;
+//!   no row for the others): three workers (concurrency 8) consume
+//!   `--pg-jobs` jobs dispatched over 6 s while every 0.5 s the orchestrator
+//!   terminates every backend of the workers (`pg_terminate_backend` on
+//!   their application name; its own connection is spared): fetches,
+//!   settlements, lease renewals and the listening connection are cut.
+//!   Nothing may be lost and no worker may exit. Recovery: from the last
+//!   round that terminated a connection until every id is accounted for.
+//! - **slow handler** (`--fault slow`, NATS, SQS and the Postgres queue): five jobs whose
 //!   handler runs three leases (lease 2 s, handler 6 s); the driver must
 //!   renew the lease, so each job runs once.
 //! - **exactly-once charge** (`--fault charge`, feature `postgres`; in the
@@ -73,7 +99,13 @@
 //!   failure record; an id with two rows (a duplicate charge) or with none
 //!   (a loss) fails it, and so does a run where no delivery repeated
 //!   although kills landed (redelivery was not exercised). Every charged
-//!   key must then answer done to a new claim.
+//!   key must then answer done to a new claim. On the Postgres queue the
+//!   charge has no claim: the handler inserts the charge row and completes
+//!   its job (`PgDriver::complete_in`, fenced by the delivery's lease) in
+//!   one transaction, then commits (500 charges); a completion refused
+//!   (lease taken over) appends `lost` and rolls back. The same checks
+//!   hold (no id charged twice, none lost, deliveries repeated), and at the
+//!   end no job may be left in the queue.
 //! - **secrets** (always): workers log at debug level to
 //!   `target/faults/logs/`, the orchestrator too (`orchestrator.log`); the
 //!   RabbitMQ user is created for the run with a random password, the NATS

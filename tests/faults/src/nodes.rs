@@ -1,7 +1,8 @@
 //! Private brokers for the restart fault, so the shared brokers other tests
 //! use are never restarted: a `nats-server` on a free port with its own
 //! JetStream directory, and a RabbitMQ node of its own (name, ports, data
-//! and log directories, no plugins). Plus `rabbitmqctl` helpers.
+//! and log directories, no plugins), and a Postgres server of its own
+//! ([`PgServer`]). Plus `rabbitmqctl` helpers.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -152,5 +153,176 @@ impl Drop for RabbitNode {
             let _ = rabbitmqctl(Some(&self.name), &["stop"]);
             self.running = false;
         }
+    }
+}
+
+/// A private Postgres server for the restart fault (the shared one on 5432
+/// is never restarted): `initdb` into a directory of its own (trust
+/// authentication, fsync off), a free port, its socket in that directory.
+/// Run as the `postgres` user when the suite runs as root (`runuser`).
+#[cfg(feature = "postgres-queue")]
+pub(crate) struct PgServer {
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+    /// Its port on 127.0.0.1.
+    pub(crate) port: u16,
+    as_postgres: bool,
+    running: bool,
+}
+
+#[cfg(feature = "postgres-queue")]
+impl PgServer {
+    /// The directory of the server's binaries: the newest
+    /// `/usr/lib/postgresql/*/bin` with `initdb`, else `pg_config --bindir`.
+    pub(crate) fn bin_dir() -> Option<std::path::PathBuf> {
+        let mut found: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let version = e.file_name().to_string_lossy().parse().ok()?;
+                let bin = e.path().join("bin");
+                bin.join("initdb").exists().then_some((version, bin))
+            })
+            .collect();
+        found.sort();
+        if let Some((_, bin)) = found.pop() {
+            return Some(bin);
+        }
+        let out = Command::new("pg_config").arg("--bindir").output().ok()?;
+        let bin = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        bin.join("initdb").exists().then_some(bin)
+    }
+
+    /// Creates the cluster under `dir` (removed first) and starts it.
+    pub(crate) async fn start(dir: &Path) -> Result<Self, String> {
+        let bin = Self::bin_dir().ok_or(
+            "no Postgres server binaries (initdb) under /usr/lib/postgresql/*/bin or pg_config --bindir",
+        )?;
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        // Root cannot run the server: then it runs as `postgres`.
+        let uid = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
+        let as_postgres = uid == "0";
+        if as_postgres {
+            let status = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir)
+                .status()
+                .map_err(|e| format!("cannot run chown: {e}"))?;
+            if !status.success() {
+                return Err(format!(
+                    "chown postgres {} failed ({status})",
+                    dir.display()
+                ));
+            }
+        }
+        let mut server = PgServer {
+            dir: dir.to_path_buf(),
+            bin,
+            port: free_port(),
+            as_postgres,
+            running: false,
+        };
+        let data = server.data();
+        server.run(
+            "initdb",
+            &[
+                "-D",
+                &data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+        )?;
+        server.up().await?;
+        Ok(server)
+    }
+
+    fn data(&self) -> String {
+        self.dir.join("data").display().to_string()
+    }
+
+    /// The server's log file.
+    pub(crate) fn log(&self) -> std::path::PathBuf {
+        self.dir.join("server.log")
+    }
+
+    /// Runs one of the server's programs (as `postgres` if root), its
+    /// output kept apart.
+    fn run(&self, program: &str, args: &[&str]) -> Result<(), String> {
+        let exe = self.bin.join(program);
+        let mut cmd = if self.as_postgres {
+            let mut cmd = Command::new("runuser");
+            cmd.args(["-u", "postgres", "--"]).arg(&exe);
+            cmd
+        } else {
+            Command::new(&exe)
+        };
+        let out = cmd
+            .args(args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {program}: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{program} {} failed ({}): {}",
+                args.first().copied().unwrap_or_default(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// Starts the server and waits (30 s at most) until it accepts
+    /// connections.
+    pub(crate) async fn up(&mut self) -> Result<(), String> {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100",
+            self.port,
+            self.dir.display()
+        );
+        let (data, log) = (self.data(), self.log().display().to_string());
+        self.run(
+            "pg_ctl",
+            &[
+                "-D", &data, "-l", &log, "-w", "-t", "30", "-o", &options, "start",
+            ],
+        )?;
+        self.running = true;
+        if wait_port(self.port, Duration::from_secs(30)).await {
+            Ok(())
+        } else {
+            Err("the private Postgres server did not listen".into())
+        }
+    }
+
+    /// Stops the server at once (`pg_ctl stop -m immediate`: no checkpoint,
+    /// every connection cut; the next start recovers from the WAL).
+    pub(crate) async fn down(&mut self) -> Result<(), String> {
+        let data = self.data();
+        self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"])?;
+        self.running = false;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "postgres-queue")]
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if self.running {
+            let data = self.data();
+            let _ = self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -31,8 +31,12 @@ pub(crate) enum Fault {
     /// A handler running three leases.
     Slow,
     /// Kill load with a handler charging each id once through a Postgres
-    /// claim (feature `postgres`).
+    /// claim (feature `postgres`); on the Postgres queue, through
+    /// transactional completion instead.
     Charge,
+    /// The Postgres queue's connections terminated by the server
+    /// (`pg_terminate_backend`) under load (Postgres only).
+    Terminate,
 }
 
 impl Fault {
@@ -43,6 +47,7 @@ impl Fault {
             Fault::Crash => "crash loop",
             Fault::Slow => "slow handler",
             Fault::Charge => "exactly-once charge",
+            Fault::Terminate => "connections terminated",
         }
     }
 }
@@ -75,6 +80,14 @@ pub(crate) struct RunArgs {
     /// Worker kills in the exactly-once charge fault.
     #[arg(long, default_value_t = 5)]
     charge_kills: usize,
+    /// Jobs of the kill-load and connections-terminated faults on the
+    /// Postgres queue (fewer than on the brokers: its workers share the
+    /// machine's two cores with the server).
+    #[arg(long, default_value_t = 2000)]
+    pg_jobs: usize,
+    /// Charges of the exactly-once charge fault on the Postgres queue.
+    #[arg(long, default_value_t = 500)]
+    pg_charges: usize,
     /// Output directory (default: `target/faults` of the build's target directory).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -638,7 +651,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
         return Err(format!(
             "this build has no {} driver: build with `--features {}`",
             k.name(),
-            k.name()
+            k.feature()
         )
         .into());
     }
@@ -646,6 +659,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
         let mut all = vec![Fault::Kill, Fault::Restart, Fault::Crash, Fault::Slow];
         if cfg!(feature = "postgres") {
             all.push(Fault::Charge);
+        }
+        if backends.contains(&Kind::Postgres) {
+            all.push(Fault::Terminate);
         }
         all
     } else {
@@ -699,6 +715,12 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
         // Keeps the run's RabbitMQ user until the backend is done.
         let user = env.1;
         let env = env.0;
+        if let Err(e) = install_queue(&env).await {
+            suite
+                .problems
+                .push(format!("{}: cannot set up: {e}", kind.name()));
+            continue;
+        }
         provoke_connection_error(&mut suite, &env).await;
         for &fault in &faults {
             eprintln!("  {} / {} ...", kind.name(), fault.name());
@@ -709,6 +731,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
                 Fault::Crash => crash_loop(&mut suite, &env).await,
                 Fault::Slow => slow(&mut suite, &env).await,
                 Fault::Charge => charge(&mut suite, &env, &args).await,
+                Fault::Terminate => terminate(&mut suite, &env, &args).await,
             };
             if let Err(e) = result {
                 suite.problems.push(format!(
@@ -725,6 +748,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
             );
         }
         drop(user);
+        if let Err(e) = drop_queue(&env).await {
+            suite.problems.push(format!("{}: {e}", kind.name()));
+        }
         eprintln!("{} done in {}", kind.name(), secs(started.elapsed()));
     }
 
@@ -753,6 +779,8 @@ fn setup(suite: &mut Suite, kind: Kind) -> Result<(Env, Option<nodes::RabbitUser
                     sqs_keys: None,
                     lease,
                     operation_timeout,
+                    pg_schema: None,
+                    worker: false,
                 },
             },
             None,
@@ -777,6 +805,8 @@ fn setup(suite: &mut Suite, kind: Kind) -> Result<(Env, Option<nodes::RabbitUser
                         sqs_keys: None,
                         lease,
                         operation_timeout,
+                        pg_schema: None,
+                        worker: false,
                     },
                 },
                 Some(user),
@@ -798,6 +828,8 @@ fn setup(suite: &mut Suite, kind: Kind) -> Result<(Env, Option<nodes::RabbitUser
                         sqs_keys: None,
                         lease,
                         operation_timeout,
+                        pg_schema: None,
+                        worker: false,
                     },
                 },
                 None,
@@ -823,12 +855,121 @@ fn setup(suite: &mut Suite, kind: Kind) -> Result<(Env, Option<nodes::RabbitUser
                         sqs_keys: Some((key, secret)),
                         lease,
                         operation_timeout,
+                        pg_schema: None,
+                        worker: false,
+                    },
+                },
+                None,
+            ))
+        }
+        Kind::Postgres => {
+            let url = pg_url(suite);
+            Ok((
+                Env {
+                    kind,
+                    target: Target {
+                        kind,
+                        url,
+                        sqs_keys: None,
+                        lease,
+                        operation_timeout,
+                        pg_schema: Some(format!("faults_{}", suite.run)),
+                        worker: false,
                     },
                 },
                 None,
             ))
         }
     }
+}
+
+/// The Postgres queue's URL: `DATABASE_URL`, with a random password if it
+/// has none (trust authentication: the server never asks for it), which
+/// joins the secrets no log may show.
+#[cfg(feature = "postgres-queue")]
+fn pg_url(suite: &mut Suite) -> String {
+    let base = crate::charge::database_url();
+    let url = match crate::charge::password(&base) {
+        Some(_) => base,
+        None => with_password(&base, &random_text(24)).unwrap_or(base),
+    };
+    if let Some(password) = crate::charge::password(&url) {
+        if !suite.secrets.iter().any(|(_, v)| *v == password) {
+            suite
+                .secrets
+                .push(("Postgres password (queue)".into(), password));
+        }
+    }
+    url
+}
+
+/// Without the Postgres queue (`run` refuses the backend first).
+#[cfg(not(feature = "postgres-queue"))]
+fn pg_url(_suite: &mut Suite) -> String {
+    String::new()
+}
+
+/// `url` with `password` for its user, if it is a `postgres://` URL whose
+/// user has none.
+#[cfg_attr(not(feature = "postgres-queue"), allow(dead_code))]
+fn with_password(url: &str, password: &str) -> Option<String> {
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))?;
+    let scheme = &url[..url.len() - rest.len()];
+    let at = rest.find('@')?;
+    let user = &rest[..at];
+    if user.contains(':') || user.contains('/') {
+        return None;
+    }
+    Some(format!("{scheme}{user}:{password}{}", &rest[at..]))
+}
+
+/// Installs the Postgres queue's schema (the run's own), for the backends
+/// that need it.
+async fn install_queue(env: &Env) -> Result<(), String> {
+    #[cfg(feature = "postgres-queue")]
+    if env.kind == Kind::Postgres {
+        let config = crate::backend::pg_config(&env.target).map_err(|e| e.to_string())?;
+        jobrail_postgres::PgDriver::install(&config)
+            .await
+            .map_err(|e| format!("installing the schema: {e}"))?;
+    }
+    let _ = env;
+    Ok(())
+}
+
+/// Drops the Postgres queue's schema at the end of the backend's faults.
+async fn drop_queue(env: &Env) -> Result<(), String> {
+    #[cfg(feature = "postgres-queue")]
+    if env.kind == Kind::Postgres {
+        return drop_schema(&env.target).await;
+    }
+    let _ = env;
+    Ok(())
+}
+
+/// Drops `target`'s schema and everything in it.
+#[cfg(feature = "postgres-queue")]
+async fn drop_schema(target: &Target) -> Result<(), String> {
+    let schema = target.pg_schema.as_deref().unwrap_or_default();
+    let client = pg_admin(target).await?;
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .await
+        .map_err(|e| format!("dropping the schema {schema}: {e}"))
+}
+
+/// A connection of the orchestrator's own to `target`'s database (its
+/// application name is not the workers').
+#[cfg(feature = "postgres-queue")]
+async fn pg_admin(target: &Target) -> Result<jobrail_postgres::tokio_postgres::Client, String> {
+    let config = crate::backend::pg_config(target).map_err(|e| e.to_string())?;
+    config
+        .connect
+        .connect()
+        .await
+        .map_err(|e| format!("connecting to Postgres: {e}"))
 }
 
 /// Connects with the run's credentials to a closed port and logs the error
@@ -1041,10 +1182,10 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
     if one_process(suite, kind, Fault::Kill) {
         return Ok(());
     }
-    let n = if kind == Kind::Sqs {
-        args.sqs_jobs
-    } else {
-        args.jobs
+    let n = match kind {
+        Kind::Sqs => args.sqs_jobs,
+        Kind::Postgres => args.pg_jobs,
+        _ => args.jobs,
     } as u64;
     let target = env.target.with_lease(Duration::from_secs(3));
     let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
@@ -1104,11 +1245,13 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
     if one_process(suite, kind, Fault::Charge) {
         return Ok(());
     }
-    let n = if kind == Kind::Sqs {
-        args.sqs_charges
-    } else {
-        args.charges
+    let n = match kind {
+        Kind::Sqs => args.sqs_charges,
+        Kind::Postgres => args.pg_charges,
+        _ => args.charges,
     } as u64;
+    // On the Postgres queue: transactional completion, no claim.
+    let tx = kind == Kind::Postgres;
     let target = env.target.with_lease(Duration::from_secs(3));
     let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
     let producer = Producer::new(conn.driver());
@@ -1129,7 +1272,7 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
         target: &target,
         queue: &queue,
         ledger: &ledger,
-        mode: Mode::Charge,
+        mode: if tx { Mode::ChargeTx } else { Mode::Charge },
         concurrency: 8,
         cap: 10,
         timeout: Duration::from_secs(60),
@@ -1210,25 +1353,58 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
         ));
     }
     let charged: Vec<u64> = tally.effects.keys().copied().collect();
-    let done_check = match ledger_db.not_done(charged.clone()).await {
-        Ok(not_done) if not_done.is_empty() => format!("all {} charged keys done", charged.len()),
-        Ok(not_done) => {
-            suite.problems.push(format!(
-                "{what}: {} charged keys not done in the claim store (first: {:?})",
-                not_done.len(),
-                &not_done[..not_done.len().min(10)]
-            ));
-            format!("{} charged keys NOT done", not_done.len())
+    let done_check = if tx {
+        // Every charge committed with its job's completion: no job is left.
+        match queue_depth(&conn, &books.queue).await {
+            Ok(0) => "no job left in the queue".to_string(),
+            Ok(depth) => {
+                suite.problems.push(format!(
+                    "{what}: {depth} jobs left in the queue after every id was charged"
+                ));
+                format!("{depth} jobs LEFT in the queue")
+            }
+            Err(e) => {
+                suite
+                    .problems
+                    .push(format!("{what}: reading the queue's depth: {e}"));
+                "depth not checked".into()
+            }
         }
-        Err(e) => {
-            suite
-                .problems
-                .push(format!("{what}: checking the claims: {e}"));
-            "claims not checked".into()
+    } else {
+        match ledger_db.not_done(charged.clone()).await {
+            Ok(not_done) if not_done.is_empty() => {
+                format!("all {} charged keys done", charged.len())
+            }
+            Ok(not_done) => {
+                suite.problems.push(format!(
+                    "{what}: {} charged keys not done in the claim store (first: {:?})",
+                    not_done.len(),
+                    &not_done[..not_done.len().min(10)]
+                ));
+                format!("{} charged keys NOT done", not_done.len())
+            }
+            Err(e) => {
+                suite
+                    .problems
+                    .push(format!("{what}: checking the claims: {e}"));
+                "claims not checked".into()
+            }
         }
     };
     let retaken = tally.fences.values().filter(|fence| **fence > 1).count();
-    let notes = format!(
+    let notes = if tx {
+        format!(
+            "{} SIGKILLs while work remained{shortfall} ({} of a worker with a charge under way), 3 workers x 8; no claim: charge row and the job's completion (complete_in, fenced by the lease) in one transaction; lease {}; dispatch {}; {} deliveries: {} completions refused (lease taken over, rolled back); {retaken} charges by a redelivery (attempt > 1); {done_check}; {}",
+            run.kills,
+            run.aimed,
+            secs(target.lease),
+            secs(run.dispatch_time),
+            tally.deliveries.values().sum::<usize>(),
+            tally.lost_claims,
+            run.throughput(n)
+        )
+    } else {
+        format!(
         "{} SIGKILLs while work remained{shortfall} ({} of a worker with a charge under way), 3 workers x 8; broker lease {}, claim lease {}; dispatch {}; {} deliveries: {} found the charge done, {} found it held, {} completions too late (rolled back); {retaken} charges under a retaken claim (fence > 1); {done_check}; {}",
         run.kills,
         run.aimed,
@@ -1240,7 +1416,8 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
         tally.held,
         tally.lost_claims,
         run.throughput(n)
-    );
+    )
+    };
     let mut row = suite.row(kind, Fault::Charge, &books, account, run.recovery(), notes);
     row.duplicates = format!("{delivery_duplicates} deliveries / {charge_duplicates} charges");
     suite.rows.push(row);
@@ -1250,6 +1427,15 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
     let _ = conn.delete(&books.queue).await;
     let _ = conn.driver().stop().await;
     Ok(())
+}
+
+/// The jobs `queue` holds (ready, in flight and delayed).
+#[cfg(feature = "postgres")]
+async fn queue_depth(conn: &Conn, queue: &str) -> Result<u64, String> {
+    let driver = conn.driver();
+    let admin = driver.admin().ok_or("the driver has no admin interface")?;
+    let depth = admin.depth(queue).await.map_err(|e| e.to_string())?;
+    Ok(depth.ready + depth.in_flight.unwrap_or(0) + depth.delayed.unwrap_or(0))
 }
 
 /// Without Postgres there is no charge fault (`run` refuses it first).
@@ -1330,7 +1516,53 @@ async fn restart(suite: &mut Suite, env: &Env) -> Result<(), String> {
             Ok(())
         }
         Kind::Rabbitmq | Kind::Nats => restart_broker(suite, env).await,
+        Kind::Postgres => restart_postgres(suite, env).await,
     }
+}
+
+/// The Postgres queue's restart: a private server of its own (the shared
+/// one is never restarted), the run's schema installed on it, stopped with
+/// `pg_ctl stop -m immediate` mid-load and started again.
+#[cfg(feature = "postgres-queue")]
+async fn restart_postgres(suite: &mut Suite, env: &Env) -> Result<(), String> {
+    let kind = env.kind;
+    let dir = std::env::temp_dir().join(format!("jobrail-faults-pg-{}", suite.run));
+    let started = Instant::now();
+    let server = nodes::PgServer::start(&dir).await?;
+    let mut target = env.target.clone().with_lease(Duration::from_secs(3));
+    let password = crate::charge::password(&target.url)
+        .map(|p| format!(":{p}"))
+        .unwrap_or_default();
+    target.url = format!(
+        "postgres://postgres{password}@127.0.0.1:{}/postgres",
+        server.port
+    );
+    let where_ = format!(
+        "a private server (initdb and start took {}; pg_ctl stop -m immediate, start)",
+        secs(started.elapsed())
+    );
+    let log = server.log();
+    let mut broker = Private::Postgres(server);
+    let result = match install_queue(&Env {
+        kind,
+        target: target.clone(),
+    })
+    .await
+    {
+        Ok(()) => restart_body(suite, kind, &target, &mut broker, &where_).await,
+        Err(e) => Err(format!("on the private server: {e}")),
+    };
+    // Its log is scanned with the others.
+    let _ = std::fs::copy(&log, suite.logs.join("postgres-server.private.log"));
+    drop(broker);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Without the Postgres queue (`run` refuses the backend first).
+#[cfg(not(feature = "postgres-queue"))]
+async fn restart_postgres(_suite: &mut Suite, _env: &Env) -> Result<(), String> {
+    Err("this build has no Postgres queue".into())
 }
 
 /// A broker that can be stopped and started.
@@ -1339,6 +1571,9 @@ enum Private {
     Rabbit(nodes::RabbitNode, Option<nodes::RabbitUser>),
     /// The shared RabbitMQ node (FAULTS_SHARED_BROKER=1), stop_app/start_app.
     SharedRabbit,
+    /// A private Postgres server.
+    #[cfg(feature = "postgres-queue")]
+    Postgres(nodes::PgServer),
 }
 
 impl Private {
@@ -1350,6 +1585,8 @@ impl Private {
             }
             Private::Rabbit(node, _) => nodes::rabbitmqctl(Some(&node.name), &["stop_app"]),
             Private::SharedRabbit => nodes::rabbitmqctl(None, &["stop_app"]),
+            #[cfg(feature = "postgres-queue")]
+            Private::Postgres(server) => server.down().await,
         }
     }
 
@@ -1369,6 +1606,8 @@ impl Private {
                 nodes::rabbitmqctl(None, &["start_app"])?;
                 nodes::rabbitmqctl(None, &["await_startup"])
             }
+            #[cfg(feature = "postgres-queue")]
+            Private::Postgres(server) => server.up().await,
         }
     }
 }
@@ -1735,6 +1974,139 @@ async fn slow(suite: &mut Suite, env: &Env) -> Result<(), String> {
     Ok(())
 }
 
+/// Connections terminated (Postgres queue only; no row elsewhere): the
+/// kill-load scenario's three workers (concurrency 8) and `--pg-jobs` jobs
+/// dispatched at a pace over 6 s, while every 0.5 s the orchestrator
+/// terminates every backend of the workers (`pg_terminate_backend` on
+/// their application name; its own connections are spared) until every
+/// effect is in; mid-fetch, mid-settlement, mid-renewal, the listening
+/// connection too. Recovery: from the last termination until every id is
+/// accounted for.
+async fn terminate(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), String> {
+    #[cfg(feature = "postgres-queue")]
+    if env.kind == Kind::Postgres {
+        return terminate_postgres(suite, env, args).await;
+    }
+    let _ = (suite, env, args);
+    Ok(())
+}
+
+#[cfg(feature = "postgres-queue")]
+async fn terminate_postgres(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), String> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let kind = env.kind;
+    let n = args.pg_jobs as u64;
+    let target = env.target.with_lease(Duration::from_secs(3));
+    let conn = Conn::connect(&target).await.map_err(|e| e.to_string())?;
+    let admin = pg_admin(&target).await?;
+    let producer = Producer::new(conn.driver());
+    let mut books = new_books(suite, kind, "terminate");
+    let (queue, ledger) = (books.queue.clone(), books.ledger.clone());
+    let job = worker::job(&books.queue, 10, Duration::from_secs(60));
+    let spec = WorkerSpec {
+        target: &target,
+        queue: &queue,
+        ledger: &ledger,
+        mode: Mode::Effect,
+        concurrency: 8,
+        cap: 10,
+        timeout: Duration::from_secs(60),
+        slow: Duration::ZERO,
+        panic_id: None,
+        tables: None,
+        tag: format!("{}-terminate", kind.name()),
+    };
+    let mut workers = Workers {
+        children: (0..3).map(|_| suite.spawn(&spec)).collect(),
+    };
+    let begun = Instant::now();
+    let items: Vec<Item> = (0..n).map(|id| suite.item(id)).collect();
+    let dispatched = AtomicBool::new(false);
+    let paced = async {
+        let result = paced_dispatch(&producer, &job, items, Duration::from_secs(6)).await;
+        dispatched.store(true, Ordering::SeqCst);
+        result
+    };
+    let app = format!("{}_worker", target.pg_schema.as_deref().unwrap_or_default());
+    let sql = "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+               WHERE datname = current_database() AND pid <> pg_backend_pid() \
+               AND application_name = $1";
+    let watched = &books;
+    let terminating = async {
+        let (mut rounds, mut terminated, mut errors) = (0usize, 0i64, 0usize);
+        let mut last = Instant::now();
+        let bound = Instant::now() + Duration::from_secs(60);
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let done = dispatched.load(Ordering::SeqCst)
+                && watched.tally().await.effects.len() as u64 >= n;
+            if done || Instant::now() >= bound {
+                break;
+            }
+            match admin.query_one(sql, &[&app]).await {
+                Ok(row) => {
+                    let count: i64 = row.get(0);
+                    rounds += 1;
+                    terminated += count;
+                    if count > 0 {
+                        last = Instant::now();
+                    }
+                }
+                Err(e) => {
+                    errors += 1;
+                    tracing::warn!(error = %e, "pg_terminate_backend");
+                }
+            }
+        }
+        (rounds, terminated, errors, last)
+    };
+    let ((results, dispatch_time), (rounds, terminated, errors, last)) =
+        tokio::join!(paced, terminating);
+    suite.settle_dispatches(&mut books, results);
+    let (_, done) = books
+        .wait_accounted(&conn, Duration::from_secs(180), false)
+        .await;
+    let exited = workers
+        .children
+        .iter_mut()
+        .map(|c| c.try_wait())
+        .filter(|status| matches!(status, Ok(Some(_))))
+        .count();
+    workers.stop().await;
+    let account = books.account(&conn).await;
+    let what = format!("{} {}", kind.name(), Fault::Terminate.name());
+    suite.check_lost(kind, Fault::Terminate, &account);
+    if terminated == 0 {
+        suite.problems.push(format!(
+            "{what}: no worker connection was terminated: the scenario did not run"
+        ));
+    }
+    if exited > 0 {
+        suite.problems.push(format!(
+            "{what}: {exited} workers exited when their connections were terminated"
+        ));
+    }
+    if errors > 0 {
+        suite.problems.push(format!(
+            "{what}: {errors} rounds of pg_terminate_backend failed (see the orchestrator log)"
+        ));
+    }
+    let recovery = done.map_or("not within 180 s".into(), |t| secs(t - last));
+    let throughput = done.map_or(String::new(), |t| {
+        format!("{:.0} jobs/s overall", n as f64 / (t - begun).as_secs_f64())
+    });
+    let notes = format!(
+        "{terminated} worker connections terminated in {rounds} rounds (every 0.5 s while work remained), 3 workers x 8; lease {}; dispatch {}; {throughput}",
+        secs(target.lease),
+        secs(dispatch_time),
+    );
+    let row = suite.row(kind, Fault::Terminate, &books, &account, recovery, notes);
+    suite.rows.push(row);
+    let _ = conn.delete(&books.queue).await;
+    let _ = conn.driver().stop().await;
+    Ok(())
+}
+
 /// The label of the AWS access key id: an identifier, not a secret (it
 /// travels in every signed request), reported apart; the AWS SDK's own
 /// debug output shows it.
@@ -1839,7 +2211,7 @@ fn report(suite: &Suite, scan: &Scan, elapsed: Duration) -> String {
         ));
     }
     if !suite.outage.is_empty() {
-        out.push_str("\nDispatch while the backend is away (memory: after the driver is stopped; rabbitmq and nats: private broker stopped; sqs: a closed loopback port):\n\n");
+        out.push_str("\nDispatch while the backend is away (memory: after the driver is stopped; rabbitmq, nats and postgres: private broker or server stopped; sqs: a closed loopback port):\n\n");
         out.push_str("| driver | call | outcome | latency |\n| --- | --- | --- | ---: |\n");
         for c in &suite.outage {
             out.push_str(&format!(
@@ -1887,6 +2259,6 @@ fn report(suite: &Suite, scan: &Scan, elapsed: Duration) -> String {
             out.push_str(&format!("- {p}\n"));
         }
     }
-    out.push_str("\nRecovery: kill load, from the last kill until every id is in the ledger or a failure record; broker restart, from the broker being back until the first new effect; crash loop, from the first start until the last failure record; slow handler, from the dispatch until every effect; exactly-once charge, from the last kill until every id has a charge row or a failure record. Exactly-once charge duplicates: deliveries beyond one per id (expected) / charge rows beyond one per id (must be 0).\n");
+    out.push_str("\nRecovery: kill load, from the last kill until every id is in the ledger or a failure record; broker restart, from the broker being back until the first new effect; crash loop, from the first start until the last failure record; slow handler, from the dispatch until every effect; exactly-once charge, from the last kill until every id has a charge row or a failure record; connections terminated, from the last termination until every id is accounted for. Exactly-once charge duplicates: deliveries beyond one per id (expected) / charge rows beyond one per id (must be 0).\n");
     out
 }

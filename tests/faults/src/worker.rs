@@ -51,6 +51,10 @@ pub(crate) enum Mode {
     /// Charges the id once through a Postgres claim (feature `postgres`):
     /// see [`crate::charge`].
     Charge,
+    /// Charges the id once through transactional completion on the
+    /// Postgres queue (`PgDriver::complete_in`, feature `postgres-queue`),
+    /// with no claim: see [`crate::charge`].
+    ChargeTx,
 }
 
 /// `jobrail-faults worker`: consumes one queue until killed or SIGTERM.
@@ -134,8 +138,8 @@ pub(crate) async fn run(args: WorkerArgs) -> Result<(), Box<dyn std::error::Erro
     );
     let mode = args.mode;
     let mut registry = Registry::new();
-    if mode == Mode::Charge {
-        register_charge(&mut registry, &job, ledger, &args).await?;
+    if matches!(mode, Mode::Charge | Mode::ChargeTx) {
+        register_charge(&mut registry, &job, ledger, &args, &conn).await?;
     } else {
         register_effects(&mut registry, &job, ledger, &args)?;
     }
@@ -181,7 +185,9 @@ fn register_effects(
                     tokio::time::sleep(pause).await;
                 }
                 Mode::Slow => tokio::time::sleep(slow).await,
-                Mode::Charge => unreachable!("the charge handler is registered apart"),
+                Mode::Charge | Mode::ChargeTx => {
+                    unreachable!("the charge handlers are registered apart")
+                }
             }
             append(&ledger, &format!("{} {pid}\n", item.id));
             Ok::<(), JobError>(())
@@ -197,7 +203,11 @@ async fn register_charge(
     job: &Job<Item>,
     ledger: Arc<File>,
     args: &WorkerArgs,
+    conn: &Conn,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    if args.mode == Mode::ChargeTx {
+        return register_charge_tx(registry, job, ledger, args, conn).await;
+    }
     let (Some(claims), Some(table)) = (&args.claims_table, &args.ledger_table) else {
         return Err("the charge handler needs --claims-table and --ledger-table".into());
     };
@@ -215,6 +225,49 @@ async fn register_charge(
     _job: &Job<Item>,
     _ledger: Arc<File>,
     _args: &WorkerArgs,
+    _conn: &Conn,
 ) -> Result<(), Box<dyn std::error::Error>> {
     Err("this build has no Postgres: build jobrail-faults with `--features postgres`".into())
+}
+
+/// Registers the transactional `charge-tx` handler on the Postgres queue's
+/// database.
+#[cfg(feature = "postgres-queue")]
+async fn register_charge_tx(
+    registry: &mut Registry,
+    job: &Job<Item>,
+    ledger: Arc<File>,
+    args: &WorkerArgs,
+    conn: &Conn,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let Some(table) = &args.ledger_table else {
+        return Err("the charge-tx handler needs --ledger-table".into());
+    };
+    let Conn::Postgres(driver) = conn else {
+        return Err("the charge-tx handler runs on the Postgres queue (--backend postgres)".into());
+    };
+    crate::charge::register_tx(
+        registry,
+        job,
+        ledger,
+        table,
+        driver.clone(),
+        args.concurrency,
+    )
+    .await
+}
+
+/// Without the Postgres queue there is no transactional charge handler.
+#[cfg(all(feature = "postgres", not(feature = "postgres-queue")))]
+async fn register_charge_tx(
+    _registry: &mut Registry,
+    _job: &Job<Item>,
+    _ledger: Arc<File>,
+    _args: &WorkerArgs,
+    _conn: &Conn,
+) -> Result<(), Box<dyn std::error::Error>> {
+    Err(
+        "this build has no Postgres queue: build jobrail-faults with `--features postgres-queue`"
+            .into(),
+    )
 }

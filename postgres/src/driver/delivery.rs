@@ -105,10 +105,23 @@ async fn fetch_loop(
             _ = stopped.changed() => return,
         };
         let mut permits = vec![first];
-        while permits.len() < batch {
-            match slots.clone().try_acquire_owned() {
-                Ok(permit) => permits.push(permit),
-                Err(_) => break,
+        take_free(&slots, &mut permits, batch);
+        // While deliveries are out, a quarter of a batch is worth a short
+        // wait: slots come back in runs as acknowledgements return in
+        // batches, and one fetch per slot would cost a commit per job.
+        let want = (batch / 4).max(1);
+        if permits.len() < want && slots.available_permits() + permits.len() < prefetch {
+            let gather = tokio::time::sleep(GATHER);
+            tokio::pin!(gather);
+            while permits.len() < want {
+                tokio::select! {
+                    permit = slots.clone().acquire_owned() => match permit {
+                        Ok(permit) => permits.push(permit),
+                        Err(_) => return,
+                    },
+                    _ = &mut gather => break,
+                }
+                take_free(&slots, &mut permits, batch);
             }
         }
         if *closed.borrow() || inner.life.is_stopped() {
@@ -159,6 +172,20 @@ async fn fetch_loop(
                     _ = stopped.changed() => return,
                 }
             }
+        }
+    }
+}
+
+/// The longest a fetch waits for a quarter of a batch of free slots while
+/// deliveries are out.
+const GATHER: Duration = Duration::from_millis(2);
+
+/// Takes every free slot, up to `batch` in all.
+fn take_free(slots: &Arc<Semaphore>, permits: &mut Vec<OwnedSemaphorePermit>, batch: usize) {
+    while permits.len() < batch {
+        match slots.clone().try_acquire_owned() {
+            Ok(permit) => permits.push(permit),
+            Err(_) => break,
         }
     }
 }

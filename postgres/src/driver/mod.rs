@@ -65,9 +65,9 @@
 //! # Settlements
 //!
 //! - Ack and reject: the row is deleted. Acknowledgements that arrive
-//!   while earlier ones are in flight go together in one `DELETE` (at most
-//!   one batch in flight per connection), so a busy worker commits once
-//!   per batch, and each learns whether its own row matched.
+//!   while the batch before them is in flight go together in one `DELETE`
+//!   (one batch in flight per driver), so a busy worker commits once per
+//!   batch, and each learns whether its own row matched.
 //! - Retry: the lease is cleared and the run time set to the delay's end,
 //!   any time ahead (a zero delay is due at once, and a notification goes
 //!   out). A retry without a delay (the backend's own timing) comes back
@@ -385,15 +385,7 @@ impl Inner {
 
     /// The batched acknowledgements.
     pub(crate) fn acks(&self) -> &Acks {
-        self.acks.get_or_init(|| {
-            Acks::start(
-                self.pool.clone(),
-                std::env::var("XACK")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(2),
-            )
-        })
+        self.acks.get_or_init(|| Acks::start(self.pool.clone()))
     }
 
     fn clone_pool(&self) -> Arc<Pool> {

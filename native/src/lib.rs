@@ -99,6 +99,7 @@ mod readme_doctests {
         Rabbitmq: "../../guide/rabbitmq.md",
         Nats: "../../guide/nats.md",
         Sqs: "../../guide/sqs.md",
+        Postgres: "../../guide/postgres.md",
         Edge: "../../guide/edge.md",
         EdgeWorker: "../../guide/edge-worker.md",
         Operating: "../../guide/operating.md",

@@ -1,9 +1,16 @@
-//! jobrail on Postgres: claims that run an effect once ([`PgClaims`]) and
-//! the transactional outbox for dispatch ([`Outbox`], [`OutboxRelay`]),
-//! through tokio-postgres (re-exported as [`tokio_postgres`], so the client
-//! and transaction you pass to [`PgClaims::complete_in`] and
-//! [`Outbox::dispatch`] are of the version this crate was built with).
+//! jobrail on Postgres: the queue itself ([`PgDriver`]), claims that run an
+//! effect once ([`PgClaims`]) and the transactional outbox for dispatch to
+//! a broker ([`Outbox`], [`OutboxRelay`]), through tokio-postgres
+//! (re-exported as [`tokio_postgres`], so the client and transaction you
+//! pass to [`PgDriver::dispatch_in`], [`PgDriver::complete_in`],
+//! [`PgClaims::complete_in`] and [`Outbox::dispatch`] are of the version
+//! this crate was built with).
 //!
+//! - [`PgDriver`]: a queue backend on tables of the application's own
+//!   database (`FOR UPDATE SKIP LOCKED`, `LISTEN`/`NOTIFY`, fenced leases,
+//!   a failures table), with dispatch ([`PgDriver::dispatch_in`]) and
+//!   completion ([`PgDriver::complete_in`]) inside the caller's
+//!   transaction. `guide/postgres.md` in the repository is its chapter.
 //! - [`PgClaims`]: a [`jobrail::ClaimStore`] on a table. A database effect
 //!   and its completion commit together with [`PgClaims::complete_in`]:
 //!   exactly once for effects in the same database.

@@ -4,8 +4,8 @@
 //! # Tables
 //!
 //! One schema (default `jobrail`, [`PgConfig::schema`]) holds the tables
-//! `jobs`, `failures` and `migrations`, the sequence `leases` and a trigger
-//! that notifies workers of new rows. [`PgDriver::install`] creates them,
+//! `jobs`, `failures` and `migrations`, the sequence `leases` and the
+//! index `jobs_fetch`. [`PgDriver::install`] creates them,
 //! or upgrades them from an earlier version, in one transaction under an
 //! advisory lock; [`PgDriver::install_sql`] gives the same SQL for a
 //! migration tool. [`PgDriver::connect`] never creates anything: it
@@ -141,7 +141,7 @@ struct Held {
 /// ```no_run
 /// use std::sync::Arc;
 /// use jobrail::{Job, JobContext, Registry};
-/// use jobrail_native::{Consumer, Producer};
+/// use jobrail_native::{Consumer, Driver, Producer};
 /// use jobrail_postgres::{PgConfig, PgDriver};
 ///
 /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {

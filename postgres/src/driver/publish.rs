@@ -128,8 +128,9 @@ impl PgDriver {
             .await
     }
 
-    /// [`dispatch_in`](Self::dispatch_in) with options: a delay (counted
-    /// from the INSERT, on the server's clock) and metadata.
+    /// [`dispatch_in`](Self::dispatch_in) with options: a delay (counted,
+    /// on the server's clock, from the start of the caller's transaction:
+    /// Postgres's `now()`) and metadata.
     pub async fn dispatch_in_with<P: Serialize>(
         &self,
         client: &impl GenericClient,

@@ -35,8 +35,10 @@
 //! `complete_in` makes them). An execution that finds its key done runs no
 //! step and succeeds; one that finds it held runs no step and asks for a
 //! retry after the remaining lease. The [`model`] backends mimic memory,
-//! RabbitMQ, SQS, NATS JetStream and Cloudflare Queues (attempt counting,
-//! redelivery timing, what reject and fail do) and record one trace. The
+//! RabbitMQ, SQS, NATS JetStream, Cloudflare Queues and the Postgres queue
+//! (attempt counting, redelivery timing, what reject and fail do, and on
+//! Postgres the fencing of a settlement whose lease was taken over) and
+//! record one trace. The
 //! Cloudflare host (`cloudflare`) drives the edge's batch loop as the
 //! Worker's JavaScript driver does: a handler panic aborts the wasm instance,
 //! and the invocation resumes in a fresh one on the batch's unsettled
@@ -114,7 +116,8 @@
 //! 14. A refused settlement never becomes a hot loop: after a settlement
 //!     the backend refused, the message's next delivery comes no sooner
 //!     than the backend's hold (its lease: SQS's visibility, NATS's
-//!     AckWait; 30 s where it has none: memory, RabbitMQ, the edge), unless
+//!     AckWait; half the Postgres lease, the least of it left after a
+//!     renewal; 30 s where it has none: memory, RabbitMQ, the edge), unless
 //!     a crash, restart, lost connection or instance panic came between.
 //!     [`run_refusing`] holds every backend to the rate this implies with
 //!     every settlement refused.
@@ -161,17 +164,38 @@ pub enum Backend {
     Nats,
     /// Cloudflare Queues.
     Cloudflare,
+    /// The Postgres queue (`jobrail_postgres::PgDriver`).
+    Postgres,
 }
 
 impl Backend {
     /// Every backend.
-    pub const ALL: [Backend; 5] = [
+    pub const ALL: [Backend; 6] = [
         Backend::Memory,
         Backend::Rabbit,
         Backend::Sqs,
         Backend::Nats,
         Backend::Cloudflare,
+        Backend::Postgres,
     ];
+
+    /// How many backends a seed's draw picks from: the five the simulation
+    /// first had, so that adding a backend changed no seed's draws (every
+    /// scenario, on every backend, stays as it was).
+    const FIRST_DRAWN: usize = 5;
+
+    /// The backend seed `seed` runs on when none is named: a backend added
+    /// after the first five takes one seed in [`Backend::ALL`]`.len()` (by
+    /// the seed alone); any other seed, `drawn` of the first five.
+    fn picked(seed: u64, drawn: usize) -> Backend {
+        let all = Backend::ALL.len() as u64;
+        let later = (seed % all) as usize;
+        if later >= Backend::FIRST_DRAWN {
+            Backend::ALL[later]
+        } else {
+            Backend::ALL[drawn]
+        }
+    }
 
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -181,6 +205,7 @@ impl Backend {
             Backend::Sqs => "sqs",
             Backend::Nats => "nats",
             Backend::Cloudflare => "cloudflare",
+            Backend::Postgres => "postgres",
         }
     }
 
@@ -196,6 +221,7 @@ impl Backend {
             Backend::Sqs => Semantics::Sqs,
             Backend::Nats => Semantics::Nats,
             Backend::Cloudflare => Semantics::Cloudflare,
+            Backend::Postgres => Semantics::Postgres,
         }
     }
 }
@@ -222,8 +248,8 @@ fn quiet_panics() {
 pub fn run_seed(seed: u64, backend: Option<Backend>) -> Report {
     quiet_panics();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let picked = Backend::ALL[rng.gen_range(0..Backend::ALL.len())];
-    let backend = backend.unwrap_or(picked);
+    let drawn = rng.gen_range(0..Backend::FIRST_DRAWN);
+    let backend = backend.unwrap_or(Backend::picked(seed, drawn));
     let sc = scenario::generate(&mut rng, backend.sem());
     let rt = paused_runtime();
     let world = simulate_on(&rt, &sc, HORIZON);

@@ -28,9 +28,16 @@ pub enum Semantics {
     Nats,
     /// Cloudflare Workers Queues (batches, implicit ack).
     Cloudflare,
+    /// The Postgres queue (`jobrail_postgres::PgDriver`): a message is a
+    /// row; a fetch counts an attempt and leases the row ([`LEASE`],
+    /// renewed every half lease while the delivery is held); settlements
+    /// fenced by the lease; fail deletes the row and stores the record in
+    /// one statement.
+    Postgres,
 }
 
-/// SQS visibility timeout and NATS AckWait.
+/// SQS visibility timeout, NATS AckWait and the Postgres lease (each
+/// driver's default).
 pub(crate) const LEASE: Duration = Duration::from_secs(30);
 /// SQS's limit on visibility from receive.
 pub(crate) const SQS_MAX: Duration = Duration::from_secs(12 * 3600);
@@ -42,15 +49,36 @@ pub(crate) const REFUSED_HOLD: Duration = jobrail::REFUSED_SETTLEMENT_HOLD;
 
 impl Semantics {
     /// The least time a message whose settlement was refused stays away:
-    /// the lease (SQS's visibility, NATS's AckWait) or the hold of a
+    /// the lease (SQS's visibility, NATS's AckWait), half the Postgres
+    /// lease (the row is held until its lease ends, at least half a lease
+    /// after its last renewal: what `PgDriver` reports), or the hold of a
     /// backend without one.
     pub fn refused_hold(self) -> Duration {
         match self {
             Semantics::Memory | Semantics::Rabbit | Semantics::Cloudflare => REFUSED_HOLD,
             Semantics::Sqs | Semantics::Nats => LEASE,
+            Semantics::Postgres => LEASE / 2,
         }
     }
 }
+
+/// Postgres: when a row leased at `fetched` and held until `now` becomes
+/// due again if nothing settles it: its lease was renewed every half lease
+/// while held, so it ends one lease after the last renewal, between half a
+/// lease and a lease from `now`.
+fn pg_lease_end(fetched: Instant, now: Instant) -> Instant {
+    let half = LEASE / 2;
+    let renewals = (now - fetched).as_nanos() / half.as_nanos();
+    fetched + half * renewals as u32 + LEASE
+}
+
+/// Postgres: a delay as the driver stores it, rounded up to the
+/// microsecond (never shortened).
+fn pg_micros(d: Duration) -> Duration {
+    let micros = d.as_micros() + u128::from(!d.subsec_nanos().is_multiple_of(1000));
+    Duration::from_micros(u64::try_from(micros).unwrap_or(u64::MAX))
+}
+
 /// The RabbitMQ model's delay buckets.
 pub(crate) const BUCKETS: [u64; 7] = [1, 5, 30, 120, 600, 3600, 86400];
 
@@ -337,14 +365,17 @@ pub(crate) struct Msg {
     pub(crate) state: MState,
     pub(crate) avail: Instant,
     order: i64,
-    /// Memory deliveries / SQS receive count / NATS delivered / CF attempts.
+    /// Memory deliveries / SQS receive count / NATS delivered / CF attempts
+    /// / Postgres `attempts` (every fetch).
     pub(crate) count: u32,
     /// RabbitMQ: carried attempts header.
     carried: u32,
     /// RabbitMQ: x-delivery-count.
     dcount: u32,
-    /// RabbitMQ: carried shutdown count; memory: accepted shutdown retries.
+    /// RabbitMQ: carried shutdown count; memory: accepted shutdown retries;
+    /// Postgres: the `shutdowns` column.
     shutdowns: u32,
+    /// SQS: the last receive; Postgres: the last fetch (its lease's start).
     receive_at: Instant,
     /// Cloudflare: the retry delay the platform should apply.
     pub(crate) cf_delay: Option<Duration>,
@@ -356,6 +387,9 @@ pub(crate) struct Dlv {
     pub(crate) attempt: u32,
     pub(crate) ended: bool,
     pub(crate) orphaned: bool,
+    /// Postgres: an orphaned delivery's worker is cut off from the server
+    /// until then (just past its lease's end).
+    cut_until: Option<Instant>,
 }
 
 /// The shared state of a model backend and the trace.
@@ -510,6 +544,12 @@ impl World {
                 c.max_retry_delay = Some(CF_MAX);
                 c.counts_shutdown_returns = false;
             }
+            Semantics::Postgres => {
+                // As `PgDriver::capabilities` on the default configuration.
+                c.max_retry_delay = None;
+                c.redelivery_hint = LEASE;
+                c.max_message_bytes = Some(16 * 1024 * 1024);
+            }
         }
         c
     }
@@ -564,15 +604,18 @@ impl World {
     ) -> Result<Taken, Option<Instant>> {
         let now = Instant::now();
         let mut st = self.lock();
-        let mut best: Option<(i64, u64)> = None;
+        // Postgres fetches the oldest run time first; the others, in order.
+        let pg = self.sem == Semantics::Postgres;
+        let mut best: Option<((Option<Instant>, i64), u64)> = None;
         let mut wake: Option<Instant> = None;
         for (&n, m) in &st.msgs {
             if m.state != MState::Ready || !queues.contains(&m.queue) {
                 continue;
             }
             if m.avail <= now {
-                if best.is_none_or(|(o, _)| m.order < o) {
-                    best = Some((m.order, n));
+                let rank = (pg.then_some(m.avail), m.order);
+                if best.is_none_or(|(o, _)| rank < o) {
+                    best = Some((rank, n));
                 }
             } else if wake.is_none_or(|w| m.avail < w) {
                 wake = Some(m.avail);
@@ -585,7 +628,8 @@ impl World {
             let native = match self.sem {
                 Semantics::Rabbit => m.dcount + 1,
                 Semantics::Sqs | Semantics::Nats => m.count + 1,
-                Semantics::Memory | Semantics::Cloudflare => 0,
+                // No delivery limit of its own (`max_deliveries` none).
+                Semantics::Memory | Semantics::Cloudflare | Semantics::Postgres => 0,
             };
             if native > limit {
                 st.msgs.get_mut(&n).expect("message").state = MState::Done;
@@ -642,6 +686,13 @@ impl World {
                 m.count += 1;
                 (m.count, None)
             }
+            // The fetch adds one to `attempts` and leases the row; the
+            // `shutdowns` column is reported beside it.
+            Semantics::Postgres => {
+                m.count += 1;
+                m.receive_at = now;
+                (m.count, Some(m.shutdowns))
+            }
         };
         let body = m.body.clone();
         st.dlvs.insert(
@@ -652,6 +703,7 @@ impl World {
                 attempt,
                 ended: false,
                 orphaned: false,
+                cut_until: None,
             },
         );
         self.log(
@@ -708,6 +760,22 @@ impl World {
             Semantics::Cloudflare => {
                 m.order = back;
                 m.avail = now + m.cf_delay.take().unwrap_or(Duration::ZERO);
+            }
+            Semantics::Postgres => {
+                m.order = back;
+                m.avail = match reason {
+                    // Nothing settled or released the row: a refused
+                    // settlement (the row stays held), a crashed worker (no
+                    // process left to release it), a worker cut off past
+                    // its lease (taken over). It is due when its lease ends.
+                    Abandon::Crash
+                    | Abandon::ConnectionLost
+                    | Abandon::Refused
+                    | Abandon::Unsupported => pg_lease_end(m.receive_at, now),
+                    // A delivery dropped unsettled in a live process: due
+                    // again at once, its attempt counted.
+                    _ => now,
+                };
             }
         }
     }
@@ -767,6 +835,13 @@ impl World {
                 },
             );
             self.give_back(&mut st, n, Abandon::ConnectionLost);
+            if self.sem == Semantics::Postgres {
+                // The cut-off outlasts the lease by a second: the row is
+                // due (and may be taken over) before the worker is back.
+                let due = st.msgs[&n].avail;
+                let d = st.dlvs.get_mut(&id).expect("delivery");
+                d.cut_until = Some(due + Duration::from_secs(1));
+            }
         }
         drop(st);
         self.notify.notify_waiters();
@@ -784,6 +859,12 @@ impl World {
         id: u64,
         settlement: &Settlement,
     ) -> Result<(), (ErrorKind, Option<Abandon>)> {
+        // Postgres: a settlement of a worker cut off from the server waits
+        // for the connection to come back (past the lease's end).
+        let cut_until = self.lock().dlvs[&id].cut_until;
+        if let Some(until) = cut_until {
+            tokio::time::sleep_until(until).await;
+        }
         match self.settle_step(id, settlement, false)? {
             Some(()) => Ok(()),
             None => {
@@ -821,7 +902,18 @@ impl World {
                 },
             );
         };
-        if orphaned {
+        // Postgres: the worker was cut off past its lease, and is back
+        // (`settle` waited). Once another fetch took the row, the
+        // settlement is fenced by the lease token ("lease was taken over"),
+        // nothing applied; a row nobody fetched still has this delivery's
+        // token, and the settlement applies as usual.
+        if orphaned && self.sem == Semantics::Postgres {
+            if st.dlvs.range(id + 1..).any(|(_, d)| d.msg == n) {
+                refuse(self, &mut st, ErrorKind::NotAccepted);
+                self.finish(&mut st, id);
+                return Err((ErrorKind::NotAccepted, None));
+            }
+        } else if orphaned {
             refuse(self, &mut st, ErrorKind::Connection);
             self.finish(&mut st, id);
             return Err((ErrorKind::Connection, None));
@@ -851,6 +943,9 @@ impl World {
             Settlement::Retry { delay, shutdown } => {
                 let d = delay.unwrap_or(Duration::ZERO);
                 let wait = match sem {
+                    // Any time ahead, no maximum; without a delay, one
+                    // lease later (the redelivery hint).
+                    Semantics::Postgres => Some(pg_micros(delay.unwrap_or(LEASE))),
                     Semantics::Memory | Semantics::Nats => Some(d),
                     Semantics::Rabbit => {
                         if d.is_zero() {
@@ -910,7 +1005,9 @@ impl World {
                             reason,
                         },
                     );
-                    if sem != Semantics::Memory {
+                    // Postgres deletes the row and stores the record in one
+                    // statement: no crash comes between them.
+                    if !matches!(sem, Semantics::Memory | Semantics::Postgres) {
                         return Ok(None);
                     }
                 }

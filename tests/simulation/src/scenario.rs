@@ -140,7 +140,10 @@ pub enum Fault {
     Shutdown(Duration),
     /// Refuse the next n settlements.
     Refuse(u32),
-    /// Lose the connection.
+    /// Lose the connection: the deliveries in flight can no longer be
+    /// settled (RabbitMQ's channel, NATS's connection; on Postgres, whose
+    /// leases are not tied to a connection, the worker is cut off past its
+    /// lease and its rows are taken over).
     ConnectionLost,
 }
 
@@ -309,7 +312,15 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
             0 => Fault::Crash(ms(r, 0, 60_000)),
             1 => Fault::Shutdown(ms(r, 0, 60_000)),
             2 => Fault::Refuse(r.gen_range(1..=3)),
-            _ if matches!(sem, Semantics::Rabbit | Semantics::Nats) => Fault::ConnectionLost,
+            // Postgres: a worker cut off from the server past its lease
+            // (the row is taken over at the lease's end).
+            _ if matches!(
+                sem,
+                Semantics::Rabbit | Semantics::Nats | Semantics::Postgres
+            ) =>
+            {
+                Fault::ConnectionLost
+            }
             _ if sem == Semantics::Cloudflare => Fault::Refuse(r.gen_range(1..=3)),
             _ => Fault::Crash(ms(r, 0, 60_000)),
         };

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use jobrail_simulation::{run_refusing, run_seed, Backend, ClaimStats};
 
-/// Seeds per backend (a debug build on 2 cores: about 40 s in all).
+/// Seeds per backend (a debug build on 2 cores: about a minute in all).
 const SEEDS: u64 = 1500;
 
 #[test]

@@ -14,7 +14,7 @@ use jobrail_simulation::{run_refusing, run_seed, Backend, ClaimStats};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all] [--refusing]\n backends: memory rabbit sqs nats cloudflare"
+        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all] [--refusing]\n backends: memory rabbit sqs nats cloudflare postgres"
     );
     ExitCode::from(2)
 }

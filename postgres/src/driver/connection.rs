@@ -29,7 +29,6 @@ pub(crate) struct Conn {
     pub(crate) retry: Statement,
     pub(crate) release: Statement,
     pub(crate) fail: Statement,
-    pub(crate) insert: Statement,
     pub(crate) insert_many: Statement,
 }
 
@@ -43,7 +42,6 @@ pub(crate) struct Sql {
     pub(crate) retry: String,
     pub(crate) release: String,
     pub(crate) fail: String,
-    pub(crate) insert: String,
     pub(crate) insert_many: String,
     /// Deletes a held row inside a caller's transaction (`complete_in`).
     pub(crate) complete: String,
@@ -106,14 +104,11 @@ impl Sql {
                  INSERT INTO {s}.failures (queue, entry_id, message_id, body) \
                  SELECT queue, $3, $4, $5 FROM d"
             ),
-            insert: format!(
-                "INSERT INTO {s}.jobs (queue, message_id, body, run_at) \
-                 VALUES ($1, $2, $3, now() + $4::int8 * interval '1 microsecond')"
-            ),
             insert_many: format!(
                 "INSERT INTO {s}.jobs (queue, message_id, body, run_at) \
-                 SELECT $1, m.id, m.body, now() + m.delay * interval '1 microsecond' \
-                 FROM unnest($2::text[], $3::bytea[], $4::int8[]) AS m(id, body, delay)"
+                 SELECT m.queue, m.id, m.body, now() + m.delay * interval '1 microsecond' \
+                 FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[]) \
+                   AS m(queue, id, body, delay)"
             ),
             complete: format!("DELETE FROM {s}.jobs WHERE id = $1 AND lease = $2"),
             // Inside the caller's transaction: the notification goes out
@@ -155,10 +150,9 @@ impl Conn {
         let retry = prepare(&sql.retry, &[T::INT8, T::INT8, T::INT8, T::INT4]).await?;
         let release = prepare(&sql.release, &[T::INT8, T::INT8, T::INT4]).await?;
         let fail = prepare(&sql.fail, &[T::INT8, T::INT8, T::TEXT, T::TEXT, T::BYTEA]).await?;
-        let insert = prepare(&sql.insert, &[T::TEXT, T::TEXT, T::BYTEA, T::INT8]).await?;
         let insert_many = prepare(
             &sql.insert_many,
-            &[T::TEXT, T::TEXT_ARRAY, T::BYTEA_ARRAY, T::INT8_ARRAY],
+            &[T::TEXT_ARRAY, T::TEXT_ARRAY, T::BYTEA_ARRAY, T::INT8_ARRAY],
         )
         .await?;
         Ok(Conn {
@@ -171,7 +165,6 @@ impl Conn {
             retry,
             release,
             fail,
-            insert,
             insert_many,
         })
     }

@@ -16,8 +16,12 @@
 //!
 //! # Dispatch
 //!
-//! One `INSERT` per message; a batch ([`Driver::send_batch`]) is one
-//! multi-row `INSERT` (every message of it stored, or none). A delay sets
+//! One multi-row `INSERT` per batch ([`Driver::send_batch`]: every message
+//! of it stored, or none). Single dispatches are batched too: those sent
+//! while the insert before them is in flight go together in one `INSERT`
+//! and one commit (a lone dispatch is inserted at once), so concurrent
+//! producers share commits; a failed insert fails each of its messages
+//! with the same error. A delay sets
 //! the row's run time, on the server's clock, to any time ahead (no
 //! maximum), rounded up to the microsecond. A body over
 //! [`max_message_bytes`](PgConfig::max_message_bytes) is refused before any
@@ -122,6 +126,7 @@ use acks::Acks;
 use connection::{Announcer, Pool, Waiters};
 use delivery::{PgDelivery, PgSubscription};
 use errors::{write_error, NAME};
+use publish::Sends;
 
 /// A delivery as a handler's context names it: queue, message id, attempt.
 pub(crate) type HeldKey = (String, String, u32);
@@ -181,6 +186,8 @@ pub(crate) struct Inner {
     pub(crate) announcer: Arc<Announcer>,
     /// Started on the first acknowledgement (it needs the runtime).
     acks: OnceLock<Acks>,
+    /// Started on the first dispatch (it needs the runtime).
+    sends: OnceLock<Sends>,
     pub(crate) life: Lifecycle,
     held: Mutex<HashMap<HeldKey, Held>>,
     queues: Mutex<BTreeSet<String>>,
@@ -201,6 +208,7 @@ impl PgDriver {
                 waiters: Arc::default(),
                 announcer: Arc::default(),
                 acks: OnceLock::new(),
+                sends: OnceLock::new(),
                 life: Lifecycle::new(NAME),
                 held: Mutex::default(),
                 queues: Mutex::default(),
@@ -386,6 +394,11 @@ impl Inner {
     /// The batched acknowledgements.
     pub(crate) fn acks(&self) -> &Acks {
         self.acks.get_or_init(|| Acks::start(self.pool.clone()))
+    }
+
+    /// The batched single dispatches.
+    pub(crate) fn sends(&self) -> &Sends {
+        self.sends.get_or_init(|| Sends::start(self.pool.clone()))
     }
 
     fn clone_pool(&self) -> Arc<Pool> {

@@ -1,9 +1,12 @@
 //! Dispatch: one INSERT per message, one multi-row INSERT per batch, and
 //! the same INSERT inside a caller's transaction.
 
+use std::sync::Arc;
+
 use jobrail::{encode_envelope, Job};
 use jobrail_native::{DispatchOptions, DriverError, ErrorKind, Outgoing};
 use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 
@@ -11,15 +14,11 @@ use super::errors::{write_error, NAME};
 use super::{micros, Inner, PgDriver};
 
 impl Inner {
+    /// Stores one message through the batched inserts ([`Sends`]).
     pub(crate) async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
         self.life.check_running()?;
         self.refuse_oversize(message.body.len())?;
-        let conn = self.pool.get().await.map_err(DriverError::not_sent)?;
-        let delay = micros(message.delay.unwrap_or_default());
-        conn.client
-            .execute(&conn.insert, &[&queue, &message.id, &message.body, &delay])
-            .await
-            .map_err(|e| write_error(format!("insert into queue `{queue}`"), e))?;
+        self.sends().send(queue, message).await?;
         self.declared(queue);
         self.announce(queue);
         Ok(())
@@ -53,7 +52,10 @@ impl Inner {
                 Err(error) => Err(error.not_sent()),
                 Ok(conn) => conn
                     .client
-                    .execute(&conn.insert_many, &[&queue, &ids, &bodies, &delays])
+                    .execute(
+                        &conn.insert_many,
+                        &[&vec![queue; ids.len()], &ids, &bodies, &delays],
+                    )
                     .await
                     .map(|_| ())
                     .map_err(|e| write_error(format!("insert a batch into queue `{queue}`"), e)),
@@ -157,4 +159,103 @@ impl PgDriver {
             .map_err(|e| write_error(format!("insert into queue `{queue}` in a transaction"), e))?;
         Ok(id)
     }
+}
+
+/// The most messages one batched insert stores.
+const MAX_SEND_BATCH: usize = 1_000;
+/// The most body bytes one batched insert carries (a larger message goes
+/// alone).
+const MAX_SEND_BATCH_BYTES: usize = 8 << 20;
+
+/// One message waiting for its batch.
+struct Pending {
+    queue: String,
+    message: Outgoing,
+    done: oneshot::Sender<Result<(), Arc<DriverError>>>,
+}
+
+/// Single dispatches, batched: the messages sent while the insert before
+/// them is in flight go together in one multi-row `INSERT` (one commit for
+/// all of them), so concurrent dispatches share their commits; a lone one
+/// is inserted at once. A failed insert fails every message of its batch
+/// with the same error (none of them was stored, or, when the connection
+/// was lost, any may have been).
+pub(crate) struct Sends {
+    sender: mpsc::UnboundedSender<Pending>,
+}
+
+impl Sends {
+    pub(crate) fn start(pool: Arc<super::connection::Pool>) -> Sends {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        tokio::spawn(run_sends(pool, receiver));
+        Sends { sender }
+    }
+
+    async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
+        let (done, answer) = oneshot::channel();
+        let stopped = || DriverError::new(NAME, ErrorKind::Stopped, "the dispatch task has ended");
+        self.sender
+            .send(Pending {
+                queue: queue.to_owned(),
+                message,
+                done,
+            })
+            .map_err(|_| stopped())?;
+        match answer.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(DriverError::new(NAME, error.kind(), error)),
+            Err(_) => Err(stopped()),
+        }
+    }
+}
+
+async fn run_sends(
+    pool: Arc<super::connection::Pool>,
+    mut receiver: mpsc::UnboundedReceiver<Pending>,
+) {
+    let mut next: Option<Pending> = None;
+    loop {
+        let first = match next.take() {
+            Some(pending) => pending,
+            None => match receiver.recv().await {
+                Some(pending) => pending,
+                None => return,
+            },
+        };
+        let mut bytes = first.message.body.len();
+        let mut batch = vec![first];
+        while batch.len() < MAX_SEND_BATCH && bytes < MAX_SEND_BATCH_BYTES {
+            match receiver.try_recv() {
+                Ok(pending) if bytes + pending.message.body.len() > MAX_SEND_BATCH_BYTES => {
+                    next = Some(pending);
+                    break;
+                }
+                Ok(pending) => {
+                    bytes += pending.message.body.len();
+                    batch.push(pending);
+                }
+                Err(_) => break,
+            }
+        }
+        let outcome = insert_rows(&pool, &batch).await.map_err(Arc::new);
+        for pending in batch {
+            let _ = pending.done.send(outcome.clone());
+        }
+    }
+}
+
+async fn insert_rows(pool: &super::connection::Pool, batch: &[Pending]) -> Result<(), DriverError> {
+    let conn = pool.get().await.map_err(DriverError::not_sent)?;
+    let queues: Vec<&str> = batch.iter().map(|p| p.queue.as_str()).collect();
+    let ids: Vec<&str> = batch.iter().map(|p| p.message.id.as_str()).collect();
+    let bodies: Vec<&[u8]> = batch.iter().map(|p| p.message.body.as_slice()).collect();
+    let delays: Vec<i64> = batch
+        .iter()
+        .map(|p| micros(p.message.delay.unwrap_or_default()))
+        .collect();
+    conn.client
+        .execute(&conn.insert_many, &[&queues, &ids, &bodies, &delays])
+        .await
+        .map(|_| ())
+        .map_err(|e| write_error(format!("insert {} message(s)", batch.len()), e))
 }

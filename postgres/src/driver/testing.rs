@@ -44,9 +44,11 @@ impl PgDriver {
     pub async fn inject_body(&self, queue: &str, body: Vec<u8>) -> Result<(), DriverError> {
         let conn = self.inner.pool.get().await?;
         let id = format!("injected-{}", body.len());
-        let zero = 0_i64;
         conn.client
-            .execute(&conn.insert, &[&queue, &id, &body, &zero])
+            .execute(
+                &conn.insert_many,
+                &[&vec![queue], &vec![id], &vec![body], &vec![0_i64]],
+            )
             .await
             .map_err(|e| write_error("insert a body", e))?;
         self.inner.declared(queue);

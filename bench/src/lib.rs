@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+pub mod history;
+pub mod pg_server;
 pub mod plot;
 pub mod work;
 

@@ -1,5 +1,5 @@
-//! Gathers `target/bench-results/*.jsonl` (one JSON line per comparison or
-//! scale point, written by the benches) into
+//! Gathers `target/bench-results/*.jsonl` (one JSON line per comparison,
+//! scale point or growing-history chunk, written by the benches) into
 //! `target/bench-results/tables.md`: one Markdown table per bench, in the
 //! order of `BENCHMARKS.md`, then any other bench alphabetically. Prints
 //! the path. `bench/run` runs it after the benches.
@@ -7,11 +7,21 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use jobrail_bench::history::{self, Chunk, Settings, CHUNK_KIND, SETTINGS_KIND};
 use jobrail_bench::{results_dir, Comparison, Spread};
 use serde_json::Value;
 
 /// The benches in the order `BENCHMARKS.md` shows them.
-const ORDER: [&str; 6] = ["pure", "memory", "rabbitmq", "nats", "sqs", "scale"];
+const ORDER: [&str; 8] = [
+    "pure",
+    "memory",
+    "rabbitmq",
+    "nats",
+    "sqs",
+    "postgres",
+    "postgres_history",
+    "scale",
+];
 
 fn strings(v: &Value, key: &str) -> String {
     v.get(key).and_then(Value::as_str).unwrap_or("").to_string()
@@ -73,6 +83,33 @@ fn scale_row(v: &Value) -> Option<String> {
     ))
 }
 
+/// The growing-history bench's lines: its settings as a sentence, then its
+/// chunks as the table the bench prints.
+fn history_tables(out: &mut String, name: &str, lines: &[&Value]) {
+    let mut rows = vec![];
+    for v in lines {
+        if v.get("kind").and_then(Value::as_str) == Some(SETTINGS_KIND) {
+            match serde_json::from_value::<Settings>((*v).clone()) {
+                Ok(s) => {
+                    let _ = writeln!(out, "{}\n", s.line());
+                }
+                Err(e) => eprintln!("tables: {name}: a settings line it cannot read: {e}"),
+            }
+        } else {
+            match serde_json::from_value::<Chunk>((*v).clone()) {
+                Ok(c) => rows.push(history::row(&c)),
+                Err(e) => eprintln!("tables: {name}: a chunk line it cannot read: {e}"),
+            }
+        }
+    }
+    if !rows.is_empty() {
+        let _ = writeln!(out, "{}", history::header());
+        for row in rows {
+            let _ = writeln!(out, "{row}");
+        }
+    }
+}
+
 fn main() {
     let dir = results_dir();
     let mut benches: BTreeMap<String, Vec<Value>> = BTreeMap::new();
@@ -118,9 +155,20 @@ fn main() {
     for name in names {
         let values = &benches[&name];
         let _ = writeln!(out, "\n## {name}\n");
-        let (scale, other): (Vec<&Value>, Vec<&Value>) = values
+        let kind = |v: &&Value| {
+            v.get("kind")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
+        let (history, values): (Vec<&Value>, Vec<&Value>) = values
             .iter()
-            .partition(|v| v.get("kind").and_then(Value::as_str) == Some("scale-point"));
+            .partition(|v| [SETTINGS_KIND, CHUNK_KIND].contains(&kind(v).as_str()));
+        let (scale, other): (Vec<&Value>, Vec<&Value>) =
+            values.into_iter().partition(|v| kind(v) == "scale-point");
+        if !history.is_empty() {
+            history_tables(&mut out, &name, &history);
+        }
         if !other.is_empty() {
             out.push_str("| work | baseline | baseline median | facade median | ratio median (range) | target |\n");
             out.push_str("|---|---|---|---|---|---|\n");

@@ -29,7 +29,7 @@ pub enum Semantics {
     /// Cloudflare Workers Queues (batches, implicit ack).
     Cloudflare,
     /// The Postgres queue (`jobrail_postgres::PgDriver`): a message is a
-    /// row; a fetch counts an attempt and leases the row ([`LEASE`],
+    /// row; a fetch counts an attempt and leases the row (30 s, as the driver's default,
     /// renewed every half lease while the delivery is held); settlements
     /// fenced by the lease; fail deletes the row and stores the record in
     /// one statement.

@@ -6,7 +6,7 @@
 //! fast as the first.
 //!
 //! The server: by default a private one the bench starts for itself
-//! (`jobrail_bench::pg_server`: `initdb` into a temporary directory, the
+//! (`jobrail_conformance::servers::PgServer`: `initdb` into a temporary directory, the
 //! stock configuration, so autovacuum on and fsync on, a free port of
 //! 127.0.0.1), stopped and removed at the end. The machine's shared server
 //! (127.0.0.1:5432) is not used: its CI configuration has autovacuum off,
@@ -64,10 +64,10 @@ use jobrail::Registry;
 use jobrail_bench::history::{
     header, kib, row, Chunk, Settings, TableState, CHUNK_KIND, SETTINGS_KIND,
 };
-use jobrail_bench::pg_server::PgServer;
 use jobrail_bench::plot::{self, Series};
 use jobrail_bench::work::{handler, job, payloads};
 use jobrail_bench::{append_result, on_worker, quick, reset_results, runtime, size, Spread};
+use jobrail_conformance::servers::PgServer;
 use jobrail_native::{Consumer, Producer};
 use jobrail_postgres::{PgConfig, PgDriver};
 use tokio_postgres::{Client, NoTls};
@@ -291,7 +291,9 @@ fn main() {
             (None, "given (BENCH_PG_URL)")
         }
         _ => {
-            let pg = PgServer::start("jobrail-bench-history")
+            let dir = std::env::temp_dir()
+                .join(format!("jobrail-bench-history-pg-{}", std::process::id()));
+            let pg = PgServer::start(&dir, &[])
                 .unwrap_or_else(|e| panic!("starting the private Postgres server: {e}"));
             println!(
                 "private Postgres server on 127.0.0.1:{} (its defaults), in {}",

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 pub mod history;
-pub mod pg_server;
 pub mod plot;
 pub mod work;
 

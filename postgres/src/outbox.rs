@@ -9,7 +9,7 @@ use tokio_postgres::GenericClient;
 
 use jobrail_native::DispatchOptions;
 
-use crate::schema::{TableName, UNSENT_INDEX};
+use crate::schema::{advisory_key, TableName, UNSENT_INDEX};
 
 /// The table [`Outbox::new`] uses.
 pub const DEFAULT_OUTBOX_TABLE: &str = "jobrail_outbox";
@@ -178,7 +178,7 @@ impl Outbox {
     /// advisory lock so that processes installing at once do not race. On
     /// a transaction, the table exists for others once it commits.
     pub async fn install(&self, client: &impl GenericClient) -> Result<(), OutboxError> {
-        let lock = advisory_key(self.table.as_str());
+        let lock = advisory_key("jobrail-outbox:", self.table.as_str());
         let ddl = self.install_sql();
         client
             .batch_execute(&format!(
@@ -244,16 +244,6 @@ impl Outbox {
     }
 }
 
-/// A stable 63-bit key for the install lock of `table` (FNV-1a).
-fn advisory_key(table: &str) -> i64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in b"jobrail-outbox:".iter().chain(table.as_bytes()) {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    (hash >> 1) as i64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,8 +272,10 @@ mod tests {
 
     #[test]
     fn install_locks_are_stable_and_per_table() {
-        assert_eq!(advisory_key("a"), advisory_key("a"));
-        assert_ne!(advisory_key("a"), advisory_key("b"));
-        assert!(advisory_key("jobrail_outbox") >= 0);
+        let key = |table| advisory_key("jobrail-outbox:", table);
+        assert_eq!(key("a"), key("a"));
+        assert_ne!(key("a"), key("b"));
+        assert!(key("jobrail_outbox") >= 0);
+        assert_ne!(key("jobrail"), advisory_key("jobrail-queue:", "jobrail"));
     }
 }

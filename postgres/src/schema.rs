@@ -40,6 +40,18 @@ const fn longest(suffixes: &[&str]) -> usize {
     max
 }
 
+/// A stable 63-bit key for a transaction-scoped install lock
+/// (`pg_advisory_xact_lock`) of `name` under `kind` (FNV-1a), so that
+/// processes installing the same tables at once take turns.
+pub(crate) fn advisory_key(kind: &str, name: &str) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in kind.bytes().chain(name.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash >> 1) as i64
+}
+
 /// A checked table name, optionally schema-qualified.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TableName {

@@ -20,7 +20,6 @@ use super::{micros, HeldKey, Inner};
 /// the deliveries it fetched, in order.
 pub(crate) struct PgSubscription {
     inner: Arc<Inner>,
-    queue: String,
     deliveries: mpsc::Receiver<Result<PgDelivery, DriverError>>,
     close: watch::Sender<bool>,
     task: JoinHandle<()>,
@@ -42,7 +41,6 @@ impl PgSubscription {
         ));
         PgSubscription {
             inner,
-            queue: queue.to_owned(),
             deliveries,
             close,
             task,
@@ -66,7 +64,7 @@ impl Subscription for PgSubscription {
             Err(error) => return Some(Err(error)),
         };
         delivery.handed_out = true;
-        self.inner.hold(&self.queue, &delivery);
+        self.inner.hold(&delivery);
         Some(Ok(Box::new(delivery)))
     }
 

@@ -58,7 +58,7 @@ impl FailureStore for Inner {
         Ok(row.map(|r| {
             Box::new(PgClaimedFailure {
                 schema: s.clone(),
-                pool: self.clone_pool(),
+                pool: self.pool.clone(),
                 row: r.get(0),
                 claim: r.get(1),
                 entry: entry(r.get(2)),

@@ -362,8 +362,19 @@ impl PgDriver {
 }
 
 impl Inner {
-    fn hold(&self, queue: &str, delivery: &PgDelivery) {
-        let _ = queue;
+    fn capabilities(&self) -> Capabilities {
+        let mut capabilities = Capabilities::full();
+        capabilities.max_retry_delay = None;
+        // A refused settlement leaves the row held until its lease ends:
+        // at least half a lease after the last renewal.
+        capabilities.refused_hold = self.config.lease / 2;
+        // A retry without a delay comes back one lease later.
+        capabilities.redelivery_hint = self.config.lease;
+        capabilities.max_message_bytes = Some(self.config.max_message_bytes);
+        capabilities
+    }
+
+    fn hold(&self, delivery: &PgDelivery) {
         let mut held = lock(&self.held);
         held.entry(delivery.key())
             .and_modify(|entry| entry.ambiguous = true)
@@ -380,10 +391,7 @@ impl Inner {
     }
 
     fn declared(&self, queue: &str) {
-        let mut queues = lock(&self.queues);
-        if !queues.contains(queue) {
-            queues.insert(queue.to_owned());
-        }
+        lock(&self.queues).insert(queue.to_owned());
     }
 
     /// Says that `queue` has rows due (see [`Announcer`]).
@@ -399,10 +407,6 @@ impl Inner {
     /// The batched single dispatches.
     pub(crate) fn sends(&self) -> &Sends {
         self.sends.get_or_init(|| Sends::start(self.pool.clone()))
-    }
-
-    fn clone_pool(&self) -> Arc<Pool> {
-        self.pool.clone()
     }
 }
 
@@ -420,15 +424,7 @@ impl Driver for PgDriver {
     }
 
     fn capabilities(&self) -> Capabilities {
-        let mut capabilities = Capabilities::full();
-        capabilities.max_retry_delay = None;
-        // A refused settlement leaves the row held until its lease ends:
-        // at least half a lease after the last renewal.
-        capabilities.refused_hold = self.inner.config.lease / 2;
-        // A retry without a delay comes back one lease later.
-        capabilities.redelivery_hint = self.inner.config.lease;
-        capabilities.max_message_bytes = Some(self.inner.config.max_message_bytes);
-        capabilities
+        self.inner.capabilities()
     }
 
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {

@@ -79,18 +79,7 @@ impl Inner {
     }
 
     fn refuse_oversize(&self, len: usize) -> Result<(), DriverError> {
-        if len > self.config.max_message_bytes {
-            return Err(DriverError::new(
-                NAME,
-                ErrorKind::NotAccepted,
-                format!(
-                    "message of {len} bytes is over the postgres driver's limit of {} bytes \
-                     (max_message_bytes); nothing was sent",
-                    self.config.max_message_bytes
-                ),
-            ));
-        }
-        Ok(())
+        self.capabilities().refuse_oversize(NAME, len)
     }
 }
 

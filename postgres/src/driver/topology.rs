@@ -29,6 +29,7 @@ use jobrail_native::DriverError;
 use tokio_postgres::GenericClient;
 
 use super::errors::{config_error, read_error, write_error};
+use crate::schema::advisory_key;
 
 /// The schema version this driver reads and writes.
 pub const SCHEMA_VERSION: i32 = 1;
@@ -131,9 +132,12 @@ pub(crate) async fn install(
         .transaction()
         .await
         .map_err(|e| write_error("begin the install transaction", e))?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&advisory_key(schema)])
-        .await
-        .map_err(|e| write_error("take the install lock", e))?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[&advisory_key("jobrail-queue:", schema)],
+    )
+    .await
+    .map_err(|e| write_error("take the install lock", e))?;
     let found = installed_version(&tx, schema).await?;
     if found > SCHEMA_VERSION {
         return Err(newer(schema, found));
@@ -173,16 +177,6 @@ fn newer(schema: &str, found: i32) -> DriverError {
         "schema `{schema}` is at version {found}, newer than this driver's {SCHEMA_VERSION}: \
          upgrade jobrail-postgres"
     ))
-}
-
-/// A stable 63-bit key for the install lock of `schema` (FNV-1a).
-fn advisory_key(schema: &str) -> i64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in b"jobrail-queue:".iter().chain(schema.as_bytes()) {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    (hash >> 1) as i64
 }
 
 #[cfg(test)]

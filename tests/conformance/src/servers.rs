@@ -1,7 +1,8 @@
 //! Private servers for tests that stop and restart a broker, so the shared
 //! brokers other tests use are never touched: a `nats-server` with
-//! JetStream on a free port and a directory of its own, plus the process and
-//! port helpers around it.
+//! JetStream on a free port and a directory of its own, a Postgres server
+//! (`initdb` into a directory of its own), plus the process and port
+//! helpers around them.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -283,5 +284,210 @@ impl Drop for Relay {
             listening.abort();
         }
         self.cut();
+    }
+}
+
+/// A private Postgres server: `initdb` into a directory of its own (trust
+/// authentication), `pg_ctl start` on a free port of 127.0.0.1 with its
+/// socket in that directory and the settings the caller gives (none: the
+/// stock configuration). Its programs run as the `postgres` user
+/// (`runuser`) when the caller is root, who cannot run the server.
+/// Dropping it stops the server (`pg_ctl stop -m fast`) and removes the
+/// directory. The fault suite restarts one; the history benchmark measures
+/// on one with autovacuum on, whatever the shared server's configuration.
+pub struct PgServer {
+    dir: PathBuf,
+    bin: PathBuf,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    settings: Vec<String>,
+    as_postgres: bool,
+    running: bool,
+}
+
+impl PgServer {
+    /// The directory of the server's binaries: the newest
+    /// `/usr/lib/postgresql/*/bin` with `initdb`, else `pg_config --bindir`.
+    pub fn bin_dir() -> Option<PathBuf> {
+        let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let version = e.file_name().to_string_lossy().parse().ok()?;
+                let bin = e.path().join("bin");
+                bin.join("initdb").exists().then_some((version, bin))
+            })
+            .collect();
+        found.sort();
+        if let Some((_, bin)) = found.pop() {
+            return Some(bin);
+        }
+        let out = Command::new("pg_config").arg("--bindir").output().ok()?;
+        let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        bin.join("initdb").exists().then_some(bin)
+    }
+
+    /// Creates a cluster under `dir` (removed first) and starts it with
+    /// `settings` (`name=value`, each passed as `-c`), waiting until it
+    /// accepts connections. `initdb --no-sync` only skips initdb's own final
+    /// flush of the new files; the server's `fsync` is as configured.
+    pub fn start(dir: &Path, settings: &[&str]) -> Result<Self, String> {
+        let bin = Self::bin_dir().ok_or(
+            "no Postgres server binaries (initdb) under /usr/lib/postgresql/*/bin or pg_config --bindir",
+        )?;
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let uid = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
+        let as_postgres = uid == "0";
+        if as_postgres {
+            let status = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir)
+                .status()
+                .map_err(|e| format!("cannot run chown: {e}"))?;
+            if !status.success() {
+                return Err(format!(
+                    "chown postgres {} failed ({status})",
+                    dir.display()
+                ));
+            }
+        }
+        let mut server = PgServer {
+            dir: dir.to_path_buf(),
+            bin,
+            port: free_port(),
+            settings: settings.iter().map(|s| s.to_string()).collect(),
+            as_postgres,
+            running: false,
+        };
+        let data = server.data();
+        server.run(
+            "initdb",
+            &[
+                "-D",
+                &data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+        )?;
+        server.up()?;
+        Ok(server)
+    }
+
+    /// A URL for its `postgres` database as the `postgres` user.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Its directory (data, socket and log).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The server's log file.
+    pub fn log(&self) -> PathBuf {
+        self.dir.join("server.log")
+    }
+
+    fn data(&self) -> String {
+        self.dir.join("data").display().to_string()
+    }
+
+    /// Runs one of the server's programs (as `postgres` if root), its
+    /// output kept apart.
+    fn run(&self, program: &str, args: &[&str]) -> Result<(), String> {
+        let exe = self.bin.join(program);
+        let mut cmd = if self.as_postgres {
+            let mut cmd = Command::new("runuser");
+            cmd.args(["-u", "postgres", "--"]).arg(&exe);
+            cmd
+        } else {
+            Command::new(&exe)
+        };
+        let out = cmd
+            .args(args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {program}: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{program} {} failed ({}): {}",
+                args.first().copied().unwrap_or_default(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// Starts the server and waits (`pg_ctl -w`, 30 s at most) until it
+    /// accepts connections.
+    pub fn up(&mut self) -> Result<(), String> {
+        let mut options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1",
+            self.port,
+            self.dir.display()
+        );
+        for setting in &self.settings {
+            options.push_str(" -c ");
+            options.push_str(setting);
+        }
+        let (data, log) = (self.data(), self.log().display().to_string());
+        self.run(
+            "pg_ctl",
+            &[
+                "-D", &data, "-l", &log, "-w", "-t", "30", "-o", &options, "start",
+            ],
+        )?;
+        self.running = true;
+        if port_open(self.port) {
+            Ok(())
+        } else {
+            Err(format!(
+                "the private Postgres server did not listen on {} (see {})",
+                self.port,
+                self.log().display()
+            ))
+        }
+    }
+
+    /// Stops the server at once (`pg_ctl stop -m immediate`: no checkpoint,
+    /// every connection cut; the next start recovers from the WAL).
+    pub fn down(&mut self) -> Result<(), String> {
+        self.stop_with("immediate")
+    }
+
+    /// Stops the server (`pg_ctl stop -m fast`) and removes its directory.
+    pub fn stop(mut self) -> Result<(), String> {
+        let result = self.stop_with("fast");
+        let _ = std::fs::remove_dir_all(&self.dir);
+        result
+    }
+
+    fn stop_with(&mut self, mode: &str) -> Result<(), String> {
+        if !self.running {
+            return Ok(());
+        }
+        let data = self.data();
+        self.running = false;
+        self.run("pg_ctl", &["-D", &data, "-m", mode, "-w", "stop"])
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = self.stop_with("fast");
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -1528,7 +1528,8 @@ async fn restart_postgres(suite: &mut Suite, env: &Env) -> Result<(), String> {
     let kind = env.kind;
     let dir = std::env::temp_dir().join(format!("jobrail-faults-pg-{}", suite.run));
     let started = Instant::now();
-    let server = nodes::PgServer::start(&dir).await?;
+    // fsync off: the fault is the restart, not the disk.
+    let server = nodes::PgServer::start(&dir, &["fsync=off", "max_connections=100"])?;
     let mut target = env.target.clone().with_lease(Duration::from_secs(3));
     let password = crate::charge::password(&target.url)
         .map(|p| format!(":{p}"))
@@ -1586,7 +1587,7 @@ impl Private {
             Private::Rabbit(node, _) => nodes::rabbitmqctl(Some(&node.name), &["stop_app"]),
             Private::SharedRabbit => nodes::rabbitmqctl(None, &["stop_app"]),
             #[cfg(feature = "postgres-queue")]
-            Private::Postgres(server) => server.down().await,
+            Private::Postgres(server) => server.down(),
         }
     }
 
@@ -1607,7 +1608,7 @@ impl Private {
                 nodes::rabbitmqctl(None, &["await_startup"])
             }
             #[cfg(feature = "postgres-queue")]
-            Private::Postgres(server) => server.up().await,
+            Private::Postgres(server) => server.up(),
         }
     }
 }

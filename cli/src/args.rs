@@ -177,6 +177,75 @@ pub(crate) enum Command {
         #[arg(long)]
         print: bool,
     },
+    /// Schedules (recurring jobs): list them with their ticks, trigger one now.
+    ///
+    /// Reads the `[schedules.<name>]` tables of the configuration file
+    /// (--config, or the file JOBRAIL_CONFIG names). The ticks fired are read
+    /// from the claim store the workers' schedulers share (--claims).
+    #[command(subcommand)]
+    Schedules(Schedules),
+}
+
+/// The claim stores `jobrail schedules` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ClaimsKind {
+    /// This process's memory: empty, for trying the tool.
+    Memory,
+    /// Postgres (`--database-url`, `DATABASE_URL`; `--claims-table`).
+    Postgres,
+    /// Redis (`--redis-url`, `REDIS_URL`).
+    Redis,
+}
+
+/// Where `jobrail schedules` finds the schedules and their claims.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct ScheduleSource {
+    /// The configuration file with the `[schedules.<name>]` tables.
+    #[arg(long, env = "JOBRAIL_CONFIG", value_name = "PATH")]
+    pub(crate) config: Option<std::path::PathBuf>,
+    /// The claim store the schedulers share.
+    #[arg(long, value_enum, default_value = "memory")]
+    pub(crate) claims: ClaimsKind,
+    /// The Postgres claims table.
+    #[arg(long, default_value = "jobrail_claims")]
+    pub(crate) claims_table: String,
+    /// The Redis URL of the claims [default: redis://127.0.0.1:6379].
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        hide_env_values = true,
+        default_value = "redis://127.0.0.1:6379",
+        hide_default_value = true
+    )]
+    pub(crate) redis_url: String,
+    /// The Redis key prefix of the claims.
+    #[arg(long, default_value = "jobrail:claim:")]
+    pub(crate) redis_prefix: String,
+}
+
+/// `jobrail schedules ...`
+#[derive(Debug, Subcommand)]
+pub(crate) enum Schedules {
+    /// Each schedule: cron, zone, policies, the next ticks and the last ticks fired.
+    List {
+        /// Where the schedules and their claims are.
+        #[command(flatten)]
+        source: ScheduleSource,
+        /// How many next ticks to show.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
+        next: u16,
+        /// How many of the latest due ticks to read from the claim store.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
+        last: u16,
+    },
+    /// Dispatch a schedule's job now, through --backend, as a `manual` tick.
+    Trigger {
+        /// Where the schedules are.
+        #[command(flatten)]
+        source: ScheduleSource,
+        /// The schedule's name.
+        name: String,
+    },
 }
 
 /// `jobrail failed ...`

@@ -8,6 +8,8 @@
 //! jobrail --backend rabbitmq depth --queue reports
 //! JOBRAIL_CONFIG=jobs.toml jobrail --backend rabbitmq budget
 //! DATABASE_URL=postgres://app@db/shop jobrail --backend postgres install
+//! JOBRAIL_CONFIG=jobs.toml jobrail schedules list --claims postgres
+//! JOBRAIL_CONFIG=jobs.toml jobrail --backend postgres schedules trigger nightly-digest
 //! jobrail --backend postgres --schema jobrail install --print
 //! jobrail --backend postgres failed list --queue reports
 //! ```
@@ -24,6 +26,7 @@ mod backend;
 mod budget;
 mod commands;
 mod error;
+mod schedules;
 
 use args::{Cli, Command};
 use commands::Output;
@@ -97,6 +100,32 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
             stop(driver.as_ref(), result).await
         }
         Command::Install { print } => backend::install(&cli.connection, print).await,
+        Command::Schedules(command) => match command {
+            args::Schedules::List { source, next, last } => {
+                let schedules = schedules::load(&source)?;
+                let claims = schedules::claims(&source, &cli.connection).await?;
+                Ok(schedules::list(
+                    &schedules,
+                    claims.as_ref(),
+                    jobrail::SystemTime::now(),
+                    usize::from(next),
+                    usize::from(last),
+                )
+                .await)
+            }
+            args::Schedules::Trigger { source, name } => {
+                let schedules = schedules::load(&source)?;
+                let driver = backend::connect(&cli.connection).await?;
+                let result = schedules::trigger(
+                    &schedules,
+                    &name,
+                    driver.clone(),
+                    jobrail::SystemTime::now(),
+                )
+                .await;
+                stop(driver.as_ref(), result).await
+            }
+        },
         Command::Depth { queue } => {
             let driver = backend::connect(&cli.connection).await?;
             let result = commands::depth(driver.clone(), &queue).await;

@@ -8,6 +8,7 @@
 //! ([`crate::testing`]) on an in-memory model of the platform.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +49,24 @@ pub trait Bindings: MaybeSync {
         binding: &'a str,
         text: String,
     ) -> BoxFuture<'a, Result<(), EdgeError>>;
+
+    /// Sends `text` through the producer binding `binding`, not deliverable
+    /// before `delay_seconds` (at most 86,400): how a delivery that is not
+    /// due yet is sent on (a step of a dispatch delay beyond 24 hours). The
+    /// default refuses ([`EdgeErrorKind::Unsupported`](crate::EdgeErrorKind::Unsupported)),
+    /// and the consumer then hands the delivery back for the leg instead.
+    fn send_text_delayed<'a>(
+        &'a self,
+        binding: &'a str,
+        text: String,
+        delay_seconds: u32,
+    ) -> BoxFuture<'a, Result<(), EdgeError>> {
+        let _ = (binding, text, delay_seconds);
+        Box::pin(std::future::ready(Err(EdgeError::new(
+            crate::EdgeErrorKind::Unsupported,
+            "these bindings cannot send with a delay",
+        ))))
+    }
 }
 
 /// What one invocation did.
@@ -61,6 +80,10 @@ pub struct BatchSummary {
     pub settlement_errors: usize,
     /// Messages settled as the cause of an earlier crash of this invocation.
     pub crashed: usize,
+    /// Messages not due yet (a dispatch delay beyond 24 hours) sent on to
+    /// their queue, delayed by the next leg, without running: steps, not
+    /// attempts.
+    pub stepped: usize,
 }
 
 /// Observes the loop, for the Worker's crash recovery: which message is
@@ -85,6 +108,35 @@ pub struct EdgeConsumer {
     pub(crate) registry: Registry,
     pub(crate) config: EdgeConfig,
     pub(crate) runtime: Arc<dyn Runtime>,
+    /// The wall clock due times are compared with.
+    pub(crate) wall: Wall,
+    /// The producer binding of each consumed queue.
+    pub(crate) queue_bindings: BTreeMap<String, String>,
+}
+
+/// The wall clock (Unix milliseconds) a consumer compares due times
+/// ([`jobrail::Envelope::due_ms`]) with.
+#[derive(Clone)]
+pub(crate) enum Wall {
+    /// The system's: `Date.now()` in a Worker ([`jobrail::unix_now_ms`]).
+    System,
+    /// The native harness's: `epoch_ms` plus the virtual time elapsed.
+    #[cfg(not(target_arch = "wasm32"))]
+    Virtual {
+        epoch_ms: u64,
+        clock: jobrail::VirtualRuntime,
+    },
+}
+
+impl Wall {
+    pub(crate) fn now_ms(&self) -> u64 {
+        match self {
+            Wall::System => jobrail::unix_now_ms(),
+            #[cfg(not(target_arch = "wasm32"))]
+            Wall::Virtual { epoch_ms, clock } => epoch_ms
+                .saturating_add(u64::try_from(clock.elapsed().as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
 }
 
 impl EdgeConsumer {
@@ -101,7 +153,28 @@ impl EdgeConsumer {
             registry,
             config,
             runtime,
+            wall: Wall::System,
+            queue_bindings: BTreeMap::new(),
         })
+    }
+
+    /// Sends deliveries of `queue` that are not due yet (steps of a
+    /// dispatch delay beyond 24 hours) back to `queue` through the producer
+    /// binding `binding`. A Worker built with [`consumer!`](crate::consumer!)
+    /// takes it from wrangler.toml, whose check requires one for every
+    /// consumed job queue ([`Checked::queue_binding`](crate::wrangler::Checked::queue_binding)).
+    /// Without one such a delivery is handed back with the leg's delay
+    /// instead (one more delivery counted by the platform).
+    pub fn with_queue_binding(mut self, queue: &str, binding: &str) -> Self {
+        self.queue_bindings
+            .insert(queue.to_string(), binding.to_string());
+        self
+    }
+
+    /// The producer binding deliveries of `queue` that are not due yet are
+    /// sent back through ([`with_queue_binding`](Self::with_queue_binding)).
+    pub fn queue_binding(&self, queue: &str) -> Option<&str> {
+        self.queue_bindings.get(queue).map(String::as_str)
     }
 
     /// The registry (for its counters).
@@ -119,6 +192,15 @@ impl EdgeConsumer {
     /// to the platform. `crashed` names a message whose execution brought an
     /// earlier run of this invocation down, with the panic's message: it is
     /// settled by the rules without running again.
+    ///
+    /// A message whose envelope is not due yet ([`jobrail::delay_remaining`]:
+    /// a dispatch delay beyond 24 hours) does not run and counts no
+    /// attempt: a copy (the same body) is sent to `queue` through its
+    /// producer binding ([`with_queue_binding`](Self::with_queue_binding)), delayed by the next
+    /// leg (the rest, at most 24 hours), and the delivery is acknowledged.
+    /// If the copy cannot be sent, the delivery is retried with the leg's
+    /// delay instead (logged): it comes back when the copy would have, and
+    /// the platform counts one more delivery of it.
     pub async fn consume<M: QueueMessage, B: Bindings>(
         &self,
         queue: &str,
@@ -152,33 +234,44 @@ impl EdgeConsumer {
                 let (cancel, summary) = (&cancel, &summary);
                 async move {
                     let id = message.id();
+                    let body = message.body();
+                    let remaining = jobrail::delay_remaining(&body, self.wall.now_ms());
                     let handle = EdgeMessage {
                         consumer: self,
                         bindings,
-                        body: message.body(),
+                        body,
                         attempt: message.attempts(),
                         deadline: work_end,
                         message: &message,
                     };
                     let run = async {
-                        if let Some((_, panic)) = crashed.filter(|(c, _)| *c == id) {
-                            summary.borrow_mut().crashed += 1;
-                            self.registry
-                                .settle_crashed(queue, handle, panic, &self.runtime)
+                        if let Some(remaining) = remaining {
+                            summary.borrow_mut().stepped += 1;
+                            return self
+                                .step(queue, &message, &handle.body, remaining, bindings)
                                 .await
-                        } else if self.runtime.now() >= work_end {
-                            summary.borrow_mut().deferred += 1;
-                            let reason = "invocation budget ran out before the message started";
-                            self.registry
-                                .hand_back(queue, handle, reason, &self.runtime)
-                                .await
-                        } else {
-                            self.registry
-                                .deliver(queue, handle, &self.runtime, cancel)
-                                .await
+                                .map(|()| None);
                         }
+                        Ok(Some(
+                            if let Some((_, panic)) = crashed.filter(|(c, _)| *c == id) {
+                                summary.borrow_mut().crashed += 1;
+                                self.registry
+                                    .settle_crashed(queue, handle, panic, &self.runtime)
+                                    .await
+                            } else if self.runtime.now() >= work_end {
+                                summary.borrow_mut().deferred += 1;
+                                let reason = "invocation budget ran out before the message started";
+                                self.registry
+                                    .hand_back(queue, handle, reason, &self.runtime)
+                                    .await
+                            } else {
+                                self.registry
+                                    .deliver(queue, handle, &self.runtime, cancel)
+                                    .await
+                            },
+                        ))
                     };
-                    let delivered: Delivered = Tracked {
+                    let delivered: Result<Option<Delivered>, EdgeError> = Tracked {
                         inner: std::pin::pin!(run),
                         id: &id,
                         progress,
@@ -186,14 +279,84 @@ impl EdgeConsumer {
                     .await;
                     progress.settled(&id);
                     // Reported to the event sink by the pipeline (the
-                    // settlement log prints it); counted here.
-                    if delivered.outcome.is_err() {
+                    // settlement log prints it), or logged by the step;
+                    // counted here.
+                    let refused = match &delivered {
+                        Ok(Some(delivered)) => delivered.outcome.is_err(),
+                        Ok(None) => false,
+                        Err(_) => true,
+                    };
+                    if refused {
                         summary.borrow_mut().settlement_errors += 1;
                     }
                 }
             })
             .await;
         summary.into_inner()
+    }
+}
+
+impl EdgeConsumer {
+    /// Carries on a delivery that is `remaining` from its due time: sends
+    /// a copy of `body` to `queue` through its producer binding, delayed by
+    /// the next leg, then acknowledges the delivery; if the copy cannot be
+    /// sent, retries the delivery with the leg's delay (one more delivery
+    /// counted by the platform, nothing lost). Logs one line either way. A
+    /// crash between the send and the acknowledgement leaves two copies, as
+    /// any at-least-once hand-over may.
+    async fn step<M: QueueMessage, B: Bindings>(
+        &self,
+        queue: &str,
+        message: &M,
+        body: &[u8],
+        remaining: Duration,
+        bindings: &B,
+    ) -> Result<(), EdgeError> {
+        #[derive(serde::Deserialize)]
+        struct Id {
+            id: String,
+        }
+        let leg = crate::limits::leg_seconds(remaining);
+        let envelope_id = serde_json::from_slice::<Id>(body)
+            .map(|e| e.id)
+            .unwrap_or_default();
+        let line = |sent: bool, error: Option<&str>| {
+            let entry = serde_json::json!({
+                "message_id": envelope_id,
+                "queue": queue,
+                "remaining_ms": u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX),
+                "leg_seconds": leg,
+                "sent": sent,
+                "error": error,
+            });
+            format!("jobrail-edge delay-step {entry}")
+        };
+        let sent = match self.queue_bindings.get(queue) {
+            Some(binding) => {
+                let text = String::from_utf8_lossy(body).into_owned();
+                bindings.send_text_delayed(binding, text, leg).await
+            }
+            None => Err(EdgeError::new(
+                crate::EdgeErrorKind::Config,
+                format!(
+                    "no producer binding to `{queue}` ([[queues.producers]] with queue = \"{queue}\"): \
+                     a delivery that is not due yet cannot be sent on"
+                ),
+            )),
+        };
+        match sent {
+            Ok(()) => {
+                log_info(&line(true, None));
+                message.ack()
+            }
+            Err(e) => {
+                log_error(&line(
+                    false,
+                    Some(&format!("{e}; retried for the leg instead")),
+                ));
+                message.retry(Some(leg))
+            }
+        }
     }
 }
 
@@ -250,6 +413,13 @@ impl<F: std::future::Future, P: Progress> std::future::Future for Tracked<'_, F,
         progress.current(id, false);
         polled
     }
+}
+
+pub(crate) fn log_info(text: &str) {
+    #[cfg(target_arch = "wasm32")]
+    worker::console_log!("{text}");
+    #[cfg(not(target_arch = "wasm32"))]
+    eprintln!("{text}");
 }
 
 pub(crate) fn log_error(text: &str) {
@@ -383,5 +553,171 @@ mod tests {
         for m in &messages {
             assert_eq!(*m.calls.lock().unwrap(), ["retry Some(43200)"]);
         }
+    }
+
+    /// A message with a body, recording its calls.
+    struct Due {
+        body: Vec<u8>,
+        calls: Mutex<Vec<String>>,
+    }
+
+    impl QueueMessage for Due {
+        fn id(&self) -> String {
+            "due".into()
+        }
+        fn attempts(&self) -> u32 {
+            1
+        }
+        fn body(&self) -> Vec<u8> {
+            self.body.clone()
+        }
+        fn ack(&self) -> Result<(), EdgeError> {
+            self.calls.lock().unwrap().push("ack".into());
+            Ok(())
+        }
+        fn retry(&self, delay_seconds: Option<u32>) -> Result<(), EdgeError> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("retry {delay_seconds:?}"));
+            Ok(())
+        }
+    }
+
+    /// Bindings that record what was sent, and cannot send with a delay
+    /// unless `delays` (the trait's default refuses).
+    struct Sends {
+        delays: bool,
+        sent: Mutex<Vec<(String, Option<u32>)>>,
+    }
+
+    impl Bindings for Sends {
+        fn send_text<'a>(
+            &'a self,
+            binding: &'a str,
+            _text: String,
+        ) -> BoxFuture<'a, Result<(), EdgeError>> {
+            self.sent.lock().unwrap().push((binding.into(), None));
+            Box::pin(std::future::ready(Ok(())))
+        }
+
+        fn send_text_delayed<'a>(
+            &'a self,
+            binding: &'a str,
+            text: String,
+            delay_seconds: u32,
+        ) -> BoxFuture<'a, Result<(), EdgeError>> {
+            if !self.delays {
+                return Box::pin(std::future::ready(Err(EdgeError::new(
+                    crate::EdgeErrorKind::Unsupported,
+                    "no delays here",
+                ))));
+            }
+            let _ = text;
+            self.sent
+                .lock()
+                .unwrap()
+                .push((binding.into(), Some(delay_seconds)));
+            Box::pin(std::future::ready(Ok(())))
+        }
+    }
+
+    fn consumer() -> EdgeConsumer {
+        let job = jobrail::Job::<u32>::builder("j")
+            .queue("q")
+            .max_deliveries(2)
+            .build()
+            .unwrap();
+        let mut registry = Registry::new();
+        registry
+            .register(&job, |_: jobrail::JobContext, _: u32| async {
+                panic!("a step must not run the handler")
+            })
+            .unwrap();
+        EdgeConsumer::with_runtime(
+            registry,
+            EdgeConfig::default(),
+            Arc::new(jobrail::VirtualRuntime::new()),
+        )
+        .unwrap()
+    }
+
+    /// Runs one batch of a message due in three days.
+    fn step_once(consumer: &EdgeConsumer, bindings: &Sends) -> (BatchSummary, Vec<String>) {
+        let mut envelope = jobrail::Envelope::new("j", serde_json::json!(1));
+        envelope.due_ms = Some(jobrail::unix_now_ms() + 3 * 86_400_000);
+        let message = Due {
+            body: envelope.encode(),
+            calls: Mutex::new(Vec::new()),
+        };
+        let calls = std::sync::Arc::new(message);
+        let summary = futures_util::FutureExt::now_or_never(consumer.consume(
+            "q",
+            vec![ArcMessage(calls.clone())],
+            bindings,
+            consumer.runtime.now(),
+            None,
+        ))
+        .expect("a step does not wait");
+        let calls = calls.calls.lock().unwrap().clone();
+        (summary, calls)
+    }
+
+    struct ArcMessage(std::sync::Arc<Due>);
+
+    impl QueueMessage for ArcMessage {
+        fn id(&self) -> String {
+            self.0.id()
+        }
+        fn attempts(&self) -> u32 {
+            self.0.attempts()
+        }
+        fn body(&self) -> Vec<u8> {
+            self.0.body()
+        }
+        fn ack(&self) -> Result<(), EdgeError> {
+            self.0.ack()
+        }
+        fn retry(&self, delay_seconds: Option<u32>) -> Result<(), EdgeError> {
+            self.0.retry(delay_seconds)
+        }
+    }
+
+    #[test]
+    fn a_message_not_due_is_sent_on_through_its_queues_binding_and_acknowledged() {
+        let consumer = consumer().with_queue_binding("q", "Q");
+        assert_eq!(consumer.queue_binding("q"), Some("Q"));
+        let bindings = Sends {
+            delays: true,
+            sent: Mutex::new(Vec::new()),
+        };
+        let (summary, calls) = step_once(&consumer, &bindings);
+        assert_eq!(summary.stepped, 1);
+        assert_eq!(summary.settlement_errors, 0);
+        assert_eq!(calls, ["ack"]);
+        assert_eq!(
+            *bindings.sent.lock().unwrap(),
+            [("Q".to_string(), Some(86_400))]
+        );
+    }
+
+    #[test]
+    fn without_a_binding_or_a_delayed_send_a_step_is_retried_for_the_leg() {
+        // No binding for the queue.
+        let bindings = Sends {
+            delays: true,
+            sent: Mutex::new(Vec::new()),
+        };
+        let (summary, calls) = step_once(&consumer(), &bindings);
+        assert_eq!(summary.stepped, 1);
+        assert_eq!(calls, ["retry Some(86400)"]);
+        assert!(bindings.sent.lock().unwrap().is_empty());
+        // Bindings that cannot delay a send (the trait's default).
+        let bindings = Sends {
+            delays: false,
+            sent: Mutex::new(Vec::new()),
+        };
+        let (_, calls) = step_once(&consumer().with_queue_binding("q", "Q"), &bindings);
+        assert_eq!(calls, ["retry Some(86400)"]);
     }
 }

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use jobrail::Claim;
+use jobrail::{Claim, ClaimState};
 use serde::Deserialize;
 
 #[cfg(target_arch = "wasm32")]
@@ -61,7 +61,8 @@ pub(crate) struct Sql {
     /// holds the key (`?2`: the lease).
     pub(crate) claim: String,
     /// Reads the key's state and how long its lease has left, never less
-    /// than zero (in the claim's batch, after the upsert).
+    /// than zero (in the claim's batch, after the upsert; alone, for
+    /// `ClaimStore::state`: a read, no write).
     pub(crate) read: String,
     /// Marks the live claim `?2` done.
     pub(crate) complete: String,
@@ -193,6 +194,30 @@ pub(crate) fn answer(claimed: Option<&FenceRow>, row: Option<&StateRow>) -> Resu
             let remaining = row.remaining_ms.max(0.0) as u64;
             Ok(Claim::Held {
                 remaining: Duration::from_millis(remaining),
+            })
+        }
+        other => Err(format!("the claims table holds an unknown state `{other}`")),
+    }
+}
+
+/// The state of a key from its row, read on its own (`ClaimStore::state`):
+/// no row, or a held row whose lease has ended, is free (the next claim
+/// takes it); a held row with time left is held; a done row is done.
+pub(crate) fn state_of(row: Option<&StateRow>) -> Result<ClaimState, String> {
+    let Some(row) = row else {
+        return Ok(ClaimState::Free);
+    };
+    match row.state.as_str() {
+        "done" => Ok(ClaimState::Done),
+        "held" => {
+            // `as` saturates, and a NaN becomes 0.
+            let remaining = row.remaining_ms.max(0.0) as u64;
+            Ok(if remaining == 0 {
+                ClaimState::Free
+            } else {
+                ClaimState::Held {
+                    remaining: Duration::from_millis(remaining),
+                }
             })
         }
         other => Err(format!("the claims table holds an unknown state `{other}`")),
@@ -394,6 +419,31 @@ mod tests {
         assert!(answer(None, None).is_err());
         assert!(answer(None, Some(&held("lost", 0.0))).is_err());
         assert!(answer(Some(&FenceRow { fence: 0.0 }), None).is_err());
+    }
+
+    #[test]
+    fn rows_read_alone_become_states() {
+        let row = |state: &str, remaining_ms: f64| StateRow {
+            state: state.into(),
+            remaining_ms,
+        };
+        assert_eq!(state_of(None), Ok(ClaimState::Free));
+        assert_eq!(state_of(Some(&row("done", 0.0))), Ok(ClaimState::Done));
+        assert_eq!(
+            state_of(Some(&row("held", 1500.0))),
+            Ok(ClaimState::Held {
+                remaining: Duration::from_millis(1500)
+            })
+        );
+        assert_eq!(
+            state_of(Some(&row("held", 0.0))),
+            Ok(ClaimState::Free),
+            "an ended lease: the next claim takes it"
+        );
+        assert!(state_of(Some(&row("gone", 0.0))).is_err());
+        // The read is a plain SELECT: reading a state writes nothing.
+        let sql = Sql::for_table("t");
+        assert!(sql.read.trim_start().starts_with("SELECT"));
     }
 
     #[test]

@@ -133,8 +133,28 @@ impl QueueMessage for JsMessage {
     }
 }
 
-/// The Worker's `env`, for failure-queue sends.
+/// The Worker's `env`, for failure-queue sends and delay steps.
 struct EnvBindings<'e>(&'e Env);
+
+impl EnvBindings<'_> {
+    async fn send(&self, binding: &str, text: String, delay: Option<u32>) -> Result<(), EdgeError> {
+        let queue = self.0.queue(binding).map_err(|e| {
+            EdgeError::new(
+                EdgeErrorKind::Config,
+                format!("queue binding `{binding}`: {e}"),
+            )
+        })?;
+        let mut message =
+            worker::MessageBuilder::new(text).content_type(worker::QueueContentType::Text);
+        if let Some(seconds) = delay {
+            message = message.delay_seconds(seconds);
+        }
+        queue
+            .send(message.build())
+            .await
+            .map_err(|e| EdgeError::uncertain(&format!("queue `{binding}`"), e))
+    }
+}
 
 impl Bindings for EnvBindings<'_> {
     fn send_text<'a>(
@@ -142,22 +162,16 @@ impl Bindings for EnvBindings<'_> {
         binding: &'a str,
         text: String,
     ) -> BoxFuture<'a, Result<(), EdgeError>> {
-        Box::pin(async move {
-            let queue = self.0.queue(binding).map_err(|e| {
-                EdgeError::new(
-                    EdgeErrorKind::Config,
-                    format!("failure queue binding `{binding}`: {e}"),
-                )
-            })?;
-            queue
-                .send(
-                    worker::MessageBuilder::new(text)
-                        .content_type(worker::QueueContentType::Text)
-                        .build(),
-                )
-                .await
-                .map_err(|e| EdgeError::uncertain(&format!("failure queue `{binding}`"), e))
-        })
+        Box::pin(self.send(binding, text, None))
+    }
+
+    fn send_text_delayed<'a>(
+        &'a self,
+        binding: &'a str,
+        text: String,
+        delay_seconds: u32,
+    ) -> BoxFuture<'a, Result<(), EdgeError>> {
+        Box::pin(self.send(binding, text, Some(delay_seconds)))
     }
 }
 

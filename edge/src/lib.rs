@@ -20,8 +20,13 @@
 //! use jobrail::{Job, JobContext, JobError, Registry, RegistryError};
 //! use jobrail_edge::testing::{CloudflareQueues, MessageState};
 //!
-//! // The worker's wrangler.toml: the queue's consumer settings.
+//! // The worker's wrangler.toml: the queue's consumer settings, and its
+//! // producer binding (a delay beyond 24 hours is sent on through it).
 //! const WRANGLER: &str = r#"
+//! [[queues.producers]]
+//! queue = "emails"
+//! binding = "EMAILS"
+//!
 //! [[queues.consumers]]
 //! queue = "emails"
 //! max_retries = 10
@@ -85,8 +90,8 @@
 //! - `error`: the binding's errors ([`EdgeError`], [`EdgeErrorKind`]).
 //! - `limits`: the platform's limits on one message, checked before a send
 //!   by the producer and the harness alike: 128 KB ([`MAX_MESSAGE_BYTES`])
-//!   and a delay of 24 hours ([`MAX_DELAY`]), counted in whole seconds.
-//!   Pure.
+//!   and a delay of 24 hours ([`MAX_DELAY`]), counted in whole seconds,
+//!   and how a longer dispatch delay is carried in steps. Pure.
 //! - `log`: one structured line per settlement ([`LogSink`]).
 //! - [`routes`]: a Worker's own HTTP routes, off until their secret is set
 //!   ([`routes::Access`]: 404 without it, 401 without the token), and
@@ -95,7 +100,14 @@
 //! - `consumer` (wasm32): the platform's objects, the panic hook and the
 //!   resumable invocation behind [`consumer!`].
 //! - `producer` (wasm32): `EdgeProducer`, typed dispatch through a Queue
-//!   binding.
+//!   binding; a delay beyond 24 hours is carried in steps (one message a
+//!   day, sent on by the consumer without running or counting an
+//!   attempt).
+//! - [`schedules`]: `jobrail::Schedule`s fired by Cron Triggers
+//!   ([`EdgeScheduler`]), each tick claimed once in D1, and the check of
+//!   `[triggers] crons` against them; `scheduled` (wasm32): the Worker's
+//!   `scheduled` handler the [`consumer!`] macro exports with
+//!   `schedules = FN`.
 //! - `js`, `runtime` (wasm32): the bindings workers-rs 0.8 does not expose
 //!   (`Message.attempts`) and the Workers timer behind the rules' sleep.
 //!
@@ -205,6 +217,7 @@ mod limits;
 mod log;
 mod options;
 pub mod routes;
+pub mod schedules;
 mod settings;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;
@@ -218,6 +231,8 @@ mod js;
 mod producer;
 #[cfg(target_arch = "wasm32")]
 mod runtime;
+#[cfg(all(target_arch = "wasm32", feature = "d1-claims"))]
+mod scheduled;
 
 pub use batch::{BatchSummary, Bindings, EdgeConsumer, QueueMessage};
 #[cfg(all(feature = "d1-claims", target_arch = "wasm32"))]
@@ -227,11 +242,12 @@ pub use limits::{FAILURE_RECORD_BYTES, MAX_DELAY, MAX_MESSAGE_BYTES};
 pub use log::LogSink;
 #[cfg(not(target_arch = "wasm32"))]
 pub use options::check_directory;
-pub use options::{check, check_file, Options};
+pub use options::{check, check_file, Options, SchedulesFn};
 #[cfg(target_arch = "wasm32")]
 pub use producer::{Dispatch, EdgeProducer, UniqueDispatchBuilder};
 #[cfg(target_arch = "wasm32")]
 pub use runtime::WorkersRuntime;
+pub use schedules::{EdgeScheduler, ScheduleFired};
 pub use settings::EdgeConfig;
 
 /// What the [`consumer!`] macro expands to; not a stable API.
@@ -239,6 +255,8 @@ pub use settings::EdgeConfig;
 pub mod __private {
     #[cfg(target_arch = "wasm32")]
     pub use crate::consumer::{entry, resume, WorkerSpec};
+    #[cfg(all(target_arch = "wasm32", feature = "d1-claims"))]
+    pub use crate::scheduled::entry as scheduled_entry;
     #[cfg(target_arch = "wasm32")]
     pub use {js_sys, wasm_bindgen, worker};
 }
@@ -267,7 +285,14 @@ pub mod __private {
 /// - `wrangler = "path"`: wrangler.toml relative to the crate's manifest;
 /// - `other_queues = FN`: `async fn(JsValue, worker::Env)` for batches of
 ///   queues no job names (the batch object as the platform passed it);
-/// - `after_batch = FN`: `async fn(worker::Env)`, run after every batch.
+/// - `after_batch = FN`: `async fn(worker::Env)`, run after every batch;
+/// - `schedules = FN`: `fn() -> Result<Vec<jobrail::Schedule>, E>`
+///   (`E: Display`): the schedules the Worker fires from its Cron Triggers
+///   ([`EdgeScheduler`], ticks claimed in the D1 database of
+///   [`Options::schedule_claims`], feature `d1-claims`). The macro exports
+///   the Worker's `scheduled` handler too (so the worker has no
+///   `#[event(scheduled)]` of its own), and the wrangler.toml check holds
+///   `[triggers] crons` to the schedules ([`schedules::check_triggers`]).
 ///
 /// A message whose code panics does not fail the rest of its batch: the
 /// instance is reset and the batch continues, the panicking message settled
@@ -301,13 +326,32 @@ pub mod __private {
 /// ```
 #[macro_export]
 macro_rules! consumer {
-    ($jobs:path $(, options = $options:expr)? $(, wrangler = $wrangler:literal)? $(, other_queues = $other:path)? $(, after_batch = $after:path)? $(,)?) => {
+    ($jobs:path $(, options = $options:expr)? $(, wrangler = $wrangler:literal)? $(, other_queues = $other:path)? $(, after_batch = $after:path)? $(, schedules = $schedules:path)? $(,)?) => {
         /// The worker's options, its wrangler.toml embedded.
         #[cfg(any(test, target_arch = "wasm32"))]
         const __JOBRAIL_EDGE_OPTIONS: $crate::Options = $crate::Options {
             wrangler: $crate::__wrangler_text!($($wrangler)?),
+            schedules: $crate::__schedules!(($crate::__options!($($options)?)) $(, $schedules)?),
             ..$crate::__options!($($options)?)
         };
+
+        $(
+            /// The options the `scheduled` handler reads.
+            #[cfg(target_arch = "wasm32")]
+            static __JOBRAIL_EDGE_SCHEDULED: $crate::Options = __JOBRAIL_EDGE_OPTIONS;
+
+            /// The Worker's `scheduled` handler: the Cron Triggers fire the schedules.
+            #[cfg(target_arch = "wasm32")]
+            #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(wasm_bindgen = $crate::__private::wasm_bindgen)]
+            pub fn scheduled(
+                event: $crate::__private::wasm_bindgen::JsValue,
+                env: $crate::__private::wasm_bindgen::JsValue,
+                _ctx: $crate::__private::wasm_bindgen::JsValue,
+            ) -> $crate::__private::js_sys::Promise {
+                let _ = $schedules;
+                $crate::__private::scheduled_entry(event, env, &__JOBRAIL_EDGE_SCHEDULED)
+            }
+        )?
 
         #[cfg(not(target_arch = "wasm32"))]
         #[cfg(test)]
@@ -389,6 +433,17 @@ macro_rules! __options {
     };
     ($options:expr) => {
         $options
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __schedules {
+    (($base:expr)) => {
+        $base.schedules
+    };
+    (($base:expr), $f:path) => {
+        Some(|| $f().map_err(|e| e.to_string()))
     };
 }
 

@@ -1,6 +1,7 @@
 //! The platform's limits on one message: its size ([`MAX_MESSAGE_BYTES`]),
 //! checked before any send, and its delay ([`MAX_DELAY`]), with the
-//! rounding of a delay to the whole seconds the platform takes. Pure, so
+//! rounding of a delay to the whole seconds the platform takes, and the
+//! steps that carry a longer dispatch delay ([`prepare_send`]). Pure, so
 //! they are tested natively.
 
 use std::time::Duration;
@@ -10,6 +11,14 @@ use jobrail::{whole_seconds_up, Envelope};
 use crate::error::{EdgeError, EdgeErrorKind};
 
 /// The longest delay Cloudflare accepts for a retry or a delayed send.
+///
+/// A retry delay is held to it (the wrangler.toml check refuses a job whose
+/// backoff goes beyond it). A *dispatch* delay may be longer: the envelope
+/// then carries its due time ([`jobrail::Envelope::due_ms`]), the message is
+/// sent delayed by this much, and each delivery before the due time is a
+/// step, sent on to its queue delayed by the next leg without running the
+/// handler or counting an attempt: a delay costs `ceil(delay / 24 h)`
+/// messages.
 pub const MAX_DELAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The largest message body Cloudflare Queues takes, in bytes (128 KB with
@@ -81,6 +90,55 @@ pub(crate) fn delay_seconds(delay: Option<Duration>) -> Result<Option<u32>, Edge
     Ok(Some(whole_seconds_up(delay) as u32))
 }
 
+/// A send as the platform takes it: the body, and the delay of its first
+/// leg in whole seconds (`None`: no delay). Within [`MAX_DELAY`] the body
+/// is sent as it is, delayed by the platform (rounded up to whole
+/// seconds). Beyond it the due time, `now_ms` plus the delay (rounded up to
+/// whole milliseconds), is written into the envelope ([`jobrail::with_due`])
+/// and the first leg is [`MAX_DELAY`]; a body that is not an envelope cannot
+/// carry a due time and is refused ([`EdgeErrorKind::Unsupported`]). The
+/// result is held to [`MAX_MESSAGE_BYTES`], due time included. A zero delay
+/// is none.
+pub(crate) fn prepare_send(
+    body: String,
+    delay: Option<Duration>,
+    now_ms: u64,
+) -> Result<(String, Option<u32>), EdgeError> {
+    let delay = delay.filter(|d| !d.is_zero());
+    let body = match delay {
+        Some(delay) if delay > MAX_DELAY => {
+            let delay_ms = u64::try_from(delay.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+            let due = now_ms.saturating_add(delay_ms);
+            let with_due = jobrail::with_due(body.as_bytes(), due).ok_or_else(|| {
+                EdgeError::new(
+                    EdgeErrorKind::Unsupported,
+                    format!(
+                        "a delay of {delay:?} is longer than the platform holds one message \
+                         (24 hours), and a body that is not an envelope cannot carry the due \
+                         time that would carry it in steps; nothing was sent"
+                    ),
+                )
+            })?;
+            // `with_due` only inserts ASCII into valid UTF-8.
+            String::from_utf8(with_due)
+                .map_err(|e| EdgeError::caused_by(EdgeErrorKind::Encode, None, e))?
+        }
+        _ => body,
+    };
+    check_message_size(&body)?;
+    let seconds = delay.map(|d| jobrail::delay_leg(d, Some(MAX_DELAY)));
+    Ok((body, delay_seconds(seconds)?))
+}
+
+/// The next leg of a delay that has `remaining` to go, as the platform
+/// takes it: at most [`MAX_DELAY`], in whole seconds, rounded up (never
+/// early), at least one.
+pub(crate) fn leg_seconds(remaining: Duration) -> u32 {
+    let leg = jobrail::delay_leg(remaining, Some(MAX_DELAY));
+    // At most 86,400.
+    (whole_seconds_up(leg) as u32).max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,5 +193,63 @@ mod tests {
         let err = delay_seconds(Some(MAX_DELAY + Duration::from_millis(1))).unwrap_err();
         assert_eq!(err.kind, EdgeErrorKind::Unsupported);
         assert!(err.to_string().contains("24 hours"));
+    }
+
+    fn body() -> String {
+        let envelope = Envelope::new("report", serde_json::json!(7));
+        String::from_utf8(envelope.encode()).unwrap()
+    }
+
+    #[test]
+    fn a_delay_within_24_hours_is_the_platforms_own() {
+        let text = body();
+        let (sent, seconds) = prepare_send(text.clone(), Some(MAX_DELAY), 1_000).unwrap();
+        assert_eq!(sent, text, "no due time written");
+        assert_eq!(seconds, Some(86_400));
+        let (sent, seconds) = prepare_send(text.clone(), Some(Duration::ZERO), 1_000).unwrap();
+        assert_eq!((sent, seconds), (text.clone(), None));
+        let (_, seconds) = prepare_send(text, Some(Duration::from_millis(1_500)), 0).unwrap();
+        assert_eq!(seconds, Some(2));
+    }
+
+    #[test]
+    fn a_longer_delay_carries_its_due_time_and_sends_the_first_leg() {
+        let day = MAX_DELAY;
+        let (sent, seconds) = prepare_send(body(), Some(3 * day), 1_000).unwrap();
+        assert_eq!(seconds, Some(86_400));
+        let envelope = Envelope::decode(sent.as_bytes()).unwrap();
+        assert_eq!(envelope.due_ms, Some(1_000 + 3 * 86_400_000));
+        assert_eq!(
+            jobrail::delay_remaining(sent.as_bytes(), 1_000 + 86_400_000),
+            Some(2 * day)
+        );
+        // Rounded up to whole milliseconds, never early.
+        let (sent, _) = prepare_send(body(), Some(day + Duration::from_nanos(1)), 0).unwrap();
+        let envelope = Envelope::decode(sent.as_bytes()).unwrap();
+        assert_eq!(envelope.due_ms, Some(86_400_001));
+    }
+
+    #[test]
+    fn a_body_that_is_not_an_envelope_cannot_be_delayed_beyond_24_hours() {
+        let err = prepare_send("raw text".into(), Some(2 * MAX_DELAY), 0).unwrap_err();
+        assert_eq!(err.kind, EdgeErrorKind::Unsupported);
+        assert!(err.to_string().contains("due time"), "{err}");
+        let (sent, seconds) = prepare_send("raw text".into(), Some(MAX_DELAY), 0).unwrap();
+        assert_eq!((sent.as_str(), seconds), ("raw text", Some(86_400)));
+    }
+
+    #[test]
+    fn the_due_time_counts_towards_the_size_limit() {
+        let at_limit = String::from_utf8(envelope_of(MAX_MESSAGE_BYTES).encode()).unwrap();
+        prepare_send(at_limit.clone(), Some(MAX_DELAY), 0).unwrap();
+        let err = prepare_send(at_limit, Some(2 * MAX_DELAY), 0).unwrap_err();
+        assert!(err.to_string().contains("limit of 128000 bytes"), "{err}");
+    }
+
+    #[test]
+    fn legs_are_at_most_a_day_in_whole_seconds() {
+        assert_eq!(leg_seconds(3 * MAX_DELAY), 86_400);
+        assert_eq!(leg_seconds(Duration::from_millis(1_001)), 2);
+        assert_eq!(leg_seconds(Duration::from_millis(1)), 1);
     }
 }

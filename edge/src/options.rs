@@ -12,6 +12,9 @@ use crate::log::LogSink;
 use crate::settings::EdgeConfig;
 use crate::wrangler::{Checked, Wrangler};
 
+/// A worker's schedules ([`Options::schedules`]), or why they do not build.
+pub type SchedulesFn = fn() -> Result<Vec<jobrail::Schedule>, String>;
+
 /// Options of a worker built with [`crate::consumer!`].
 ///
 /// An operator may retune a deployed worker without rebuilding it through
@@ -36,6 +39,16 @@ pub struct Options {
     pub queue_concurrency: &'static [(&'static str, usize)],
     /// Log every settlement as one structured line (default on).
     pub log_settlements: bool,
+    /// The schedules the Worker fires from its Cron Triggers
+    /// ([`EdgeScheduler`](crate::EdgeScheduler)): set by the
+    /// [`consumer!`](crate::consumer!) macro's `schedules = FN`, which also
+    /// exports the `scheduled` handler. When set, the wrangler.toml check
+    /// holds `[triggers] crons` to them
+    /// ([`check_triggers`](crate::schedules::check_triggers)).
+    pub schedules: Option<SchedulesFn>,
+    /// The D1 binding the schedules' ticks are claimed in (default
+    /// `CLAIMS_DB`, a `[[d1_databases]]` entry).
+    pub schedule_claims: &'static str,
 }
 
 impl Options {
@@ -46,6 +59,8 @@ impl Options {
         concurrency: 1,
         queue_concurrency: &[],
         log_settlements: true,
+        schedules: None,
+        schedule_claims: "CLAIMS_DB",
     };
 }
 
@@ -133,7 +148,12 @@ pub(crate) fn build_consumer(
         let sink = Arc::new(LogSink::new(inner));
         registry.event_sink(sink);
     }
-    EdgeConsumer::with_runtime(registry, config, runtime).map_err(|e| e.to_string())
+    let mut consumer =
+        EdgeConsumer::with_runtime(registry, config, runtime).map_err(|e| e.to_string())?;
+    for (queue, binding) in checked.queue_bindings() {
+        consumer = consumer.with_queue_binding(queue, binding);
+    }
+    Ok(consumer)
 }
 
 /// Checks the top level of `options.wrangler` against the jobs of
@@ -166,12 +186,28 @@ fn check_section(
         None => file.to_string(),
         Some(_) => format!("{file}, {}", wrangler.section_name()),
     };
-    wrangler
-        .check_consumed(registry, options.failure_queue, &also)
-        .map_err(|problems| {
-            let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
-            format!("{place} does not fit the jobs:\n  {}", list.join("\n  "))
-        })
+    let checked = wrangler.check_consumed(registry, options.failure_queue, &also);
+    let mut problems = match &checked {
+        Ok(_) => Vec::new(),
+        Err(problems) => problems.iter().map(ToString::to_string).collect(),
+    };
+    if let Some(schedules) = options.schedules {
+        match schedules() {
+            Ok(schedules) => problems.extend(
+                crate::schedules::check_triggers(wrangler, &schedules, options.schedule_claims)
+                    .iter()
+                    .map(ToString::to_string),
+            ),
+            Err(e) => problems.push(format!("the schedules do not build: {e}")),
+        }
+    }
+    match checked {
+        Ok(checked) if problems.is_empty() => Ok(checked),
+        _ => Err(format!(
+            "{place} does not fit the jobs:\n  {}",
+            problems.join("\n  ")
+        )),
+    }
 }
 
 /// The check a Worker runs for `queue` (see [`build_consumer`]): every

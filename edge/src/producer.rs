@@ -8,8 +8,7 @@ use serde::Serialize;
 use worker::{Env, MessageBuilder, Queue, QueueContentType};
 
 use crate::error::{EdgeError, EdgeErrorKind};
-use crate::limits::delay_seconds;
-use crate::limits::{check_message_size, envelope_text};
+use crate::limits::{envelope_text, prepare_send};
 
 /// Sends typed jobs to a queue. Envelopes travel as JSON text, so the body a
 /// consumer sees is byte for byte what the native drivers carry.
@@ -84,10 +83,14 @@ impl EdgeProducer {
     }
 
     /// Sends a text body as is (bridging, and tests of malformed input),
-    /// refused before any request if above the platform's size limit.
+    /// refused before any request if above the platform's size limit. A
+    /// delay beyond 24 hours is carried in steps, as
+    /// [`Dispatch::delay`]'s, when the body is an envelope (its due time
+    /// is written in) and refused ([`EdgeErrorKind::Unsupported`]) when it
+    /// is not.
     pub async fn send_text(&self, body: String, delay: Option<Duration>) -> Result<(), EdgeError> {
-        check_message_size(&body)?;
-        let message = text_message(body, delay_seconds(delay.filter(|d| !d.is_zero()))?);
+        let (body, seconds) = prepare_send(body, delay, jobrail::unix_now_ms())?;
+        let message = text_message(body, seconds);
         self.queue
             .send(message)
             .await
@@ -118,9 +121,16 @@ impl<P> std::fmt::Debug for Dispatch<'_, P> {
 }
 
 impl<'a, P: Serialize> Dispatch<'a, P> {
-    /// Not deliverable before `delay` from now, rounded up to whole seconds,
-    /// at most 24 hours (a longer one is refused before the binding is
-    /// called, [`EdgeErrorKind::Unsupported`]); a zero delay is none.
+    /// Not deliverable before `delay` from now, rounded up to whole
+    /// seconds; a zero delay is none. Any length: up to 24 hours
+    /// ([`MAX_DELAY`](crate::MAX_DELAY)) the platform holds the message
+    /// itself; beyond, the envelope carries its due time
+    /// ([`jobrail::Envelope::due_ms`], by the Worker's clock), the message is
+    /// sent delayed by 24 hours, and the consumer sends each delivery that
+    /// comes before the due time on to its queue, delayed by the next leg,
+    /// without running the handler or counting an attempt (one message per
+    /// day of delay; the consumer needs a producer binding to its queue,
+    /// which the wrangler.toml check requires).
     pub fn delay(mut self, delay: Duration) -> Self {
         self.delay = Some(delay).filter(|d| !d.is_zero());
         self
@@ -168,9 +178,16 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
     /// Sends `payload`; returns its message id.
     pub async fn send(self, payload: &P) -> Result<String, EdgeError> {
         let envelope = EdgeProducer::envelope(self.job, payload, self.metadata)?;
+        let (text, seconds) = prepare_send(
+            envelope_text(&envelope)?,
+            self.delay,
+            jobrail::unix_now_ms(),
+        )?;
         self.producer
-            .send_text(envelope_text(&envelope)?, self.delay)
-            .await?;
+            .queue
+            .send(text_message(text, seconds))
+            .await
+            .map_err(|e| EdgeError::new(EdgeErrorKind::Uncertain, e.to_string()))?;
         Ok(envelope.id)
     }
 
@@ -179,13 +196,14 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
     /// does not encode, or one message above the size limit, refuses the
     /// whole batch before the binding is called.
     pub async fn send_batch(self, payloads: &[P]) -> Result<Vec<String>, EdgeError> {
-        let seconds = delay_seconds(self.delay)?;
+        let now_ms = jobrail::unix_now_ms();
         let mut ids = Vec::with_capacity(payloads.len());
         let mut batch = worker::BatchMessageBuilder::new();
         for payload in payloads {
             let envelope = EdgeProducer::envelope(self.job, payload, self.metadata.clone())?;
             ids.push(envelope.id.clone());
-            batch = batch.message(text_message(envelope_text(&envelope)?, seconds));
+            let (text, seconds) = prepare_send(envelope_text(&envelope)?, self.delay, now_ms)?;
+            batch = batch.message(text_message(text, seconds));
         }
         self.producer
             .queue

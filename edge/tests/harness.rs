@@ -307,6 +307,10 @@ UNKNOWN_NAME_ATTEMPTS = "2"
 queue = "failed"
 binding = "FAILED"
 
+[[queues.producers]]
+queue = "jobs"
+binding = "JOBS"
+
 [[queues.consumers]]
 queue = "jobs"
 max_batch_size = 2
@@ -556,6 +560,10 @@ UNKNOWN_NAME_RETRY_DELAY_MS = "30000"
 [[queues.producers]]
 queue = "reports"
 binding = "REPORTS"
+
+[[queues.producers]]
+queue = "reports-parallel"
+binding = "REPORTS_PARALLEL"
 
 [[queues.producers]]
 queue = "reports-failed"

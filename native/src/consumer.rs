@@ -2,15 +2,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::select_all;
-use jobrail::{failure_budget, CancelToken, Registry, Runtime};
+use jobrail::{failure_budget, CancelToken, Registry, Runtime, Settlement};
 use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
-use tracing::{error, info, warn, Instrument};
+use tracing::{debug, error, info, warn, Instrument};
 
-use crate::driver::{Delivery, Driver, DriverError, ErrorKind, Subscription};
+use crate::driver::{Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 use crate::kit::Reconnect;
 use crate::metrics::DepthPoller;
 use crate::runtime::TokioRuntime;
@@ -22,6 +22,7 @@ pub struct ConsumerBuilder {
     concurrency: usize,
     runtime: Arc<dyn Runtime>,
     depth_every: Option<Duration>,
+    overlap: Option<crate::scheduler::OverlapGuard>,
 }
 
 impl ConsumerBuilder {
@@ -47,6 +48,14 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Runs each delivery through `guard`, so that the jobs of a schedule
+    /// with [`jobrail::Overlap::Skip`] never run two at once
+    /// ([`Scheduler::overlap_guard`](crate::Scheduler::overlap_guard)).
+    pub fn overlap_guard(mut self, guard: crate::scheduler::OverlapGuard) -> Self {
+        self.overlap = Some(guard);
+        self
+    }
+
     /// Finishes; logs each job's failure budget.
     pub fn build(self) -> Consumer {
         let hint = self.driver.capabilities().redelivery_hint;
@@ -63,6 +72,7 @@ impl ConsumerBuilder {
             concurrency: self.concurrency,
             runtime: self.runtime,
             depth_every: self.depth_every,
+            overlap: self.overlap,
         }
     }
 }
@@ -95,6 +105,7 @@ pub struct Consumer {
     concurrency: usize,
     runtime: Arc<dyn Runtime>,
     depth_every: Option<Duration>,
+    overlap: Option<crate::scheduler::OverlapGuard>,
 }
 
 /// A running consumer.
@@ -174,6 +185,7 @@ impl Consumer {
             concurrency: 8,
             runtime: Arc::new(TokioRuntime),
             depth_every: None,
+            overlap: None,
         }
     }
 
@@ -253,11 +265,17 @@ impl Consumer {
             .depth_every
             .and_then(|every| DepthPoller::start(&self.driver, self.registry.queues(), every));
         let intake = Intake {
-            driver: self.driver,
+            driver: self.driver.clone(),
             shared: Arc::new(Shared {
                 registry: self.registry,
                 runtime: self.runtime,
                 handlers: CancelToken::new(),
+                steps: Steps {
+                    driver: self.driver,
+                    longest: capabilities.max_dispatch_delay,
+                    hold: capabilities.refused_hold,
+                },
+                overlap: self.overlap,
             }),
             prefetch: self.concurrency,
         };
@@ -291,6 +309,85 @@ struct Shared {
     runtime: Arc<dyn Runtime>,
     /// Cancels the handlers' contexts (after intake has stopped).
     handlers: CancelToken,
+    /// Where a delivery that is not yet due is sent on.
+    steps: Steps,
+    /// The schedules' overlap guard, if any.
+    overlap: Option<crate::scheduler::OverlapGuard>,
+}
+
+/// The steps of delays the backend holds only up to a limit
+/// ([`Capabilities::max_dispatch_delay`](crate::Capabilities::max_dispatch_delay)).
+struct Steps {
+    driver: Arc<dyn Driver>,
+    /// The longest delay one message holds (`None`: any).
+    longest: Option<Duration>,
+    /// How long a delivery whose step could not be sent stays away.
+    hold: Duration,
+}
+
+impl Steps {
+    /// Carries on a delivery that is `remaining` from its due time: sends
+    /// the same body under the same id, delayed by the next leg, then
+    /// acknowledges the delivery. The handler does not run and no attempt
+    /// is counted (the copy is a new message). If the copy is not sent
+    /// (three tries), the delivery is handed back as a graceful shutdown
+    /// hands it back (a return the job's cap does not count, though the
+    /// attempt number the handler sees may), to come back after the
+    /// backend's hold: nothing is lost, nothing loops.
+    /// A crash between the send and the acknowledgement leaves two copies,
+    /// as any at-least-once hand-over does.
+    async fn step(&self, queue: &str, delivery: Box<dyn Delivery>, remaining: Duration) {
+        #[derive(serde::Deserialize)]
+        struct Id {
+            id: String,
+        }
+        let leg = jobrail::delay_leg(remaining, self.longest);
+        let id = serde_json::from_slice::<Id>(delivery.body())
+            .map(|e| e.id)
+            .unwrap_or_default();
+        let copy = Outgoing {
+            id: id.clone(),
+            body: delivery.body().to_vec(),
+            delay: Some(leg),
+        };
+        // A refusal can be brief (a hold queue declared a moment ago): the
+        // copy is sent again twice before the delivery is handed back.
+        let mut sent = self.driver.send(queue, copy.clone()).await;
+        for pause in [Duration::from_millis(50), Duration::from_millis(250)] {
+            match &sent {
+                Err(e) if matches!(e.kind(), ErrorKind::NotAccepted | ErrorKind::Uncertain) => {
+                    tokio::time::sleep(pause).await;
+                    sent = self.driver.send(queue, copy.clone()).await;
+                }
+                _ => break,
+            }
+        }
+        match sent {
+            Ok(()) => match delivery.settle(&Settlement::Ack).await {
+                Ok(()) => debug!(message_id = %id, ?remaining, ?leg, "delay step: sent on"),
+                Err(e) => warn!(
+                    message_id = %id,
+                    kind = %e.kind(),
+                    "delay step: sent on, but the delivery's acknowledgement failed \
+                     (two copies may arrive when due): {e}"
+                ),
+            },
+            Err(e) => {
+                warn!(
+                    message_id = %id,
+                    kind = %e.kind(),
+                    "delay step: not sent on; the delivery is handed back: {e}"
+                );
+                let back = Settlement::Retry {
+                    delay: Some(self.hold.min(leg)),
+                    shutdown: true,
+                };
+                if let Err(e) = delivery.settle(&back).await {
+                    warn!(message_id = %id, "delay step: hand-back failed: {e}");
+                }
+            }
+        }
+    }
 }
 
 /// A delivery handed to a worker, with its queue.
@@ -526,6 +623,17 @@ impl Source {
 }
 
 async fn handle(shared: &Shared, queue: &str, delivery: Box<dyn Delivery>) {
+    if let Some(remaining) = jobrail::delay_remaining(delivery.body(), jobrail::unix_now_ms()) {
+        return shared.steps.step(queue, delivery, remaining).await;
+    }
+    // A schedule's job whose previous tick still runs is settled here.
+    let (delivery, running) = match &shared.overlap {
+        Some(guard) => match guard.enter(delivery).await {
+            Some(entered) => entered,
+            None => return,
+        },
+        None => (delivery, None),
+    };
     let attempt = delivery.attempt();
     let span = tracing::info_span!(
         "delivery",
@@ -553,7 +661,10 @@ async fn handle(shared: &Shared, queue: &str, delivery: Box<dyn Delivery>) {
         }
     }
     .instrument(span)
-    .await
+    .await;
+    if let Some(running) = running {
+        running.leave().await;
+    }
 }
 
 fn log_outcome(processed: &jobrail::Processed) {

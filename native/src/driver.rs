@@ -29,6 +29,19 @@ pub struct Capabilities {
     pub refused_hold: Duration,
     /// Whether a message can be dispatched with a delay.
     pub delayed_dispatch: bool,
+    /// The longest dispatch delay the backend holds in one message. `None`:
+    /// any delay. A longer one is carried in steps: the
+    /// [`Producer`](crate::Producer) writes the due time into the envelope
+    /// ([`jobrail::Envelope::due_ms`]) and sends the message delayed by this
+    /// much; a consumer that receives it before it is due sends it on
+    /// again (the same body and id, delayed by the rest or by this much)
+    /// and acknowledges the delivery, without running the handler or
+    /// counting an attempt ([`jobrail::delay_remaining`]). A step costs one
+    /// message, so a delay of `d` costs `ceil(d / max_dispatch_delay)`.
+    /// A backend that may deliver a delayed message a little early (a delay
+    /// rounded down to the hold it has) sets it too, and the consumer steps
+    /// over the rest.
+    pub max_dispatch_delay: Option<Duration>,
     /// Whether a rejected message is dropped (`true`) or left for the
     /// backend to redeliver later (`false`).
     pub reject_drops: bool,
@@ -98,6 +111,7 @@ impl Capabilities {
             max_retry_delay: None,
             refused_hold: jobrail::REFUSED_SETTLEMENT_HOLD,
             delayed_dispatch: true,
+            max_dispatch_delay: None,
             reject_drops: true,
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,

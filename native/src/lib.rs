@@ -3,7 +3,9 @@
 //! The rules live in the `jobrail` crate; this crate runs them on tokio
 //! against a backend. Declare jobs with [`jobrail::Job`], register handlers in
 //! a [`jobrail::Registry`], dispatch with a [`Producer`], and consume with a
-//! [`Consumer`].
+//! [`Consumer`]. Recurring jobs ([`jobrail::Schedule`]) are fired by a
+//! [`Scheduler`] in every worker, each tick once
+//! ([schedules](https://github.com/jobrail/jobrail/blob/main/guide/schedules.md)).
 //!
 //! # Example
 //!
@@ -95,6 +97,8 @@ mod readme_doctests {
         Rules: "../../guide/rules.md",
         Tiers: "../../guide/tiers.md",
         Claims: "../../guide/claims.md",
+        Later: "../../guide/later.md",
+        Schedules: "../../guide/schedules.md",
         Memory: "../../guide/memory.md",
         Rabbitmq: "../../guide/rabbitmq.md",
         Nats: "../../guide/nats.md",
@@ -102,6 +106,7 @@ mod readme_doctests {
         Postgres: "../../guide/postgres.md",
         Edge: "../../guide/edge.md",
         EdgeWorker: "../../guide/edge-worker.md",
+        EdgeSchedules: "../../guide/edge-schedules.md",
         Operating: "../../guide/operating.md",
         Testing: "../../guide/testing.md",
         Performance: "../../guide/performance.md",
@@ -125,6 +130,7 @@ mod producer;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 mod runtime;
+mod scheduler;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 mod unique;
@@ -141,4 +147,8 @@ pub use memory::{MemoryConfig, MemoryDriver};
 pub use overrides::{apply_env_overrides, overrides_from_env};
 pub use producer::{Dispatch, DispatchOptions, Producer, UniqueDispatchBuilder};
 pub use runtime::TokioRuntime;
+pub use scheduler::{
+    OverlapGuard, Running, Scheduler, SchedulerBuilder, SchedulerHandle, DEFAULT_POLL,
+    RUNNING_LEASE,
+};
 pub use unique::{UniqueDispatch, UniqueDispatchError};

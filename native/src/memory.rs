@@ -29,6 +29,11 @@ pub struct MemoryConfig {
     /// s), as a broker's visibility timeout or AckWait would hold it: a
     /// refused settlement never becomes a hot loop.
     pub refused_hold: Duration,
+    /// The longest dispatch delay one message holds (`None`, the default:
+    /// any). A longer delay is carried in steps, as on a broker with a
+    /// maximum delay ([`Capabilities::max_dispatch_delay`]): for tests of
+    /// long delays on the memory driver.
+    pub max_dispatch_delay: Option<Duration>,
 }
 
 impl Default for MemoryConfig {
@@ -36,6 +41,7 @@ impl Default for MemoryConfig {
         MemoryConfig {
             max_retry_delay: None,
             refused_hold: jobrail::REFUSED_SETTLEMENT_HOLD,
+            max_dispatch_delay: None,
         }
     }
 }
@@ -44,6 +50,12 @@ impl MemoryConfig {
     /// Sets [`max_retry_delay`](Self::max_retry_delay).
     pub fn max_retry_delay(mut self, max: Option<Duration>) -> Self {
         self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`max_dispatch_delay`](Self::max_dispatch_delay).
+    pub fn max_dispatch_delay(mut self, max: Option<Duration>) -> Self {
+        self.max_dispatch_delay = max;
         self
     }
 
@@ -349,6 +361,7 @@ impl Driver for MemoryDriver {
         Capabilities {
             max_retry_delay: self.inner.config.max_retry_delay,
             refused_hold: self.inner.config.refused_hold,
+            max_dispatch_delay: self.inner.config.max_dispatch_delay,
             ..Capabilities::full()
         }
     }

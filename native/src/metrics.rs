@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ::metrics::{describe_gauge, gauge, Unit};
+use ::metrics::{describe_counter, describe_gauge, gauge, Unit};
 use tracing::warn;
 
 use crate::driver::Driver;
@@ -22,6 +22,9 @@ use crate::failures::QueueDepth;
 
 /// The gauge of a queue's depth.
 pub(crate) const QUEUE_DEPTH: &str = "jobrail_queue_depth";
+
+/// Schedule ticks acted on by this worker, by schedule and outcome.
+pub(crate) const SCHEDULE_TICKS: &str = "jobrail_schedule_ticks_total";
 
 /// How long the last poll, made when a consumer stops, may take.
 const LAST_POLL_BUDGET: Duration = Duration::from_secs(5);
@@ -35,6 +38,8 @@ const LAST_POLL_BUDGET: Duration = Duration::from_secs(5);
 /// |---|---|---|---|
 /// | `jobrail_queue_depth` | gauge | `queue`, `state` | Messages in a queue as the backend last reported them, by `state`: `ready` (deliverable now), `in_flight` (delivered, not yet settled) and `delayed` (waiting out a delay), each only where the backend reports it. Polled by a consumer built with [`queue_depth_every`](crate::ConsumerBuilder::queue_depth_every) on a driver with [`Driver::admin`], and once more when it stops. |
 ///
+/// | `jobrail_schedule_ticks_total` | counter | `schedule`, `outcome` | Ticks this worker's [`Scheduler`](crate::Scheduler) or [`OverlapGuard`](crate::OverlapGuard) acted on, by `outcome`: `fired`, `taken_over` (fired after another scheduler's claim ended), `fired_unrecorded`, `skipped_first_seen`, `send_failed`, `payload_failed`, `store_error`, `given_up`, `overlap_skipped`. |
+///
 /// Call it once after installing a recorder; recording works without it.
 pub fn describe_metrics() {
     jobrail::describe_metrics();
@@ -42,6 +47,11 @@ pub fn describe_metrics() {
         QUEUE_DEPTH,
         Unit::Count,
         "Messages in a queue as the backend last reported them, by state (ready, in_flight, delayed)."
+    );
+    describe_counter!(
+        SCHEDULE_TICKS,
+        Unit::Count,
+        "Schedule ticks this worker acted on, by schedule and outcome."
     );
 }
 

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use jobrail::{encode_envelope, ClaimStore, Job, UniqueDispatch};
 use serde::Serialize;
@@ -42,13 +42,23 @@ impl<P> std::fmt::Debug for Dispatch<'_, P> {
 }
 
 impl<'a, P: Serialize> Dispatch<'a, P> {
-    /// Not deliverable before `delay` from now (a zero delay is none). A
-    /// backend that cannot delay a dispatch refuses it before any I/O
-    /// ([`ErrorKind::Unsupported`]), as does one whose limit the delay
-    /// exceeds.
+    /// Not deliverable before `delay` from now (a zero delay is none), of
+    /// any length on every backend: a backend that holds delays only up to
+    /// a limit ([`Capabilities::max_dispatch_delay`]) carries a longer one
+    /// in steps that neither run the handler nor count an attempt. A
+    /// backend that cannot delay at all refuses it before any I/O
+    /// ([`ErrorKind::Unsupported`]).
     pub fn delay(mut self, delay: Duration) -> Self {
         self.options.delay = Some(delay);
         self
+    }
+
+    /// Not deliverable before `when` (a time past is now): a delay of the
+    /// time between now and then, by the system clock. As
+    /// [`delay`](Self::delay), any length on every backend.
+    pub fn at(self, when: SystemTime) -> Self {
+        let delay = when.duration_since(SystemTime::now()).unwrap_or_default();
+        self.delay(delay)
     }
 
     /// Adds `key` = `value` to the envelope's metadata (a handler reads it
@@ -167,6 +177,12 @@ impl<P: Serialize, S: ClaimStore + ?Sized> UniqueDispatchBuilder<'_, P, S> {
     /// As [`Dispatch::delay`].
     pub fn delay(mut self, delay: Duration) -> Self {
         self.dispatch = self.dispatch.delay(delay);
+        self
+    }
+
+    /// As [`Dispatch::at`].
+    pub fn at(mut self, when: SystemTime) -> Self {
+        self.dispatch = self.dispatch.at(when);
         self
     }
 
@@ -313,10 +329,9 @@ impl Producer {
         let capabilities = self.driver.capabilities();
         let mut results: Vec<Result<(), DriverError>> = Vec::with_capacity(messages.len());
         let mut accepted = Vec::with_capacity(messages.len());
-        for mut message in messages {
-            message.delay = message.delay.filter(|d| !d.is_zero());
-            match self.refuse(&capabilities, &message) {
-                Ok(()) => {
+        for message in messages {
+            match self.prepare(&capabilities, message) {
+                Ok(message) => {
                     results.push(Ok(()));
                     accepted.push(message);
                 }
@@ -347,20 +362,61 @@ impl Producer {
         results
     }
 
-    fn refuse(&self, capabilities: &Capabilities, message: &Outgoing) -> Result<(), DriverError> {
-        if message.delay.is_some() && !capabilities.delayed_dispatch {
-            return Err(DriverError::new(
-                self.driver.name(),
-                ErrorKind::Unsupported,
-                "this backend cannot delay a dispatch",
-            ));
+    /// `message` as the driver is to get it, or why not, before any I/O: a
+    /// zero delay is none; a delay on a backend that holds delays in steps
+    /// ([`Capabilities::max_dispatch_delay`]) writes the due time into the
+    /// envelope and sends the first step; the body, due time included,
+    /// must fit the backend's size limit.
+    fn prepare(
+        &self,
+        capabilities: &Capabilities,
+        mut message: Outgoing,
+    ) -> Result<Outgoing, DriverError> {
+        message.delay = message.delay.filter(|d| !d.is_zero());
+        if let Some(delay) = message.delay {
+            if !capabilities.delayed_dispatch {
+                return Err(DriverError::new(
+                    self.driver.name(),
+                    ErrorKind::Unsupported,
+                    "this backend cannot delay a dispatch",
+                ));
+            }
+            if let Some(longest) = capabilities.max_dispatch_delay {
+                let delay_ms =
+                    u64::try_from(delay.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+                let due = jobrail::unix_now_ms().saturating_add(delay_ms);
+                match jobrail::with_due(&message.body, due) {
+                    Some(body) => {
+                        message.body = body;
+                        message.delay = Some(jobrail::delay_leg(delay, Some(longest)));
+                    }
+                    None if delay > longest => {
+                        return Err(DriverError::new(
+                            self.driver.name(),
+                            ErrorKind::Unsupported,
+                            format!(
+                                "a delay of {delay:?} is longer than one {} message holds ({longest:?}), \
+                                 and a body that is not an envelope cannot carry the due time that \
+                                 would carry it in steps; nothing was sent",
+                                self.driver.name()
+                            ),
+                        ));
+                    }
+                    None => {}
+                }
+            }
         }
-        capabilities.refuse_oversize(self.driver.name(), message.body.len())
+        capabilities.refuse_oversize(self.driver.name(), message.body.len())?;
+        Ok(message)
     }
 
     /// Sends raw bytes to `queue` (refused before any I/O if longer than
     /// the driver's [`max_message_bytes`](crate::Capabilities::max_message_bytes)) (for tests of malformed input and for
-    /// bridging producers written in other languages).
+    /// bridging producers written in other languages). A delay longer than
+    /// the backend holds in one message
+    /// ([`max_dispatch_delay`](crate::Capabilities::max_dispatch_delay)) is
+    /// carried in steps when the body is an envelope (its due time is
+    /// written in) and refused ([`ErrorKind::Unsupported`]) when it is not.
     pub async fn send_raw(
         &self,
         queue: &str,
@@ -368,12 +424,7 @@ impl Producer {
         body: Vec<u8>,
         delay: Option<Duration>,
     ) -> Result<(), DriverError> {
-        let message = Outgoing {
-            id,
-            body,
-            delay: delay.filter(|d| !d.is_zero()),
-        };
-        self.refuse(&self.driver.capabilities(), &message)?;
+        let message = self.prepare(&self.driver.capabilities(), Outgoing { id, body, delay })?;
         self.driver.send(queue, message).await
     }
 }

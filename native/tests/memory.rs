@@ -109,6 +109,7 @@ async fn too_long_a_retry_is_refused_and_the_message_held_then_kept() {
     let driver = MemoryDriver::new(MemoryConfig {
         max_retry_delay: Some(Duration::from_secs(1)),
         refused_hold: hold,
+        ..MemoryConfig::default()
     });
     driver.send("q", message()).await.unwrap();
     let mut sub = driver.subscribe("q", 1).await.unwrap();

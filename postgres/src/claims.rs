@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimStore};
+use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimState, ClaimStore};
 use tokio::sync::Mutex;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
@@ -461,6 +461,25 @@ impl PgClaims {
         .await
     }
 
+    async fn state_now(&self, key: &str) -> Result<ClaimState, ClaimError> {
+        if key.contains('\0') {
+            return Ok(ClaimState::Free);
+        }
+        self.with_conn(|conn, _| async move {
+            Ok(match conn.read(key).await? {
+                Some(row) if row.state == "done" => ClaimState::Done,
+                Some(Row {
+                    remaining: Some(left),
+                    ..
+                }) => ClaimState::Held {
+                    remaining: Duration::from_micros(left.max(0) as u64),
+                },
+                _ => ClaimState::Free,
+            })
+        })
+        .await
+    }
+
     /// Runs a change of the claim `fence` that answers whether it applied:
     /// [`ClaimError::Lost`] when it did not.
     async fn change<F, Fut>(&self, key: &str, fence: u64, op: F) -> Result<(), ClaimError>
@@ -500,6 +519,10 @@ impl ClaimStore for PgClaims {
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), ClaimError>> {
         Box::pin(self.extend_now(key, fence, lease))
+    }
+
+    fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
+        Box::pin(self.state_now(key))
     }
 }
 

@@ -18,6 +18,10 @@
 //!   classic `SET NX PX` lock), then `done:<fence>`, kept for
 //!   [`done_ttl`](RedisClaims::done_ttl) (7 days unless set), once the
 //!   holder completed it. Released, or its lease ended, the key is gone.
+//!   A schedule's fired ticks (`schedule:<name>:<tick>`) are such done
+//!   marks: a tick older than `done_ttl` reads as never fired, which only
+//!   matters to a missed-tick policy that looks back further than that, and
+//!   to `jobrail schedules list`, which shows it as not fired.
 //! - `<prefix>{K}:fence`, the fencing counter (`INCR` on every new claim).
 //!   It is kept `done_ttl` beyond the end of the latest lease or done mark,
 //!   so it outlives both.
@@ -83,7 +87,7 @@ use std::time::Duration;
 
 use ::redis::aio::ConnectionManager;
 use ::redis::{Client, RedisError, Script};
-use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimStore};
+use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimState, ClaimStore};
 
 pub use ::redis;
 
@@ -165,7 +169,26 @@ keep_counter(KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[3]))
 return 1
 ";
 
+/// KEYS: claim. Returns {0, 0} free, {1, 0} done, {2, remaining ms} held.
+const STATE: &str = r"
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return {0, 0}
+end
+local state = string.sub(value, 1, 5)
+if state == 'done:' then
+  return {1, 0}
+end
+if state == 'held:' then
+  local left = redis.call('PTTL', KEYS[1])
+  if left < 0 then left = 0 end
+  return {2, left}
+end
+return redis.error_reply('ERR jobrail: the claim key holds a value that is not a claim')
+";
+
 struct Scripts {
+    state: Script,
     claim: Script,
     complete: Script,
     release: Script,
@@ -176,6 +199,7 @@ impl Scripts {
     fn new() -> Self {
         let with_counter = |body: &str| Script::new(&format!("{KEEP_COUNTER}{body}"));
         Scripts {
+            state: Script::new(STATE),
             claim: with_counter(CLAIM),
             complete: with_counter(COMPLETE),
             release: with_counter(RELEASE),
@@ -346,6 +370,29 @@ impl RedisClaims {
         }
     }
 
+    /// Reads the state of `key` (a done mark lasts `done_ttl`: after it, the
+    /// key reads free again).
+    async fn state_of(&self, key: &str) -> Result<ClaimState, ClaimError> {
+        let (claim, _) = self.keys(key);
+        let (state, value): (i64, i64) = self
+            .scripts
+            .state
+            .key(claim)
+            .invoke_async(&mut self.connection.clone())
+            .await
+            .map_err(|e| failure(format!("read `{key}` on Redis"), e))?;
+        match (state, u64::try_from(value)) {
+            (0, _) => Ok(ClaimState::Free),
+            (1, _) => Ok(ClaimState::Done),
+            (2, Ok(left)) => Ok(ClaimState::Held {
+                remaining: Duration::from_millis(left),
+            }),
+            _ => Err(ClaimError::store(format!(
+                "read `{key}` on Redis: unexpected answer ({state}, {value})"
+            ))),
+        }
+    }
+
     /// Runs one of the scripts that act on the live claim `fence` of `key`
     /// (its ARGV after the fence given as `args`).
     async fn held(
@@ -428,6 +475,10 @@ impl ClaimStore for RedisClaims {
             )
             .await
         })
+    }
+
+    fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
+        Box::pin(self.state_of(key))
     }
 }
 

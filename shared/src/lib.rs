@@ -149,6 +149,9 @@
 //!   ([`ClaimStore`], [`run_once`], [`Claim`]).
 //! - `unique`: one dispatch per key and time window, on a claim store
 //!   ([`dispatch_unique`]).
+//! - `schedule`: recurring jobs, their ticks in a time zone and the rule
+//!   that fires each tick once across schedulers ([`Schedule`],
+//!   [`ScheduleFiring`], [`SchedulesConfig`]).
 //! - `state`: shared state given once to the registry and read by type
 //!   from each execution's context ([`MissingState`]).
 //! - `testing` (not on wasm32): the public `jobrail::testing`, a registry's
@@ -167,7 +170,10 @@ mod run;
 pub use model::backend::{ErrorKind, SettlementError};
 pub use model::breaker::{BreakerConfig, BreakerError, BreakerState, CircuitBreaker};
 pub use model::cancel::{CancelToken, Cancellation};
-pub use model::envelope::{encode_envelope, new_message_id, Envelope, EnvelopeError};
+pub use model::envelope::{
+    delay_leg, delay_remaining, encode_envelope, encode_envelope_due, new_message_id, unix_now_ms,
+    with_due, Envelope, EnvelopeError,
+};
 pub use model::error::BreakerOpen;
 pub use model::error::{
     BoxError, Cancelled, JobError, Outcome, Panicked, Permanent, Reject, RetryAfter,
@@ -182,7 +188,9 @@ pub use model::record::{
     FailureRecord, RawBody, Truncation, TRUNCATED_NAME_BYTES, TRUNCATED_REASON_BYTES,
 };
 pub use model::redact::json_error;
-pub use model::runtime::{Clock, Instant, Runtime, SystemClock, VirtualRuntime};
+pub use model::runtime::{
+    Clock, Instant, Runtime, SystemClock, SystemTime, VirtualRuntime, UNIX_EPOCH,
+};
 pub use observe::event::{Event, EventKind, EventSink};
 pub use observe::metrics::describe_metrics;
 pub use observe::stats::{JobStats, Resolution, Stats, UNREGISTERED_JOBS};
@@ -195,6 +203,7 @@ pub use rules::settle::{
     deliveries_needed, exceeds_crash_bound, Settlement, UnknownNameAttempts,
     DEFAULT_UNKNOWN_NAME_ATTEMPTS, REFUSED_SETTLEMENT_HOLD, SETTLEMENT_BUDGET, SHUTDOWN_GRACE,
 };
+pub use run::claim::ClaimState;
 #[cfg(feature = "memory-claims")]
 pub use run::claim::MemoryClaims;
 pub use run::claim::{
@@ -212,6 +221,13 @@ pub use run::registry::{Incoming, Processed, Registry, RegistryError};
 pub use run::retry_delay::{
     check_job_retry_delay, check_retry_delays, longest_retry_delay, DelayOf, RetryDelayError,
     CUSTOM_BACKOFF_EVALUATIONS,
+};
+pub use run::schedule::{
+    validate_schedule_name, FireReport, Missed, MissedTicks, Overlap, Schedule, ScheduleBuilder,
+    ScheduleEntry, ScheduleError, ScheduleFiring, SchedulesConfig, Tick, TickDispatch, TickOutcome,
+    TickReport, DEFAULT_GRACE, DEFAULT_TICK_LEASE, MANUAL_TICK, MAX_MISSED_EACH, MAX_PENDING_TICKS,
+    MAX_SCHEDULE_NAME_BYTES, SCHEDULE_METADATA, SEND_RETRY, SEND_RETRY_HORIZON, TICK_METADATA,
+    TRIGGERED_AT_METADATA,
 };
 pub use run::state::MissingState;
 #[cfg(not(target_arch = "wasm32"))]

@@ -4,13 +4,14 @@ use std::cell::RefCell;
 use std::fmt;
 use std::time::Duration;
 
-use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimStore};
+use jobrail::{validate_claim, BoxFuture, Claim, ClaimError, ClaimState, ClaimStore};
 use serde::de::DeserializeOwned;
 use wasm_bindgen::JsValue;
 use worker::{D1Database, D1PreparedStatement, D1Result, Env};
 
 use super::{
-    answer, check_table, is_guard_failure, is_missing_table, lease_ms, FenceRow, Sql, StateRow,
+    answer, check_table, is_guard_failure, is_missing_table, lease_ms, state_of, FenceRow, Sql,
+    StateRow,
 };
 use crate::{EdgeError, EdgeErrorKind};
 
@@ -345,6 +346,19 @@ impl D1Claims {
         .await
     }
 
+    /// The key's state, by one `SELECT` on the database's clock (no write;
+    /// the table is created first if this isolate has not seen it).
+    async fn state_now(&self, key: &str) -> Result<ClaimState, ClaimError> {
+        validate_claim(key, Duration::from_millis(1))?;
+        self.with_table_ready(move || async move {
+            let what = "reading a claim's state";
+            let result = self.statement(&self.sql.read, &[text(key)])?.all().await;
+            let row: Vec<StateRow> = rows(&checked(result, what)?, what)?;
+            state_of(row.first()).map_err(|e| store_error(what, e))
+        })
+        .await
+    }
+
     /// Runs the fenced `UPDATE` `sql` on the live claim `fence` of `key`:
     /// `Lost` when it changed nothing.
     async fn on_live(
@@ -425,5 +439,11 @@ impl ClaimStore for D1Claims {
             )
             .await
         })
+    }
+
+    /// One `SELECT`: free (no row, or a lease that has ended), held with
+    /// the lease's time left on the database's clock, or done.
+    fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
+        Box::pin(self.state_now(key))
     }
 }

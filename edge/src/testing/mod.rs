@@ -19,6 +19,10 @@
 //! queue = "failed"
 //! binding = "FAILED"
 //!
+//! [[queues.producers]]
+//! queue = "jobs"
+//! binding = "JOBS"
+//!
 //! [[queues.consumers]]
 //! queue = "jobs"
 //! max_retries = 10
@@ -92,6 +96,23 @@
 //!   (`[[queues.producers]]`, resolved binding to queue) is appended to that
 //!   queue. [`CloudflareQueues::fail_sends`] makes sends through a binding fail,
 //!   to test that a failed failure-queue send keeps the message.
+//! - **Delays beyond 24 hours.** A send delayed beyond
+//!   [`MAX_DELAY`](crate::MAX_DELAY) carries its due time in the envelope and
+//!   becomes visible after 24 hours, as `EdgeProducer` sends it; the
+//!   consumer sends each delivery before the due time on to its queue
+//!   through the queue's producer binding, delayed by the next leg
+//!   ([`MessageState::SentOn`]: a new message, the same body, visible after
+//!   that delay), without running. [`CloudflareQueues::legs`] lists the
+//!   messages one delay took. The consumer's wall clock (what it compares
+//!   due times with) is virtual too: [`CloudflareQueues::unix_now_ms`].
+//! - **Cron Triggers.** [`CloudflareQueues::trigger`] delivers a Cron
+//!   Trigger as the Worker's `scheduled` handler receives it: the
+//!   schedules of [`Options::schedules`] it fires send their due ticks'
+//!   jobs through the producer bindings of their queues, each tick claimed
+//!   once in [`CloudflareQueues::claims`] (D1 at the edge; here in memory,
+//!   on the virtual clock). The platform fires nothing by itself: a test
+//!   calls `trigger` for each minute it wants, and leaves one out to model
+//!   a trigger the platform dropped.
 //!
 //! # Time
 //!
@@ -135,8 +156,9 @@
 //!   redelivers a message that was acknowledged.
 //! - **Limits.** Message and batch sizes, retention (a message left on a
 //!   queue stays forever), the platform's wall-clock and CPU limits, and a
-//!   producer's `delivery_delay` are not modelled. Send delays are limited to
-//!   [`MAX_DELAY`](crate::MAX_DELAY).
+//!   producer's `delivery_delay` are not modelled. One message's delay is
+//!   limited to [`MAX_DELAY`](crate::MAX_DELAY); a longer dispatch delay
+//!   takes several (above).
 //! - **Hooks.** The `consumer!` macro's `other_queues` and `after_batch`
 //!   hooks take JavaScript values and are not run.
 //! - **Order.** The platform's order within a batch is best effort; the
@@ -152,9 +174,8 @@ use jobrail::testing::TestRuntime;
 use jobrail::{Clock, Envelope, EventKind, FailureRecord, Job, Registry};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::EdgeConsumer;
+use crate::batch::{EdgeConsumer, Wall};
 use crate::error::{EdgeError, EdgeErrorKind};
-use crate::limits::delay_seconds;
 use crate::options::{build_consumer, Options, VARIABLES};
 use crate::wrangler::{ConsumerSettings, Wrangler};
 
@@ -194,6 +215,10 @@ pub struct CloudflareQueues {
     batches: Vec<BatchRun>,
     shared: Arc<Mutex<Shared>>,
     max_invocations: usize,
+    /// The wall clock when the harness was created (Unix milliseconds).
+    epoch_ms: u64,
+    /// The claims the schedules' ticks are claimed in (D1 at the edge).
+    claims: jobrail::MemoryClaims,
 }
 
 impl fmt::Debug for CloudflareQueues {
@@ -252,7 +277,11 @@ impl CloudflareQueues {
             batches: Vec::new(),
             shared: Arc::default(),
             max_invocations: DEFAULT_MAX_INVOCATIONS,
+            epoch_ms: jobrail::unix_now_ms(),
+            claims: jobrail::MemoryClaims::new(),
         };
+        harness.claims =
+            jobrail::MemoryClaims::with_clock(Arc::new(harness.runtime.clock().clone()));
         harness.consumers = harness.build_consumers()?;
         Ok(harness)
     }
@@ -316,14 +345,16 @@ impl CloudflareQueues {
         self.send_with_delay(job, payload, Duration::ZERO)
     }
 
-    /// Sends like [`send`](Self::send), visible only after `delay` (rounded
-    /// up to whole seconds, as the platform takes `delaySeconds`).
+    /// Sends like [`send`](Self::send), due only after `delay` (rounded up
+    /// to whole seconds, as the platform takes `delaySeconds`), as
+    /// `EdgeProducer`'s `Dispatch::delay` sends it: of any length, a delay
+    /// beyond [`MAX_DELAY`](crate::MAX_DELAY) carried in steps (see the
+    /// [module documentation](self)).
     ///
     /// # Panics
     ///
-    /// If `payload` does not serialize, its message is above the platform's
-    /// size limit ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES)), or `delay` is above
-    /// the platform's limit ([`MAX_DELAY`](crate::MAX_DELAY)).
+    /// If `payload` does not serialize, or its message is above the
+    /// platform's size limit ([`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES)).
     pub fn send_with_delay<P: Serialize>(
         &mut self,
         job: &Job<P>,
@@ -381,9 +412,13 @@ impl CloudflareQueues {
             EdgeError::caused_by(EdgeErrorKind::Encode, Some(&context), e)
         })?;
         let envelope = Envelope::new(job.name(), payload);
-        let text = crate::limits::envelope_text(&envelope)?;
+        let (text, seconds) = crate::limits::prepare_send(
+            crate::limits::envelope_text(&envelope)?,
+            Some(delay),
+            self.unix_now_ms(),
+        )?;
         let id = envelope.id.clone();
-        let visible_at = self.now() + whole_seconds(delay);
+        let visible_at = self.now() + Duration::from_secs(u64::from(seconds.unwrap_or(0)));
         self.enqueue(queue, id.clone(), text.into_bytes(), visible_at);
         Ok(id)
     }
@@ -396,6 +431,101 @@ impl CloudflareQueues {
         let now = self.now();
         self.enqueue(queue, id.clone(), body.into(), now);
         id
+    }
+
+    /// The consumer's wall clock, in milliseconds since the Unix epoch: the
+    /// real time when the harness was created plus [`now`](Self::now). Due
+    /// times ([`jobrail::Envelope::due_ms`]) are compared with it.
+    pub fn unix_now_ms(&self) -> u64 {
+        let elapsed = u64::try_from(self.now().as_millis()).unwrap_or(u64::MAX);
+        self.epoch_ms.saturating_add(elapsed)
+    }
+
+    /// Moves the virtual clock forward to the wall-clock time `unix_ms`
+    /// ([`unix_now_ms`](Self::unix_now_ms)), if that is later, without
+    /// delivering anything.
+    pub fn advance_to(&mut self, unix_ms: u64) {
+        let now = self.unix_now_ms();
+        if unix_ms > now {
+            self.advance(Duration::from_millis(unix_ms - now));
+        }
+    }
+
+    /// The claim store the schedules' ticks are claimed in (the Worker's
+    /// D1 database, `Options::schedule_claims`), on the virtual clock.
+    pub fn claims(&self) -> &jobrail::MemoryClaims {
+        &self.claims
+    }
+
+    /// Delivers the Cron Trigger `cron` now ([`unix_now_ms`](Self::unix_now_ms)),
+    /// as the Worker's `scheduled` handler runs it: the schedules of
+    /// [`Options::schedules`] it fires ([`EdgeScheduler::fire`](crate::EdgeScheduler::fire))
+    /// send their ticks' jobs through the producer bindings of their
+    /// queues (visible at once; [`fail_sends`](Self::fail_sends) applies),
+    /// each tick claimed once in [`claims`](Self::claims). Run the jobs
+    /// with [`run_until_idle`](Self::run_until_idle).
+    ///
+    /// # Panics
+    ///
+    /// If the options declare no schedules, or they do not build or the
+    /// edge cannot fire them.
+    pub fn trigger(&mut self, cron: &str) -> Vec<crate::ScheduleFired> {
+        let at = jobrail::UNIX_EPOCH + Duration::from_millis(self.unix_now_ms());
+        self.trigger_at(cron, at)
+    }
+
+    /// [`trigger`](Self::trigger), with the trigger's scheduled time
+    /// `scheduled` (the clock does not move).
+    pub fn trigger_at(
+        &mut self,
+        cron: &str,
+        scheduled: jobrail::SystemTime,
+    ) -> Vec<crate::ScheduleFired> {
+        let schedules = self
+            .options
+            .schedules
+            .expect("no schedules declared (Options::schedules)");
+        let schedules = schedules().unwrap_or_else(|e| panic!("the schedules do not build: {e}"));
+        let mut scheduler = crate::EdgeScheduler::new(schedules, self.wrangler.crons())
+            .unwrap_or_else(|e| panic!("{e}"));
+        scheduler.wall = Wall::Virtual {
+            epoch_ms: self.epoch_ms,
+            clock: self.runtime.clock().clone(),
+        };
+        let sent = std::cell::RefCell::new(Vec::new());
+        let (wrangler, shared) = (&self.wrangler, &self.shared);
+        let send = |dispatch: jobrail::TickDispatch| {
+            let result = (|| {
+                let binding = wrangler.binding_to(&dispatch.queue).ok_or_else(|| {
+                    EdgeError::new(
+                        EdgeErrorKind::Config,
+                        format!("no producer binding to `{}`", dispatch.queue),
+                    )
+                })?;
+                let envelope = dispatch.envelope();
+                let text = crate::limits::envelope_text(&envelope)?;
+                let mut shared = lock(shared);
+                if let Some(left) = shared.send_failures.get_mut(binding).filter(|n| **n > 0) {
+                    *left -= 1;
+                    return Err(EdgeError::uncertain(
+                        &format!("queue `{binding}`"),
+                        "the send failed (CloudflareQueues::fail_sends)",
+                    ));
+                }
+                sent.borrow_mut()
+                    .push((dispatch.queue.clone(), envelope.id.clone(), text));
+                Ok(envelope.id)
+            })();
+            std::future::ready(result)
+        };
+        let fired =
+            self.runtime
+                .run(scheduler.fire(cron, scheduled, &self.claims, &self.runtime, send));
+        let now = self.now();
+        for (queue, id, text) in sent.into_inner() {
+            self.enqueue(&queue, id, text.into_bytes(), now);
+        }
+        fired
     }
 
     /// Moves the virtual clock forward by `by` without delivering anything.
@@ -483,19 +613,37 @@ impl CloudflareQueues {
             self.events.push(record);
         }
         let mut records = HashMap::new();
+        let mut copies = HashMap::new();
         for sent in outbox {
-            if let (Some(message), Ok(record)) = (&sent.message, FailureRecord::decode(&sent.body))
-            {
-                records.insert(message.clone(), record);
-            }
             let id = jobrail::new_message_id();
-            self.enqueue(&sent.queue, id, sent.body, sent.at);
+            match (&sent.message, sent.delay) {
+                (Some(message), Some(_)) => {
+                    copies.insert(message.clone(), id.clone());
+                }
+                (Some(message), None) => {
+                    if let Ok(record) = FailureRecord::decode(&sent.body) {
+                        records.insert(message.clone(), record);
+                    }
+                }
+                (None, _) => {}
+            }
+            let visible_at = sent.at + sent.delay.unwrap_or_default();
+            self.enqueue(&sent.queue, id, sent.body, visible_at);
         }
 
         let ids: Vec<String> = batch.iter().map(|m| m.id.clone()).collect();
         for (queued, call) in batch.into_iter().zip(calls) {
             let call = lock(&call).take();
-            self.settle(&queue, &settings, queued, call, &mut records, finished);
+            let copy = copies.remove(&queued.id);
+            self.settle(
+                &queue,
+                &settings,
+                queued,
+                call,
+                &mut records,
+                copy,
+                finished,
+            );
         }
 
         let run = BatchRun {
@@ -545,6 +693,25 @@ impl CloudflareQueues {
     pub fn message(&self, id: &str) -> &MessageReport {
         self.find(id)
             .unwrap_or_else(|| panic!("no message with id `{id}`"))
+    }
+
+    /// The messages one dispatch took: message `id`, then each copy it was
+    /// sent on as ([`MessageState::SentOn`]), in order. One for a message
+    /// due when delivered; `ceil(delay / 24 h)` for a dispatch delay beyond
+    /// 24 hours, the last the one whose delivery ran.
+    ///
+    /// # Panics
+    ///
+    /// If no message has that id.
+    pub fn legs(&self, id: &str) -> Vec<&MessageReport> {
+        let mut legs = vec![self.message(id)];
+        while let Some(MessageState::SentOn { copy }) = legs.last().map(|m| &m.state) {
+            match self.find(copy) {
+                Some(next) => legs.push(next),
+                None => break,
+            }
+        }
+        legs
     }
 
     /// The life of message `id`, if there is one.
@@ -649,7 +816,7 @@ impl CloudflareQueues {
             }));
             // The harness's bindings are the producers its wrangler.toml declares.
             let bound = |binding: &str| self.wrangler.producer_binding(binding).is_some();
-            let consumer = build_consumer(
+            let mut consumer = build_consumer(
                 &queue,
                 registry,
                 &self.options,
@@ -657,6 +824,10 @@ impl CloudflareQueues {
                 &bound,
                 Arc::new(self.runtime.clone()),
             )?;
+            consumer.wall = Wall::Virtual {
+                epoch_ms: self.epoch_ms,
+                clock: self.runtime.clock().clone(),
+            };
             let settings = self.wrangler.consumer(&queue).cloned().ok_or_else(|| {
                 format!("wrangler.toml has no [[queues.consumers]] entry for `{queue}`")
             })?;
@@ -687,7 +858,9 @@ impl CloudflareQueues {
             });
     }
 
-    /// The platform's handling of one message once the invocation returned.
+    /// The platform's handling of one message once the invocation
+    /// returned; `copy` is the copy a step sent it on as.
+    #[allow(clippy::too_many_arguments)]
     fn settle(
         &mut self,
         queue: &str,
@@ -695,6 +868,7 @@ impl CloudflareQueues {
         mut queued: Queued,
         call: Option<(Call, Duration)>,
         records: &mut HashMap<String, FailureRecord>,
+        copy: Option<String>,
         now: Duration,
     ) {
         let Some(&index) = self.by_id.get(&queued.id) else {
@@ -710,6 +884,9 @@ impl CloudflareQueues {
             (delivery.outcome().map(|e| e.kind.clone()), delivery.call)
         };
         let state = match call_kind {
+            Some(Call::Ack) if outcome.is_none() && copy.is_some() => MessageState::SentOn {
+                copy: copy.unwrap_or_default(),
+            },
             Some(Call::Ack) => match outcome {
                 Some(EventKind::Failed { failure }) => MessageState::Failed {
                     failure,
@@ -794,14 +971,6 @@ fn take_batch(waiting: &mut Vec<Queued>, now: Duration, size: u32) -> Vec<Queued
         .collect();
     waiting.extend(slots.into_iter().flatten());
     batch
-}
-
-/// `delay` as the platform takes it: whole seconds, rounded up.
-fn whole_seconds(delay: Duration) -> Duration {
-    match delay_seconds(Some(delay)) {
-        Ok(seconds) => Duration::from_secs(u64::from(seconds.unwrap_or(0))),
-        Err(e) => panic!("{e}"),
-    }
 }
 
 /// The `[vars]` of a wrangler.toml, as the Worker's `env.var` reads them.

@@ -31,6 +31,8 @@ pub(super) struct Sent {
     pub(super) queue: String,
     pub(super) body: Vec<u8>,
     pub(super) at: Duration,
+    /// The send's delay (a step of a dispatch delay); `None`: none.
+    pub(super) delay: Option<Duration>,
 }
 
 /// Records events for the harness, then passes them on.
@@ -132,18 +134,18 @@ pub(super) struct HarnessBindings<'w> {
 }
 
 impl HarnessBindings<'_> {
-    fn send(&self, binding: &str, text: String) -> Result<(), EdgeError> {
+    fn send(&self, binding: &str, text: String, delay: Option<Duration>) -> Result<(), EdgeError> {
         let Some(queue) = self.wrangler.producer_binding(binding) else {
             return Err(EdgeError::new(
                 EdgeErrorKind::Config,
-                format!("failure queue binding `{binding}`: no such queue binding"),
+                format!("queue binding `{binding}`: no such queue binding"),
             ));
         };
         let mut shared = lock(&self.shared);
         if let Some(left) = shared.send_failures.get_mut(binding).filter(|n| **n > 0) {
             *left -= 1;
             return Err(EdgeError::uncertain(
-                &format!("failure queue `{binding}`"),
+                &format!("queue `{binding}`"),
                 "the send failed (CloudflareQueues::fail_sends)",
             ));
         }
@@ -153,6 +155,7 @@ impl HarnessBindings<'_> {
             queue: queue.to_string(),
             body: text.into_bytes(),
             at: self.clock.elapsed(),
+            delay,
         });
         Ok(())
     }
@@ -164,6 +167,16 @@ impl Bindings for HarnessBindings<'_> {
         binding: &'a str,
         text: String,
     ) -> BoxFuture<'a, Result<(), EdgeError>> {
-        Box::pin(std::future::ready(self.send(binding, text)))
+        Box::pin(std::future::ready(self.send(binding, text, None)))
+    }
+
+    fn send_text_delayed<'a>(
+        &'a self,
+        binding: &'a str,
+        text: String,
+        delay_seconds: u32,
+    ) -> BoxFuture<'a, Result<(), EdgeError>> {
+        let delay = Duration::from_secs(u64::from(delay_seconds));
+        Box::pin(std::future::ready(self.send(binding, text, Some(delay))))
     }
 }

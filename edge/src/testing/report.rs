@@ -103,6 +103,14 @@ pub enum MessageState {
     /// The platform gave up after `max_retries` and deleted it (the
     /// consumer has no dead-letter queue).
     Dropped,
+    /// Not due yet (a dispatch delay beyond 24 hours): acknowledged without
+    /// running once a copy of it (the same body) was sent to its queue,
+    /// delayed by the next leg. A step, not an attempt: the copy starts at
+    /// attempt 1. [`CloudflareQueues::legs`](super::CloudflareQueues::legs) follows the copies.
+    SentOn {
+        /// The platform id of the copy.
+        copy: String,
+    },
 }
 
 /// The life of one message.

@@ -79,6 +79,7 @@ impl Wrangler {
         }
 
         let mut consumed = BTreeMap::new();
+        let mut queue_bindings = BTreeMap::new();
         for queue in &job_queues {
             let mut entries = self.consumers.iter().filter(|c| &c.queue == queue);
             let Some(consumer) = entries.next() else {
@@ -127,6 +128,19 @@ impl Wrangler {
                     ),
                 )),
                 Some(_) => {}
+            }
+            match self.producers.iter().find(|p| &p.queue == queue) {
+                Some(producer) => {
+                    queue_bindings.insert(queue.clone(), producer.binding.clone());
+                }
+                None => problems.push(invalid(
+                    "*",
+                    "wrangler.queues.producers",
+                    format!(
+                        "queue `{queue}` has no {producers} entry: a message dispatched to it with a delay beyond 24 hours comes to its consumer once a day before it is due, and the consumer sends it back to `{queue}` through a producer binding of its own; add a {producers} entry with queue = \"{queue}\" and a binding",
+                        producers = self.table("producers")
+                    ),
+                )),
             }
             consumed.insert(queue.clone(), consumer.clone());
         }
@@ -178,6 +192,7 @@ impl Wrangler {
             Ok(Checked {
                 consumers: consumed,
                 failure_queue: failure_queue_binding.map(str::to_string),
+                queue_bindings,
             })
         } else {
             Err(problems)

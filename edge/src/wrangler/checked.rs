@@ -16,6 +16,8 @@ pub struct Checked {
     pub(super) consumers: BTreeMap<String, ConsumerSettings>,
     /// The checked failure-queue binding.
     pub(super) failure_queue: Option<String>,
+    /// The producer binding of each consumed job queue.
+    pub(super) queue_bindings: BTreeMap<String, String>,
 }
 
 impl Checked {
@@ -42,15 +44,30 @@ impl Checked {
         self.failure_queue.as_deref()
     }
 
+    /// The producer binding that sends to the consumed job queue `queue`
+    /// (the first `[[queues.producers]]` entry for it): where the consumer
+    /// sends a delivery that is not due yet.
+    pub fn queue_binding(&self, queue: &str) -> Option<&str> {
+        self.queue_bindings.get(queue).map(String::as_str)
+    }
+
     /// `base` with `platform_max_retries` and `failure_queue` set from what
     /// was checked (so the worker needs no separate setting for either; a
     /// failure queue in `base` is replaced, by `None` when the check was
-    /// given none).
+    /// given none). The queues' own bindings ([`Checked::queue_binding`])
+    /// go to the consumer with [`EdgeConsumer::with_queue_binding`](crate::EdgeConsumer::with_queue_binding).
     pub fn edge_config(&self, base: EdgeConfig) -> EdgeConfig {
         EdgeConfig {
             platform_max_retries: self.platform_max_retries(),
             failure_queue: self.failure_queue.clone(),
             ..base
         }
+    }
+
+    /// Every consumed job queue with its producer binding, by queue.
+    pub(crate) fn queue_bindings(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.queue_bindings
+            .iter()
+            .map(|(q, b)| (q.as_str(), b.as_str()))
     }
 }

@@ -117,6 +117,10 @@ pub struct Wrangler {
     env: Option<String>,
     producers: Vec<Producer>,
     consumers: Vec<ConsumerSettings>,
+    /// `[triggers] crons`; `None`: no `[triggers]` table.
+    crons: Option<Vec<String>>,
+    /// The bindings of `[[d1_databases]]`.
+    d1_bindings: Vec<String>,
 }
 
 /// A wrangler.toml that could not be read.
@@ -215,6 +219,14 @@ impl Wrangler {
     ///    [`MAX_DELAY`](crate::MAX_DELAY)); likewise
     ///    `unknown_name_retry_delay` for the registry's unknown-name delay.
     ///
+    /// 8. `wrangler.queues.producers`: a job queue (or one of
+    ///    `also_consumed`) has no `[[queues.producers]]` entry sending to
+    ///    it. A dispatch delay beyond 24 hours reaches the consumer before
+    ///    it is due, and the consumer sends it on to its queue through that
+    ///    binding ([`Checked::queue_binding`]); whether a producer sends
+    ///    such delays is not known here, and a binding costs nothing, so it
+    ///    is always required.
+    ///
     /// Also `wrangler.queues.consumers.max_retries` (above the platform's
     /// limit of 100) and `wrangler.queues.consumers` (a job
     /// queue with more than one consumer entry).
@@ -275,6 +287,25 @@ impl Wrangler {
     /// Every producer binding, in file order.
     pub fn producers(&self) -> &[Producer] {
         &self.producers
+    }
+
+    /// The Cron Triggers (`[triggers] crons`), as written, in file order;
+    /// empty without a `[triggers]` table.
+    pub fn crons(&self) -> &[String] {
+        self.crons.as_deref().unwrap_or(&[])
+    }
+
+    /// Whether a `[[d1_databases]]` entry has the binding `binding`.
+    pub fn has_d1_binding(&self, binding: &str) -> bool {
+        self.d1_bindings.iter().any(|b| b == binding)
+    }
+
+    /// The first producer binding that sends to `queue`.
+    pub fn binding_to(&self, queue: &str) -> Option<&str> {
+        self.producers
+            .iter()
+            .find(|p| p.queue == queue)
+            .map(|p| p.binding.as_str())
     }
 
     /// The queue the producer binding `binding` sends to.

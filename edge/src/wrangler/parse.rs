@@ -15,6 +15,8 @@ use super::*;
 #[serde(default)]
 struct RawFile {
     queues: RawQueues,
+    triggers: Option<RawTriggers>,
+    d1_databases: Vec<RawD1>,
     env: BTreeMap<String, RawEnv>,
 }
 
@@ -22,6 +24,21 @@ struct RawFile {
 #[serde(default)]
 struct RawEnv {
     queues: RawQueues,
+    triggers: Option<RawTriggers>,
+    d1_databases: Vec<RawD1>,
+}
+
+/// `[triggers]`: the Cron Triggers.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct RawTriggers {
+    crons: Vec<String>,
+}
+
+/// One `[[d1_databases]]` entry (only its binding is read).
+#[derive(Deserialize)]
+struct RawD1 {
+    binding: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -73,38 +90,67 @@ impl Wrangler {
     /// [`Wrangler::parse_env`].
     pub(super) fn read_env(text: &str, env: Option<&str>) -> Result<Wrangler, WranglerError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| WranglerError::Parse(e.to_string()))?;
-        let queues = match env {
-            None => raw.queues,
+        let section = match env {
+            None => RawEnv {
+                queues: raw.queues,
+                triggers: raw.triggers,
+                d1_databases: raw.d1_databases,
+            },
             Some(name) => {
                 let mut envs = raw.env;
-                envs.remove(name)
-                    .ok_or_else(|| WranglerError::NoEnvironment(name.to_string()))?
-                    .queues
+                let mut section = envs
+                    .remove(name)
+                    .ok_or_else(|| WranglerError::NoEnvironment(name.to_string()))?;
+                section.triggers = section.triggers.or(raw.triggers);
+                section
             }
         };
-        Wrangler::section(env, queues)
+        Wrangler::section(env, section)
     }
 
     /// [`Wrangler::parse_all`].
     pub(super) fn read_all(text: &str) -> Result<Vec<Wrangler>, WranglerError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| WranglerError::Parse(e.to_string()))?;
-        let mut sections = vec![Wrangler::section(None, raw.queues)?];
-        for (name, env) in raw.env {
-            sections.push(Wrangler::section(Some(&name), env.queues)?);
+        let top_triggers = raw.triggers.as_ref().map(|t| RawTriggers {
+            crons: t.crons.clone(),
+        });
+        let top = RawEnv {
+            queues: raw.queues,
+            triggers: raw.triggers,
+            d1_databases: raw.d1_databases,
+        };
+        let mut sections = vec![Wrangler::section(None, top)?];
+        for (name, mut env) in raw.env {
+            if env.triggers.is_none() {
+                env.triggers = top_triggers.as_ref().map(|t| RawTriggers {
+                    crons: t.crons.clone(),
+                });
+            }
+            sections.push(Wrangler::section(Some(&name), env)?);
         }
         Ok(sections)
     }
 
-    fn section(env: Option<&str>, queues: RawQueues) -> Result<Wrangler, WranglerError> {
-        let consumers = queues
+    /// One section. Wrangler carries `[triggers]` from the top level into
+    /// an environment that has none of its own (the callers do), but not
+    /// `[[d1_databases]]`.
+    fn section(env: Option<&str>, section: RawEnv) -> Result<Wrangler, WranglerError> {
+        let consumers = section
+            .queues
             .consumers
             .into_iter()
             .map(RawConsumer::settings)
             .collect::<Result<_, _>>()?;
         Ok(Wrangler {
             env: env.map(str::to_string),
-            producers: queues.producers,
+            producers: section.queues.producers,
             consumers,
+            crons: section.triggers.map(|t| t.crons),
+            d1_bindings: section
+                .d1_databases
+                .into_iter()
+                .map(|d| d.binding)
+                .collect(),
         })
     }
 }

@@ -43,13 +43,18 @@ fn reasons(problems: &[PolicyError]) -> String {
 }
 
 /// A consumer of `queue` with the given max_retries and a dead-letter
-/// queue, plus a failure-queue producer.
+/// queue, its producer binding, plus a failure-queue producer.
 fn toml_with(queue: &str, max_retries: u32) -> String {
+    let binding = queue.to_uppercase().replace('-', "_");
     format!(
         r#"
 [[queues.producers]]
 queue = "failed"
 binding = "FAILED"
+
+[[queues.producers]]
+queue = "{queue}"
+binding = "{binding}"
 
 [[queues.consumers]]
 queue = "{queue}"
@@ -134,7 +139,8 @@ fn the_default_max_retries_is_checked_like_an_explicit_one() {
     // 3 retries = 4 deliveries. deliveries_needed on Cloudflare: cap 2
     // needs 2 + 1 + 1 = 4 (fits), cap 3 needs 5 (does not).
     assert_eq!(deliveries_needed(2, false), Some(4));
-    let text = "[[queues.consumers]]\nqueue = \"q\"\ndead_letter_queue = \"dlq\"\n";
+    let text = "[[queues.producers]]\nqueue = \"q\"\nbinding = \"Q\"\n\
+                [[queues.consumers]]\nqueue = \"q\"\ndead_letter_queue = \"dlq\"\n";
     let w = Wrangler::parse(text).unwrap();
     let ok = w.check(&registry(&[("j", "q", 2)], small_unknown_cap()), None);
     assert!(ok.is_ok(), "{ok:?}");
@@ -186,6 +192,10 @@ const ENVS: &str = r#"
 queue = "top-failed"
 binding = "FAILED"
 
+[[queues.producers]]
+queue = "jobs"
+binding = "JOBS"
+
 [[queues.consumers]]
 queue = "jobs"
 max_retries = 9
@@ -197,6 +207,10 @@ name = "w-prod"
 [[env.production.queues.producers]]
 queue = "prod-failed"
 binding = "FAILED"
+
+[[env.production.queues.producers]]
+queue = "prod-jobs"
+binding = "JOBS"
 
 [[env.production.queues.consumers]]
 queue = "prod-jobs"
@@ -213,6 +227,7 @@ fn an_environment_has_only_its_own_queues() {
     assert_eq!(top.consumers().len(), 1);
     assert_eq!(top.consumer("jobs").unwrap().max_retries, 9);
     assert_eq!(top.producer_binding("FAILED"), Some("top-failed"));
+    assert_eq!(top.producer_binding("JOBS"), Some("jobs"));
 
     let prod = Wrangler::parse_env(ENVS, Some("production")).unwrap();
     assert_eq!(prod.env(), Some("production"));
@@ -401,7 +416,11 @@ fn rule_3_the_platform_allows_the_unknown_name_deliveries() {
 #[test]
 fn rule_4_every_job_queue_has_a_dead_letter_queue() {
     let r = registry(&[("j", "jobs", 2)], small_unknown_cap());
-    let w = Wrangler::parse("[[queues.consumers]]\nqueue = \"jobs\"\nmax_retries = 5\n").unwrap();
+    let w = Wrangler::parse(
+        "[[queues.producers]]\nqueue = \"jobs\"\nbinding = \"JOBS\"\n\
+         [[queues.consumers]]\nqueue = \"jobs\"\nmax_retries = 5\n",
+    )
+    .unwrap();
     let problems = w.check(&r, None).unwrap_err();
     assert_eq!(
         fields(&problems),
@@ -420,6 +439,12 @@ fn rule_4_every_job_queue_has_a_dead_letter_queue() {
     // back into the work.
     let r = registry(&[("a", "one", 2), ("b", "two", 2)], small_unknown_cap());
     let text = r#"
+[[queues.producers]]
+queue = "one"
+binding = "ONE"
+[[queues.producers]]
+queue = "two"
+binding = "TWO"
 [[queues.consumers]]
 queue = "one"
 max_retries = 5
@@ -520,8 +545,77 @@ max_retries = 200
                 "*".into(),
                 "wrangler.queues.consumers.dead_letter_queue".into()
             ),
+            ("*".into(), "wrangler.queues.producers".into()),
             ("*".into(), "failure_queue".into()),
         ],
+        "{}",
+        reasons(&problems)
+    );
+}
+
+#[test]
+fn rule_8_every_job_queue_has_a_producer_binding_for_the_steps_of_long_delays() {
+    let r = registry(&[("j", "jobs", 2)], small_unknown_cap());
+    let text = r#"
+[[queues.producers]]
+queue = "failed"
+binding = "FAILED"
+
+[[queues.consumers]]
+queue = "jobs"
+max_retries = 5
+dead_letter_queue = "jobs-dlq"
+"#;
+    let problems = Wrangler::parse(text)
+        .unwrap()
+        .check(&r, Some("FAILED"))
+        .unwrap_err();
+    assert_eq!(
+        fields(&problems),
+        [("*".into(), "wrangler.queues.producers".into())]
+    );
+    let reason = reasons(&problems);
+    assert!(
+        reason.contains("`jobs`")
+            && reason.contains("[[queues.producers]]")
+            && reason.contains("24 hours"),
+        "{reason}"
+    );
+    // A queue consumed with the jobs besides theirs needs one too.
+    let w = Wrangler::parse(&toml_with("jobs", 5)).unwrap();
+    let checked = w.check(&r, Some("FAILED")).unwrap();
+    assert_eq!(checked.queue_binding("jobs"), Some("JOBS"));
+    assert_eq!(checked.queue_binding("failed"), None, "not a job queue");
+    let text = format!(
+        "{}[[queues.consumers]]\nqueue = \"jobs-2\"\nmax_retries = 5\ndead_letter_queue = \"jobs-dlq\"\n",
+        toml_with("jobs", 5)
+    );
+    let problems = Wrangler::parse(&text)
+        .unwrap()
+        .check_consumed(&r, Some("FAILED"), &["jobs-2"])
+        .unwrap_err();
+    assert_eq!(
+        fields(&problems),
+        [("*".into(), "wrangler.queues.producers".into())]
+    );
+    assert!(reasons(&problems).contains("`jobs-2`"));
+    // In an environment, the environment's own producers.
+    let text = r#"
+[[queues.producers]]
+queue = "jobs"
+binding = "JOBS"
+
+[[env.staging.queues.consumers]]
+queue = "jobs"
+max_retries = 5
+dead_letter_queue = "jobs-dlq"
+"#;
+    let problems = Wrangler::parse_env(text, Some("staging"))
+        .unwrap()
+        .check(&r, None)
+        .unwrap_err();
+    assert!(
+        reasons(&problems).contains("[[env.staging.queues.producers]]"),
         "{}",
         reasons(&problems)
     );
@@ -632,4 +726,193 @@ fn the_shipped_wrangler_toml_against_the_report_job() {
     assert_eq!(checked.max_retries(report_job::QUEUE), Some(max_retries));
     assert_eq!(checked.platform_max_retries(), Some(max_retries));
     assert_eq!(checked.failure_queue(), Some("FAILED"));
+}
+
+mod triggers {
+    use super::*;
+    use crate::schedules::check_triggers;
+    use jobrail::{Overlap, Schedule};
+
+    fn schedule(name: &str, cron: &str, zone: &str) -> Schedule {
+        let job = Job::<()>::builder("purge").queue("jobs").build().unwrap();
+        Schedule::builder(name, &job, cron)
+            .time_zone(zone)
+            .build()
+            .unwrap()
+    }
+
+    /// A section with `crons`, the claims database and a producer to `jobs`.
+    fn section(crons: &str) -> Wrangler {
+        Wrangler::parse(&format!(
+            "[triggers]\ncrons = [{crons}]\n\n\
+             [[d1_databases]]\nbinding = \"CLAIMS_DB\"\ndatabase_name = \"c\"\ndatabase_id = \"c\"\n\n\
+             [[queues.producers]]\nqueue = \"jobs\"\nbinding = \"JOBS\"\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn triggers_and_d1_bindings_are_read_and_environments_inherit_the_triggers() {
+        let text = r#"
+[triggers]
+crons = ["* * * * *", "0 3 * * *"]
+
+[[d1_databases]]
+binding = "CLAIMS_DB"
+database_name = "c"
+database_id = "c"
+
+[env.staging]
+name = "w-staging"
+
+[env.other]
+name = "w-other"
+[env.other.triggers]
+crons = []
+"#;
+        let sections = Wrangler::parse_all(text).unwrap();
+        assert_eq!(sections[0].crons(), ["* * * * *", "0 3 * * *"]);
+        assert!(sections[0].has_d1_binding("CLAIMS_DB"));
+        let other = Wrangler::parse_env(text, Some("other")).unwrap();
+        assert!(other.crons().is_empty(), "its own, empty list");
+        let staging = Wrangler::parse_env(text, Some("staging")).unwrap();
+        assert_eq!(staging.crons(), ["* * * * *", "0 3 * * *"], "inherited");
+        assert!(
+            !staging.has_d1_binding("CLAIMS_DB"),
+            "d1_databases are not inherited"
+        );
+        assert_eq!(
+            sections
+                .iter()
+                .find(|s| s.env() == Some("staging"))
+                .unwrap()
+                .crons()
+                .len(),
+            2
+        );
+        assert!(Wrangler::parse("").unwrap().crons().is_empty());
+    }
+
+    #[test]
+    fn every_schedule_has_a_trigger_and_every_trigger_a_schedule() {
+        let nightly = schedule("nightly", "0 3 * * *", "UTC");
+        let paris = schedule("paris", "30 7 * * *", "Europe/Paris");
+        // Fits: nightly by its own trigger, paris every minute.
+        let ok = check_triggers(
+            &section("\"0 3 * * *\", \"* * * * *\""),
+            &[nightly.clone(), paris.clone()],
+            "CLAIMS_DB",
+        );
+        assert!(ok.is_empty(), "{}", reasons(&ok));
+        // A UTC schedule may also fire from the every-minute trigger alone.
+        assert!(check_triggers(
+            &section("\"* * * * *\""),
+            std::slice::from_ref(&nightly),
+            "CLAIMS_DB"
+        )
+        .is_empty());
+
+        // paris has no trigger; "5 4 * * *" fires nothing.
+        let problems = check_triggers(
+            &section("\"0 3 * * *\", \"5 4 * * *\""),
+            &[nightly.clone(), paris.clone()],
+            "CLAIMS_DB",
+        );
+        assert_eq!(
+            fields(&problems),
+            [
+                ("*".into(), "triggers.crons".into()),
+                ("*".into(), "triggers.crons".into())
+            ]
+        );
+        let text = reasons(&problems);
+        assert!(
+            text.contains("schedule `paris` (cron `30 7 * * *`, time zone Europe/Paris) is fired by no Cron Trigger")
+                && text.contains("add \"* * * * *\" to [triggers] crons"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\"5 4 * * *\", which fires no declared schedule"),
+            "{text}"
+        );
+
+        // A UTC schedule without a trigger is told both ways to get one.
+        let problems = check_triggers(&section(""), std::slice::from_ref(&nightly), "CLAIMS_DB");
+        assert!(
+            reasons(&problems).contains("add \"0 3 * * *\" (its own) or \"* * * * *\""),
+            "{}",
+            reasons(&problems)
+        );
+
+        // The every-minute trigger when every schedule has its own.
+        let problems = check_triggers(
+            &section("\"0 3 * * *\", \"* * * * *\""),
+            std::slice::from_ref(&nightly),
+            "CLAIMS_DB",
+        );
+        assert!(
+            reasons(&problems).contains("which no declared schedule needs"),
+            "{}",
+            reasons(&problems)
+        );
+
+        // A disabled schedule needs no trigger.
+        let job = Job::<()>::builder("purge").queue("jobs").build().unwrap();
+        let off = Schedule::builder("off", &job, "0 4 * * *")
+            .enabled(false)
+            .build()
+            .unwrap();
+        assert!(check_triggers(&section("\"0 3 * * *\""), &[nightly, off], "CLAIMS_DB").is_empty());
+    }
+
+    #[test]
+    fn seconds_overlap_skip_queues_and_the_claims_database_are_checked() {
+        let seconds = schedule("every-ten", "*/10 * * * * *", "UTC");
+        let skip = {
+            let job = Job::<()>::builder("purge").queue("jobs").build().unwrap();
+            Schedule::builder("one-at-a-time", &job, "* * * * *")
+                .overlap(Overlap::Skip)
+                .build()
+                .unwrap()
+        };
+        let elsewhere = {
+            let job = Job::<()>::builder("bill").queue("billing").build().unwrap();
+            Schedule::builder("billing", &job, "* * * * *")
+                .build()
+                .unwrap()
+        };
+        let problems = check_triggers(
+            &section("\"* * * * *\""),
+            &[seconds, skip, elsewhere],
+            "OTHER_DB",
+        );
+        assert_eq!(
+            fields(&problems),
+            [
+                ("*".into(), "triggers.crons".into()),
+                ("*".into(), "triggers.crons".into()),
+                ("*".into(), "wrangler.queues.producers".into()),
+                ("*".into(), "wrangler.d1_databases".into()),
+            ],
+            "{}",
+            reasons(&problems)
+        );
+        let text = reasons(&problems);
+        assert!(
+            text.contains("`every-ten`") && text.contains("seconds field"),
+            "{text}"
+        );
+        assert!(
+            text.contains("`one-at-a-time`") && text.contains("overlap"),
+            "{text}"
+        );
+        assert!(
+            text.contains("schedule `billing` sends job `bill` to `billing`"),
+            "{text}"
+        );
+        assert!(text.contains("binding = \"OTHER_DB\""), "{text}");
+        // A seconds field of 0 is minute resolution.
+        let zero = schedule("zero", "0 */5 * * * *", "UTC");
+        assert!(check_triggers(&section("\"*/5 * * * *\""), &[zero], "CLAIMS_DB").is_empty());
+    }
 }

@@ -21,11 +21,12 @@
 //! The worker also shows effects that happen once at the edge: a
 //! [`jobrail_edge::D1Claims`] on the D1 database `CLAIMS_DB`, used through
 //! the same claim API as natively. `POST /claims` runs one operation of the
-//! store (`{"op": "claim"|"complete"|"release"|"extend", "key", "lease_ms",
-//! "fence"}`) and answers every claim and error as JSON, with status 200
-//! (4xx only for a malformed request): `{"claim": "claimed", "fence": 3}`,
-//! `{"claim": "done"}`, `{"claim": "held", "remaining_ms": 900}`, `{"ok":
-//! true}`, `{"error": "lost"|"invalid"|"store", "message": ...}`. `POST
+//! store (`{"op": "claim"|"complete"|"release"|"extend"|"state", "key",
+//! "lease_ms", "fence"}`) and answers every claim and error as JSON, with
+//! status 200 (4xx only for a malformed request): `{"claim": "claimed",
+//! "fence": 3}`, `{"claim": "done"}`, `{"claim": "held", "remaining_ms":
+//! 900}`, `{"ok": true}`, `{"state": "free"|"held"|"done", "remaining_ms"}`,
+//! `{"error": "lost"|"invalid"|"store", "message": ...}`. `POST
 //! /claims/run-once` (`{"key", "lease_ms", "work_ms"}`) runs
 //! [`jobrail::run_once`] with an effect that takes `work_ms` and appends a
 //! row to the table `claim_effects`: `{"once": "ran", "fence": 3}`,
@@ -46,6 +47,13 @@
 //! (`{"error": "dispatch", ...}` for the send's own). The log's events keep
 //! their report's id (and nothing else of the payload), so a test finds the
 //! runs of a report by it.
+//!
+//! The worker also fires a schedule from its Cron Trigger (`[triggers]
+//! crons = ["* * * * *"]`): `report-every-minute` sends a healthy report
+//! each minute whose `report_id` is the tick's Unix time in seconds, each
+//! tick claimed once in `CLAIMS_DB` ([`jobrail_edge::EdgeScheduler`]), so
+//! a trigger delivered twice sends it once. `wrangler dev` fires the
+//! trigger only when asked (`/cdn-cgi/handler/scheduled?cron=...&time=...`).
 //!
 //! The test routes (`POST /dispatch`, `/dispatch-unique`, `GET /log`,
 //! `/claims`) are off unless the operator sets the secret
@@ -72,6 +80,20 @@ pub fn jobs() -> Result<Registry, String> {
     Ok(registry)
 }
 
+/// The schedules this worker fires from its Cron Triggers: a healthy
+/// report every minute, named by its tick (Unix seconds).
+pub fn schedules() -> Result<Vec<jobrail::Schedule>, String> {
+    let job = report_job::job().map_err(|e| e.to_string())?;
+    let every_minute = jobrail::Schedule::builder("report-every-minute", &job, "* * * * *")
+        .payload_fn(|tick| report_job::BuildReport {
+            report_id: u64::try_from(tick.unix_seconds()).unwrap_or(1),
+            behaviour: report_job::Behaviour::Healthy,
+        })
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(vec![every_minute])
+}
+
 jobrail_edge::consumer!(
     jobs,
     options = jobrail_edge::Options {
@@ -82,6 +104,7 @@ jobrail_edge::consumer!(
     wrangler = "../../wrangler.toml",
     other_queues = edge::failure_queue,
     after_batch = edge::flush,
+    schedules = schedules,
 );
 
 /// The Worker-only parts: the KV log, the test routes.
@@ -90,8 +113,8 @@ mod edge {
     use std::time::Duration;
 
     use jobrail::{
-        run_once, Claim, ClaimError, ClaimStore, Envelope, Event, EventSink, JobError, Once,
-        Outcome, SettlementError, UniqueDispatch, UniqueDispatchError,
+        run_once, Claim, ClaimError, ClaimState, ClaimStore, Envelope, Event, EventSink, JobError,
+        Once, Outcome, SettlementError, UniqueDispatch, UniqueDispatchError,
     };
     use jobrail_edge::failures::FailureKeeper;
     use jobrail_edge::{D1Claims, EdgeProducer};
@@ -400,6 +423,15 @@ mod edge {
                     Err(e) => claim_error(&e),
                 }
             }
+            "state" => match store.state(key).await {
+                Ok(ClaimState::Free) => json!({ "state": "free" }),
+                Ok(ClaimState::Done) => json!({ "state": "done" }),
+                Ok(ClaimState::Held { remaining }) => json!({
+                    "state": "held",
+                    "remaining_ms": u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX),
+                }),
+                Err(e) => claim_error(&e),
+            },
             "complete" | "release" | "extend" => {
                 let Some(fence) = op.fence else {
                     return bad_request(format!("`{}` needs a `fence`", op.op));

@@ -82,6 +82,38 @@ pub struct NatsConfig {
     pub max_reconnect_backoff: Duration,
     /// The connection name shown by the server (`/connz`).
     pub connection_name: String,
+    /// How a dispatch with a delay is held until it is due (default
+    /// [`DelayMechanism::Auto`]: the server's message schedules on
+    /// nats-server 2.12 or later, the driver's relay on older servers). See
+    /// the module documentation, "Delayed dispatch".
+    pub delay_mechanism: DelayMechanism,
+}
+
+/// How the NATS driver holds a delayed dispatch until it is due
+/// ([`NatsConfig::delay_mechanism`]).
+///
+/// Every driver of a queue (producers and workers) should use the same
+/// mechanism; a worker runs the relay of a queue whatever its own setting
+/// once the queue has a hold stream, so messages held by either mechanism
+/// are delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DelayMechanism {
+    /// Chosen by the server's version, read from its greeting when a queue
+    /// is declared: [`Schedules`](Self::Schedules) on nats-server 2.12 or
+    /// later, [`Relay`](Self::Relay) on older ones.
+    #[default]
+    Auto,
+    /// The server's message schedules (`Nats-Schedule: @at ...`, ADR-51):
+    /// the server stores the message and publishes it to the work subject
+    /// when it is due. Needs nats-server 2.12 or later: on an older server
+    /// a queue's declaration fails with
+    /// [`ErrorKind::Config`](crate::ErrorKind::Config).
+    Schedules,
+    /// The driver's relay, on any server: the message waits in a hold
+    /// stream, and a relay inside each worker moves it to the work subject
+    /// when it is due.
+    Relay,
 }
 
 impl NatsConfig {
@@ -100,7 +132,14 @@ impl NatsConfig {
             fetch_expiry: Duration::from_secs(5),
             max_reconnect_backoff: Duration::from_secs(5),
             connection_name: "jobrail-native".into(),
+            delay_mechanism: DelayMechanism::Auto,
         }
+    }
+
+    /// Replaces the delay mechanism (see [`DelayMechanism`]).
+    pub fn delay_mechanism(mut self, mechanism: DelayMechanism) -> Self {
+        self.delay_mechanism = mechanism;
+        self
     }
 
     /// Replaces the AckWait.
@@ -207,6 +246,7 @@ impl fmt::Debug for NatsConfig {
             .field("fetch_expiry", &self.fetch_expiry)
             .field("max_reconnect_backoff", &self.max_reconnect_backoff)
             .field("connection_name", &self.connection_name)
+            .field("delay_mechanism", &self.delay_mechanism)
             .finish()
     }
 }
@@ -350,6 +390,16 @@ mod tests {
             .validate()
             .unwrap();
         assert!(matches!(endpoint.auth, Auth::Token(ref t) if t == "t@k"));
+    }
+
+    #[test]
+    fn delay_mechanism_is_chosen_by_the_server_unless_set() {
+        let config = NatsConfig::new("nats://localhost");
+        assert_eq!(config.delay_mechanism, DelayMechanism::Auto);
+        let config = config.delay_mechanism(DelayMechanism::Relay);
+        assert_eq!(config.delay_mechanism, DelayMechanism::Relay);
+        assert!(format!("{config:?}").contains("delay_mechanism: Relay"));
+        assert!(config.validate().is_ok());
     }
 
     #[test]

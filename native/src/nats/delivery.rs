@@ -194,7 +194,10 @@ impl NatsDriver {
         prefetch: usize,
     ) -> Result<Box<dyn Subscription>, DriverError> {
         self.inner.life.check_running()?;
-        let max_ack_pending = self.declare(queue).await?;
+        let max_ack_pending = self.declare(queue).await?.max_ack_pending;
+        // Held delayed dispatches are moved to the work subject by a relay
+        // in every worker (see `delay.rs`).
+        self.start_relay(queue);
         let prefetch = prefetch.max(1);
         if max_ack_pending > 0 && prefetch as i64 > max_ack_pending {
             warn!(

@@ -291,11 +291,21 @@ impl Admin for NatsDriver {
     /// Ready: the messages the queue's consumer has not delivered yet (the
     /// work stream's message count before a consumer exists). In flight:
     /// the consumer's unacknowledged deliveries, which on JetStream include
-    /// retries waiting out a `-NAK` delay. Delayed: not reported. A queue
-    /// never declared has depth 0.
+    /// retries waiting out a `-NAK` delay. Delayed: delayed dispatches not
+    /// yet due, the work stream's schedules (its messages the consumer
+    /// neither has pending nor in flight) plus the hold stream's messages.
+    /// A queue never declared has depth 0.
     async fn depth(&self, queue: &str) -> Result<QueueDepth, DriverError> {
         self.check_queue(queue)?;
         let link = self.link().await?;
+        let hold = self.hold_stream_name(queue);
+        let held = match link.js.get_stream(&hold).await {
+            Ok(stream) => stream.cached_info().state.messages,
+            Err(e) => match errors::stream_lookup(&hold, e) {
+                Some(err) => return Err(err),
+                None => 0,
+            },
+        };
         let name = self.stream_name(queue);
         let stream = match link.js.get_stream(&name).await {
             Ok(stream) => stream,
@@ -308,24 +318,32 @@ impl Admin for NatsDriver {
         };
         let consumer = &self.inner.config.consumer_name;
         match stream.consumer_info(consumer).await {
-            Ok(info) => Ok(QueueDepth::new(
-                info.num_pending,
-                Some(info.num_ack_pending as u64),
-                None,
-            )),
+            Ok(info) => {
+                let in_flight = info.num_ack_pending as u64;
+                let scheduled = stream
+                    .cached_info()
+                    .state
+                    .messages
+                    .saturating_sub(info.num_pending.saturating_add(in_flight));
+                Ok(QueueDepth::new(
+                    info.num_pending,
+                    Some(in_flight),
+                    Some(scheduled.saturating_add(held)),
+                ))
+            }
             Err(e) => match errors::consumer_lookup(consumer, &name, e) {
                 Some(err) => Err(err),
                 None => Ok(QueueDepth::new(
                     stream.cached_info().state.messages,
                     Some(0),
-                    None,
+                    Some(held),
                 )),
             },
         }
     }
 
-    /// Deletes `queue`'s work stream (with its consumer), failure stream
-    /// and claims stream, after checking that each holds the subject this
+    /// Deletes `queue`'s work stream (with its consumer and schedules),
+    /// failure stream, claims stream and hold stream, after checking that each holds the subject this
     /// driver gives it (a stream that does not is not `queue`'s and is
     /// reported, not deleted).
     async fn delete_queue(&self, queue: &str) -> Result<(), DriverError> {
@@ -339,6 +357,7 @@ impl Admin for NatsDriver {
             ));
             streams.push((self.failure_stream_name(queue), failed));
         }
+        streams.push((self.hold_stream_name(queue), self.hold_subject(queue)));
         let mut present = Vec::new();
         for (name, subject) in streams {
             match link.js.get_stream(&name).await {

@@ -43,16 +43,17 @@
 //! publish that fails before it is sent (not connected, the client's queue
 //! full), finds no stream (no responders) or is refused by the server is
 //! [`ErrorKind::NotAccepted`]; one whose `PubAck` does not arrive (timeout,
-//! connection lost) is [`ErrorKind::Uncertain`]. JetStream 2.9 has no
-//! scheduled messages: a dispatch with a delay is refused with
-//! [`ErrorKind::Unsupported`] and `delayed_dispatch` is `false`.
+//! connection lost) is [`ErrorKind::Uncertain`]. A dispatch with a delay
+//! is held by the server's message schedules or by the driver's relay
+//! (see "Delayed dispatch").
 //!
 //! A batch ([`Driver::send_batch`]) publishes every message before
 //! awaiting any `PubAck` (at most 1,024 unanswered at once, below
 //! async-nats' own limit per connection), so it costs about one round trip
 //! rather than one per message; each message gets its own result, with
-//! the same kinds as a single dispatch (a delayed one is refused alone,
-//! an oversize one before anything is sent, one the server refuses is
+//! the same kinds as a single dispatch (delayed ones are published beside
+//! the others, each as its mechanism holds it; an oversize one is refused
+//! before anything is sent, one the server refuses is
 //! [`ErrorKind::NotAccepted`] while the others are stored). A dispatch
 //! reads the connection and the set of declared queues under shared read
 //! locks and clones only an `Arc`: concurrent dispatches do not wait for
@@ -76,6 +77,63 @@
 //! first dispatch after a refused one, in case the server lost it. Only a
 //! server that dies between the check and the `PubAck` makes a dispatch
 //! wait, and then the outcome is [`ErrorKind::Uncertain`].
+//!
+//! # Delayed dispatch
+//!
+//! Any delay is accepted ([`Capabilities::delayed_dispatch`], no
+//! [`Capabilities::max_dispatch_delay`]): the message is held whole, by one
+//! of two mechanisms chosen when a queue is declared, by the server's
+//! version from its greeting ([`DelayMechanism::Auto`]; see
+//! [`NatsConfig::delay_mechanism`] to force one):
+//!
+//! - **nats-server 2.12 or later: message schedules** (ADR-51). The work
+//!   stream also holds `<subject_prefix>-scheduled.Q.*` and allows
+//!   schedules (`allow_msg_schedules`, set by a raw `STREAM.UPDATE` of the
+//!   stream's own configuration), and the work consumer filters on the work
+//!   subject, so it never delivers a schedule (the filter is set first,
+//!   then the stream is changed). A delayed dispatch is stored on
+//!   `<subject_prefix>-scheduled.Q.<message id>` with `Nats-Schedule: @at
+//!   <due time, RFC 3339 in UTC, ms rounded up>` and `Nats-Schedule-Target:
+//!   <subject_prefix>.Q`; when it is due the server stores its body,
+//!   unchanged, on the work subject and removes the schedule. The copy is a
+//!   new message, delivered first as attempt 1. One schedule per subject:
+//!   a dispatch repeated before its time replaces the schedule rather than
+//!   adding one. If the server refuses to enable schedules on an existing
+//!   stream, the queue uses the relay (with a warning).
+//! - **older servers: the relay.** A delayed dispatch is stored in the hold
+//!   stream `<work stream>_delayed` (subject `<subject_prefix>-delayed.Q`,
+//!   work-queue retention, file storage) with its due time (ms since the
+//!   epoch) in [`DUE_HEADER`] and `Nats-Msg-Id` = its message id. Every
+//!   worker runs, per queue it consumes, a relay pulling the hold stream's
+//!   own durable consumer (explicit ack, AckWait 30 s, unlimited
+//!   MaxDeliver and MaxAckPending, so held messages never take the work
+//!   consumer's MaxAckPending, and one due soon never waits behind ones due
+//!   later). A held message not yet due is `-NAK`ed with the time left (at
+//!   most [`LONGEST_HOLD`], a day); a due one is published to the work
+//!   subject with `Nats-Msg-Id` = its message id, and once the `PubAck`
+//!   arrives the held copy is acknowledged. The relay never publishes a
+//!   held message it read more than 15 s (half the hold AckWait) earlier:
+//!   the server may have handed it to another relay by then. A relay on a
+//!   schedules server also serves a queue that has a hold stream (looked
+//!   for every minute), so messages held before an upgrade still go out.
+//!
+//! Neither counts a delay as an attempt, and the handler never sees a
+//! held copy. Restarts lose nothing: schedules and held messages are stored
+//! messages (file storage), and the hold consumer's `-NAK` delays are
+//! consumer state the server keeps across its restarts; a held copy stays
+//! until its work copy is stored. A relay that crashes after publishing
+//! and before acknowledging leaves the held copy to be redelivered after
+//! 30 s and published again, a duplicate the work stream's duplicate window
+//! (2 minutes, the server's default) drops. A relay stalled for longer than
+//! that window between reading a due message and publishing it can store a
+//! second work copy: a second execution, never a loss.
+//!
+//! Cost: a schedule is one stored message and one message published by
+//! the server when due, whatever the delay (nothing per day). A held
+//! message is one stored message, one delivery and `-NAK` to a relay at
+//! first, one more of each per full day of delay (the `-NAK` is at most a
+//! day), then one publish and one ack when due; a relay that restarts
+//! costs nothing (the `-NAK`s stay with the server). Due times are the dispatching host's wall clock.
 //!
 //! # Attempts
 //!
@@ -256,8 +314,9 @@
 //! - **depth** is the consumer's count of messages not yet delivered
 //!   (ready) and of unacknowledged deliveries (in flight; on JetStream this
 //!   includes retries waiting out a `-NAK` delay); delays are not reported.
-//! - **delete** removes the work, failure and claims streams (the consumer
-//!   goes with the work stream) and forgets the queue was declared. Stop
+//! - **delete** removes the work, failure, claims and hold streams (the
+//!   consumer and schedules go with the work stream) and forgets the queue
+//!   was declared. Stop
 //!   the queue's consumers first: a running subscription declares the
 //!   queue again.
 //!
@@ -285,6 +344,8 @@
 //!   consumer, reading failure records;
 //! - `publish.rs`: dispatch, and the failure record and shutdown copy a
 //!   settlement publishes;
+//! - `delay.rs`: delayed dispatch (schedules, the hold stream and its
+//!   relay);
 //! - `delivery.rs`: subscriptions (the inbox, the window of pull
 //!   requests), deliveries, the lease ticker and settlements;
 //! - `failures.rs`: the failure store (reading, claiming and removing
@@ -300,6 +361,7 @@
 
 mod config;
 mod connection;
+mod delay;
 mod delivery;
 mod errors;
 mod failures;
@@ -308,9 +370,7 @@ mod publish;
 mod testing;
 mod topology;
 
-use std::collections::HashMap;
-#[cfg(feature = "testing")]
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 #[cfg(feature = "testing")]
 use std::sync::Mutex;
@@ -320,8 +380,9 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use config::Endpoint;
-pub use config::NatsConfig;
+pub use config::{DelayMechanism, NatsConfig};
 use connection::Link;
+pub use delay::{DUE_HEADER, LONGEST_HOLD};
 
 use crate::driver::{Capabilities, Driver, DriverError, Outgoing, Subscription};
 use crate::failures::{Admin, FailureStore};
@@ -352,8 +413,12 @@ struct Inner {
     /// the lock, and clones only the `Arc`.
     link: RwLock<Option<Arc<Link>>>,
     /// Queues whose topology this driver declared, with their consumer's
-    /// `MaxAckPending`.
-    declared: RwLock<HashMap<String, i64>>,
+    /// `MaxAckPending` and delay mechanism.
+    declared: RwLock<HashMap<String, topology::Declared>>,
+    /// Queues whose hold stream and its consumer this driver declared.
+    held: RwLock<HashSet<String>>,
+    /// Queues whose relay runs in this driver.
+    relays: delay::Relays,
     /// Every stream this driver declared (for the test suites' clean-up).
     #[cfg(feature = "testing")]
     known: Mutex<HashSet<String>>,
@@ -415,6 +480,8 @@ impl NatsDriver {
                 connecting: tokio::sync::Mutex::new(()),
                 link: RwLock::default(),
                 declared: RwLock::default(),
+                held: RwLock::default(),
+                relays: delay::Relays::default(),
                 #[cfg(feature = "testing")]
                 known: Mutex::default(),
                 #[cfg(feature = "testing")]
@@ -492,7 +559,9 @@ impl Driver for NatsDriver {
             max_retry_delay: None,
             // Progress renews AckWait every half of it while a handler runs.
             refused_hold: self.inner.config.ack_wait / 2,
-            delayed_dispatch: false,
+            // Any delay: the server's schedules or the relay hold it whole.
+            delayed_dispatch: true,
+            max_dispatch_delay: None,
             reject_drops: true,
             redelivery_hint: self.inner.config.ack_wait,
             counts_abandoned_deliveries: true,

@@ -30,6 +30,7 @@ use futures_util::{FutureExt, StreamExt};
 use jobrail::FailureRecord;
 
 use super::connection::Link;
+use super::delay::Mechanism;
 use super::errors::{self, error};
 use super::{NatsDriver, ATTEMPTS_HEADER, NAME, SHUTDOWNS_HEADER};
 use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
@@ -55,28 +56,26 @@ pub(super) struct Stored {
 }
 
 impl NatsDriver {
-    /// Stores `message` on `queue`: refused at once while disconnected, when
-    /// delayed (JetStream 2.9 has no scheduled messages) or over the
-    /// server's size limit.
+    /// Stores `message` on `queue`: refused at once while disconnected or
+    /// over the server's size limit. A delayed one goes to the queue's
+    /// schedule subject or hold stream (see `delay.rs`).
     pub(super) async fn dispatch(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
         self.inner.life.check_running()?;
-        if let Some(delay) = message.delay.filter(|d| !d.is_zero()) {
-            return Err(error(
-                ErrorKind::Unsupported,
-                format!(
-                    "delayed dispatch ({delay:?}) is not supported: JetStream 2.9 has no scheduled messages"
-                ),
-            ));
-        }
         let subject = self.subject(queue);
         // Before the stream setup, which would wait in the client's queue
         // while it reconnects.
-        self.connected_link(&subject).await?;
+        let link = self.connected_link(&subject).await?;
         // The limit is the server's: known once connected.
         self.capabilities()
             .refuse_oversize(NAME, message.body.len())?;
-        self.declare(queue).await.map_err(DriverError::not_sent)?;
-        let result = self.publish(&subject, message.body, &message.id, &[]).await;
+        let declared = self.declare(queue).await.map_err(DriverError::not_sent)?;
+        let (target, publish) = self.prepare(queue, declared.mechanism, message).await?;
+        let result = async {
+            let ack = self.send_publish(&link, &target, publish).await?;
+            ack.await
+                .map_err(|e| errors::publish_unconfirmed(&target, e))
+        }
+        .await;
         if let Err(e) = &result {
             if e.kind() == ErrorKind::NotAccepted {
                 // The stream may have been deleted: declare again next time.
@@ -102,36 +101,26 @@ impl NatsDriver {
         if let Err(e) = self.inner.life.check_running() {
             return each_refused(e, count);
         }
-        // Refused alone, before any I/O: a delayed message.
         let mut results: Vec<Option<Result<(), DriverError>>> = Vec::with_capacity(count);
         let mut sendable = Vec::with_capacity(count);
         for (index, message) in messages.into_iter().enumerate() {
-            match message.delay.filter(|d| !d.is_zero()) {
-                Some(delay) => results.push(Some(Err(error(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "delayed dispatch ({delay:?}) is not supported: JetStream 2.9 has no scheduled messages"
-                    ),
-                )))),
-                None => {
-                    results.push(None);
-                    sendable.push((index, message));
-                }
-            }
+            results.push(None);
+            sendable.push((index, message));
         }
         if sendable.is_empty() {
-            return results.into_iter().flatten().collect();
+            return Vec::new();
         }
         let subject = self.subject(queue);
-        // What every other message needs: a connection and the queue's
-        // topology. If one is missing, each message says so.
+        // What every message needs: a connection and the queue's topology
+        // (and its hold stream, if one is delayed and relayed). If one is
+        // missing, each message says so.
         let ready = async {
             let link = self.connected_link(&subject).await?;
-            self.declare(queue).await.map_err(DriverError::not_sent)?;
-            Ok::<_, DriverError>(link)
+            let declared = self.declare(queue).await.map_err(DriverError::not_sent)?;
+            Ok::<_, DriverError>((link, declared))
         };
-        let link = match ready.await {
-            Ok(link) => link,
+        let (link, declared) = match ready.await {
+            Ok(ready) => ready,
             Err(e) => {
                 let mut refused = each_refused(e, sendable.len()).into_iter();
                 for (index, _) in &sendable {
@@ -152,15 +141,19 @@ impl NatsDriver {
                 results[index] = Some(Err(e));
                 continue;
             }
+            let (target, publish) = match self.prepare(queue, declared.mechanism, message).await {
+                Ok(prepared) => prepared,
+                Err(e) => {
+                    results[index] = Some(Err(e));
+                    continue;
+                }
+            };
             while waiting.len() >= BATCH_IN_FLIGHT {
                 if let Some((at, acked)) = waiting.next().await {
                     results[at] = Some(confirmed(&subject, acked));
                 }
             }
-            let publish = PublishMessage::build()
-                .payload(message.body.into())
-                .message_id(&message.id);
-            let send = self.send_publish(&link, &subject, publish);
+            let send = self.send_publish(&link, &target, publish);
             tokio::pin!(send);
             // Most publishes go out at once, or after a short wait for the
             // connection's buffer: the acks are left alone then (polling
@@ -200,6 +193,34 @@ impl NatsDriver {
             self.forget(queue);
         }
         results
+    }
+
+    /// What to publish for `message` on `queue`: to the work subject with
+    /// `Nats-Msg-Id`, or, delayed, as `mechanism` holds it (declaring the
+    /// hold stream first for the relay). Refused before anything is sent:
+    /// a delay past the year 9999, a hold stream that cannot be declared.
+    async fn prepare(
+        &self,
+        queue: &str,
+        mechanism: Mechanism,
+        message: Outgoing,
+    ) -> Result<(String, PublishMessage), DriverError> {
+        match message.delay.filter(|d| !d.is_zero()) {
+            None => Ok((
+                self.subject(queue),
+                PublishMessage::build()
+                    .payload(message.body.into())
+                    .message_id(&message.id),
+            )),
+            Some(delay) => {
+                if mechanism == Mechanism::Relay {
+                    self.ensure_hold(queue)
+                        .await
+                        .map_err(DriverError::not_sent)?;
+                }
+                self.delayed_publish(queue, mechanism, &message.id, message.body, delay)
+            }
+        }
     }
 
     /// Publishes `record` for the message `stored` from `queue` to the

@@ -10,7 +10,8 @@ use async_nats::jetstream::consumer::{self, pull, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
 use tracing::{info, warn};
 
-use super::config::valid_subject;
+use super::config::{valid_subject, DelayMechanism};
+use super::delay::Mechanism;
 use super::errors::{self, config_error, error};
 use super::{read, write, NatsDriver};
 use crate::driver::{DriverError, ErrorKind};
@@ -25,6 +26,17 @@ pub(super) enum Role {
     /// The claims of a failure stream's entries (see `failures.rs`): their
     /// age limit is the claim hold.
     Claims,
+    /// Delayed dispatches waiting for the relay (see `delay.rs`).
+    Held,
+}
+
+/// What declaring a queue found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Declared {
+    /// The work consumer's `MaxAckPending`.
+    pub(super) max_ack_pending: i64,
+    /// How the queue's delayed dispatches are held.
+    pub(super) mechanism: Mechanism,
 }
 
 impl NatsDriver {
@@ -77,13 +89,13 @@ impl NatsDriver {
             name: name.to_string(),
             subjects: vec![subject.to_string()],
             retention: match role {
-                Role::Work => RetentionPolicy::WorkQueue,
+                Role::Work | Role::Held => RetentionPolicy::WorkQueue,
                 Role::Failure | Role::Claims => RetentionPolicy::Limits,
             },
             storage: StorageType::File,
             max_age: match role {
                 Role::Claims => self.inner.config.effective_claim_hold(),
-                Role::Work | Role::Failure => Duration::ZERO,
+                Role::Work | Role::Failure | Role::Held => Duration::ZERO,
             },
             ..Default::default()
         }
@@ -184,7 +196,9 @@ impl NatsDriver {
         }))
     }
 
-    fn wanted_consumer(&self) -> pull::Config {
+    /// The work consumer; with `filter`, filtering on the work subject
+    /// (the schedules mechanism: the stream holds schedules too).
+    fn wanted_consumer(&self, filter: Option<&str>) -> pull::Config {
         let config = &self.inner.config;
         pull::Config {
             durable_name: Some(config.consumer_name.clone()),
@@ -192,12 +206,13 @@ impl NatsDriver {
             ack_policy: AckPolicy::Explicit,
             ack_wait: config.ack_wait,
             max_deliver: config.max_deliver.map_or(-1, i64::from),
+            filter_subject: filter.map(str::to_string).unwrap_or_default(),
             ..Default::default()
         }
     }
 
     fn consumer_conflicts(&self, actual: &consumer::Config, subject: &str) -> Vec<String> {
-        let wanted = self.wanted_consumer();
+        let wanted = self.wanted_consumer(None);
         let mut conflicts = Vec::new();
         if actual.deliver_subject.is_some() {
             conflicts.push("it is a push consumer".to_string());
@@ -229,11 +244,15 @@ impl NatsDriver {
         conflicts
     }
 
-    /// Makes sure the durable pull consumer exists on `stream` as configured.
+    /// Makes sure the durable pull consumer exists on `stream` as
+    /// configured; with `filtered` (the schedules mechanism), filtering on
+    /// `subject`, which an existing consumer without a filter is updated to
+    /// (its other settings kept).
     async fn ensure_consumer(
         &self,
         stream: &stream::Stream,
         subject: &str,
+        filtered: bool,
     ) -> Result<consumer::Info, DriverError> {
         let name = &self.inner.config.consumer_name;
         let stream_name = &stream.cached_info().config.name;
@@ -246,7 +265,7 @@ impl NatsDriver {
                 .map_err(|e| errors::not_a_pull_consumer(name, e))?;
                 Ok(info)
             } else {
-                let wanted = self.wanted_consumer();
+                let wanted = self.wanted_consumer(None);
                 Err(config_error(format!(
                     "consumer `{name}` on stream `{stream_name}` already exists with a configuration that \
                      differs from what this driver declares (pull, explicit ack, AckWait {:?}, MaxDeliver {}, \
@@ -257,8 +276,31 @@ impl NatsDriver {
                 )))
             }
         };
+        let filter = filtered.then_some(subject);
         for _ in 0..2 {
             match stream.consumer_info(name).await {
+                Ok(info) if filtered && info.config.filter_subject.is_empty() => {
+                    let info = check(info)?;
+                    let mut config =
+                        <pull::Config as consumer::FromConsumer>::try_from_consumer_config(
+                            info.config,
+                        )
+                        .map_err(|e| errors::not_a_pull_consumer(name, e))?;
+                    config.filter_subject = subject.to_string();
+                    let mut consumer = stream.create_consumer(config).await.map_err(|e| {
+                        errors::connection(
+                            format!(
+                                "filtering consumer `{name}` on `{stream_name}` on `{subject}`"
+                            ),
+                            e,
+                        )
+                    })?;
+                    info!(stream = %stream_name, consumer = %name, subject, "consumer now filters on the work subject");
+                    let info = consumer.info().await.map_err(|e| {
+                        errors::connection(format!("consumer `{name}` on `{stream_name}`"), e)
+                    })?;
+                    return check(info.clone());
+                }
                 Ok(info) => return check(info),
                 Err(e) => {
                     if let Some(err) = errors::consumer_lookup(name, stream_name, e) {
@@ -266,7 +308,7 @@ impl NatsDriver {
                     }
                 }
             }
-            match stream.create_consumer(self.wanted_consumer()).await {
+            match stream.create_consumer(self.wanted_consumer(filter)).await {
                 Ok(mut consumer) => {
                     info!(stream = %stream_name, consumer = %name, "declared consumer");
                     let info = consumer.info().await.map_err(|e| {
@@ -289,20 +331,44 @@ impl NatsDriver {
     }
 
     /// Declares `queue`'s work stream, consumer and failure stream (once per
-    /// driver, again after [`forget`](Self::forget)); returns the consumer's
-    /// `MaxAckPending`. Once declared, this is a shared read of the map of
-    /// declared queues.
-    pub(super) async fn declare(&self, queue: &str) -> Result<i64, DriverError> {
-        if let Some(max_ack_pending) = read(&self.inner.declared).get(queue) {
-            return Ok(*max_ack_pending);
+    /// driver, again after [`forget`](Self::forget)), choosing its delay
+    /// mechanism by the server's version (the schedules mechanism filters
+    /// the consumer on the work subject, then enables schedules on the
+    /// stream: in that order, so no schedule is ever delivered as work).
+    /// Once declared, this is a shared read of the map of declared queues.
+    pub(super) async fn declare(&self, queue: &str) -> Result<Declared, DriverError> {
+        if let Some(declared) = read(&self.inner.declared).get(queue) {
+            return Ok(*declared);
         }
         self.check_queue(queue)?;
         let link = self.link().await?;
+        let mut mechanism = self.mechanism(&link.client.server_info().version)?;
+        let schedules = mechanism == Mechanism::Schedules;
         let subject = self.subject(queue);
+        let name = self.stream_name(queue);
         let stream = self
-            .ensure_stream(&link.js, &self.stream_name(queue), &subject, Role::Work)
+            .ensure_stream(&link.js, &name, &subject, Role::Work)
             .await?;
-        let info = self.ensure_consumer(&stream, &subject).await?;
+        let info = self.ensure_consumer(&stream, &subject, schedules).await?;
+        if schedules {
+            match self.enable_schedules(&link.js, &name, queue).await {
+                Ok(()) => {}
+                // Refused (a server that enables schedules only on an empty
+                // stream, say): the relay holds this queue's delays, unless
+                // schedules were asked for by name.
+                Err(e)
+                    if e.kind() == ErrorKind::Config
+                        && self.inner.config.delay_mechanism == DelayMechanism::Auto =>
+                {
+                    warn!(
+                        queue,
+                        "message schedules unavailable, delayed dispatches use the relay: {e}"
+                    );
+                    mechanism = Mechanism::Relay;
+                }
+                Err(e) => return Err(e),
+            }
+        }
         if let Some(failed) = self.failure_subject(queue) {
             self.ensure_stream(
                 &link.js,
@@ -312,13 +378,17 @@ impl NatsDriver {
             )
             .await?;
         }
-        let max_ack_pending = info.config.max_ack_pending;
-        write(&self.inner.declared).insert(queue.to_string(), max_ack_pending);
-        Ok(max_ack_pending)
+        let declared = Declared {
+            max_ack_pending: info.config.max_ack_pending,
+            mechanism,
+        };
+        write(&self.inner.declared).insert(queue.to_string(), declared);
+        Ok(declared)
     }
 
     /// Forgets that `queue` was declared, so the next use declares it again.
     pub(super) fn forget(&self, queue: &str) {
         write(&self.inner.declared).remove(queue);
+        write(&self.inner.held).remove(queue);
     }
 }

@@ -467,6 +467,9 @@ impl Driver for RabbitDriver {
             max_retry_delay: config.delay_buckets.last().copied(),
             refused_hold: config.refused_hold,
             delayed_dispatch: true,
+            // A dispatch delay rounds down to a bucket (the consumer steps
+            // over the rest), so the largest bucket is the longest step.
+            max_dispatch_delay: config.delay_buckets.last().copied(),
             reject_drops: true,
             redelivery_hint: Duration::ZERO,
             counts_abandoned_deliveries: true,

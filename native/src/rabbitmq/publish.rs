@@ -65,7 +65,7 @@ impl RabbitDriver {
         self.declare_work(queue)
             .await
             .map_err(DriverError::not_sent)?;
-        let bucket = self.hold_for(message.delay)?;
+        let bucket = self.dispatch_hold(&message.body, message.delay)?;
         let target = self
             .destination(queue, bucket)
             .await
@@ -116,7 +116,7 @@ impl RabbitDriver {
             let target = async {
                 self.capabilities()
                     .refuse_oversize(NAME, message.body.len())?;
-                let bucket = self.hold_for(message.delay)?;
+                let bucket = self.dispatch_hold(&message.body, message.delay)?;
                 if let Some((_, name)) = routes.iter().find(|(b, _)| *b == bucket) {
                     return Ok(name.clone());
                 }

@@ -71,6 +71,29 @@ impl RabbitDriver {
         }
     }
 
+    /// The hold bucket of a new message delayed by `delay`. A message whose
+    /// envelope carries its due time ([`jobrail::Envelope::due_ms`], which
+    /// the producer writes for every delay on this driver) rounds down to a
+    /// bucket (the smallest, below it), and the consumer steps over the
+    /// rest when it arrives early: it is never late by more than the
+    /// smallest bucket, however far the delay is from a bucket. Any other
+    /// body rounds up, as a retry does, so it never arrives early.
+    pub(super) fn dispatch_hold(
+        &self,
+        body: &[u8],
+        delay: Option<Duration>,
+    ) -> Result<Option<Duration>, DriverError> {
+        let Some(delay) = delay.filter(|d| !d.is_zero()) else {
+            return Ok(None);
+        };
+        let buckets = &self.inner.config.delay_buckets;
+        if jobrail::delay_remaining(body, 0).is_none() {
+            return self.hold_for(Some(delay));
+        }
+        let below = buckets.iter().copied().rfind(|b| *b <= delay);
+        Ok(below.or_else(|| buckets.first().copied()))
+    }
+
     /// Where a message for `queue` held in `bucket` goes: `queue` itself, or
     /// its hold queue for the bucket, declared if needed.
     pub(super) async fn destination(

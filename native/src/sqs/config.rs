@@ -243,6 +243,12 @@ pub struct SqsConfig {
     /// Bound on every request (a receive gets the wait time on top). A send
     /// that does not finish within it is reported as uncertain.
     pub operation_timeout: Duration,
+    /// The longest dispatch delay one message carries (`DelaySeconds`): a
+    /// whole number of seconds, 1 s to SQS's 900 s (the default). A longer
+    /// delay is carried in steps of this much
+    /// ([`Capabilities::max_dispatch_delay`](crate::Capabilities::max_dispatch_delay)):
+    /// 96 messages per day of delay at 900 s. Shorter steps are for tests.
+    pub max_dispatch_delay: Duration,
 }
 
 impl SqsConfig {
@@ -257,6 +263,7 @@ impl SqsConfig {
             create_queues: true,
             failure_queue: Some("{queue}-failed".into()),
             operation_timeout: Duration::from_secs(10),
+            max_dispatch_delay: Duration::from_secs(super::MAX_DELAY_SECONDS),
         }
     }
 
@@ -281,6 +288,12 @@ impl SqsConfig {
     /// Replaces the long-polling wait.
     pub fn wait_time(mut self, wait: Duration) -> Self {
         self.wait_time = wait;
+        self
+    }
+
+    /// Replaces the longest dispatch delay one message carries.
+    pub fn max_dispatch_delay(mut self, max: Duration) -> Self {
+        self.max_dispatch_delay = max;
         self
     }
 
@@ -323,6 +336,16 @@ impl SqsConfig {
                     "failure queue pattern `{pattern}` must contain `{{queue}}` (one failure queue per work queue)"
                 )));
             }
+        }
+        if !whole(self.max_dispatch_delay)
+            || self.max_dispatch_delay.is_zero()
+            || self.max_dispatch_delay > Duration::from_secs(super::MAX_DELAY_SECONDS)
+        {
+            return Err(config_error(format!(
+                "max dispatch delay {:?} must be a whole number of seconds between 1 s and {} s",
+                self.max_dispatch_delay,
+                super::MAX_DELAY_SECONDS
+            )));
         }
         if self.operation_timeout.is_zero() {
             return Err(config_error("the operation timeout must be positive"));

@@ -370,6 +370,7 @@ impl Driver for SqsDriver {
             // The visibility is extended every half of it while a handler runs.
             refused_hold: self.inner.config.visibility_timeout / 2,
             delayed_dispatch: true,
+            max_dispatch_delay: Some(self.inner.config.max_dispatch_delay),
             reject_drops: false,
             redelivery_hint: self.inner.config.visibility_timeout,
             counts_abandoned_deliveries: true,

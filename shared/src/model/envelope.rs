@@ -13,6 +13,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -44,6 +45,12 @@ pub struct Envelope {
     /// Free-form application metadata (not interpreted by the facade).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
+    /// When a delayed dispatch is due, in milliseconds since the Unix epoch,
+    /// where the backend holds the delay in steps: a delivery before this
+    /// time is a step ([`delay_remaining`]), carried on without running the
+    /// handler or counting an attempt. `None`: due when delivered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub due_ms: Option<u64>,
 }
 
 /// The body could not be read as an envelope.
@@ -61,6 +68,11 @@ pub enum EnvelopeError {
         /// The version in the message.
         found: u32,
     },
+}
+
+/// Milliseconds since the Unix epoch, now, by the system clock.
+pub fn unix_now_ms() -> u64 {
+    now_ms()
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -81,6 +93,17 @@ pub fn encode_envelope<P: Serialize + ?Sized>(
     payload: &P,
     metadata: &BTreeMap<String, String>,
 ) -> Result<(String, Vec<u8>), serde_json::Error> {
+    encode_envelope_due(job, payload, metadata, None)
+}
+
+/// [`encode_envelope`] with a due time ([`Envelope::due_ms`]): what a
+/// producer writes for a delay the backend holds in steps.
+pub fn encode_envelope_due<P: Serialize + ?Sized>(
+    job: &str,
+    payload: &P,
+    metadata: &BTreeMap<String, String>,
+    due_ms: Option<u64>,
+) -> Result<(String, Vec<u8>), serde_json::Error> {
     #[derive(Serialize)]
     struct Borrowed<'a, P: Serialize + ?Sized> {
         v: u32,
@@ -90,6 +113,8 @@ pub fn encode_envelope<P: Serialize + ?Sized>(
         dispatched_at_ms: u64,
         #[serde(skip_serializing_if = "no_metadata")]
         metadata: &'a BTreeMap<String, String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        due_ms: Option<u64>,
     }
     fn no_metadata(metadata: &&BTreeMap<String, String>) -> bool {
         metadata.is_empty()
@@ -102,6 +127,7 @@ pub fn encode_envelope<P: Serialize + ?Sized>(
         payload,
         dispatched_at_ms: now_ms(),
         metadata,
+        due_ms,
     })?;
     Ok((id, body))
 }
@@ -117,6 +143,7 @@ impl Envelope {
             payload,
             dispatched_at_ms,
             metadata: BTreeMap::new(),
+            due_ms: None,
         }
     }
 
@@ -184,6 +211,8 @@ pub(crate) struct EnvelopeView<'a> {
     pub(crate) dispatched_at_ms: u64,
     #[serde(default)]
     pub(crate) metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub(crate) due_ms: Option<u64>,
 }
 
 impl<'a> EnvelopeView<'a> {
@@ -231,6 +260,7 @@ impl<'a> EnvelopeView<'a> {
             payload: self.payload_value(),
             dispatched_at_ms: self.dispatched_at_ms,
             metadata: self.metadata.clone(),
+            due_ms: self.due_ms,
         }
     }
 }
@@ -313,6 +343,102 @@ fn may_not_be_a_value(raw: &[u8]) -> bool {
         }
     }
     false
+}
+
+/// How long before the envelope in `body` is due, if it carries a due time
+/// ([`Envelope::due_ms`]) later than `now_ms`: a delivery of it now is a
+/// *step* of a delay the backend holds in steps, to be sent on (the same
+/// body, the same id, delayed by at most the backend's longest delay,
+/// [`delay_leg`]) without running the handler or counting an attempt.
+/// `None` for a body that is due (or has no due time, or is not an
+/// envelope: the rules decide those as usual).
+///
+/// Bodies without the field are answered with one search for it, no parse.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use std::time::Duration;
+/// use jobrail::{delay_remaining, encode_envelope, encode_envelope_due};
+///
+/// let (_, body) = encode_envelope_due("report", &7, &BTreeMap::new(), Some(10_000)).unwrap();
+/// assert_eq!(delay_remaining(&body, 4_000), Some(Duration::from_millis(6_000)));
+/// assert_eq!(delay_remaining(&body, 10_000), None);
+/// let (_, plain) = encode_envelope("report", &7, &BTreeMap::new()).unwrap();
+/// assert_eq!(delay_remaining(&plain, 0), None);
+/// ```
+pub fn delay_remaining(body: &[u8], now_ms: u64) -> Option<Duration> {
+    #[derive(Deserialize)]
+    struct Due {
+        #[serde(default)]
+        due_ms: Option<u64>,
+    }
+    const FIELD: &[u8] = b"\"due_ms\"";
+    if !body.windows(FIELD.len()).any(|w| w == FIELD) {
+        return None;
+    }
+    let due = serde_json::from_slice::<Due>(body).ok()?.due_ms?;
+    (due > now_ms).then(|| Duration::from_millis(due - now_ms))
+}
+
+/// `body` with the due time `due_ms` ([`Envelope::due_ms`]) written in: the
+/// field is added as the object's first member, leaving every other byte as
+/// it was (the payload is not parsed again). A body that has a due time
+/// already is returned as it is; `None` for a body that is not a JSON
+/// object (raw bytes, which cannot carry one).
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use jobrail::{delay_remaining, encode_envelope, with_due, Envelope};
+///
+/// let (_, body) = encode_envelope("report", &7, &BTreeMap::new()).unwrap();
+/// let due = with_due(&body, 9_000).unwrap();
+/// assert_eq!(Envelope::decode(&due).unwrap().due_ms, Some(9_000));
+/// assert_eq!(with_due(&due, 1).unwrap(), due, "a due time already written stays");
+/// assert!(with_due(b"not json", 9_000).is_none());
+/// ```
+pub fn with_due(body: &[u8], due_ms: u64) -> Option<Vec<u8>> {
+    #[derive(Deserialize)]
+    struct Due {
+        #[serde(default)]
+        due_ms: Option<u64>,
+    }
+    let due: Due = serde_json::from_slice(body).ok()?;
+    if due.due_ms.is_some() {
+        return Some(body.to_vec());
+    }
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body[open] != b'{' {
+        return None;
+    }
+    let rest = &body[open + 1..];
+    let empty = rest.iter().all(|b| b.is_ascii_whitespace() || *b == b'}');
+    let field = format!("\"due_ms\":{due_ms}{}", if empty { "" } else { "," });
+    let mut out = Vec::with_capacity(body.len() + field.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(field.as_bytes());
+    out.extend_from_slice(rest);
+    Some(out)
+}
+
+/// The delay of the next step toward a due time `remaining` away, on a
+/// backend that holds at most `longest` in one message (`None`: any):
+/// the whole rest when it fits, else `longest`. Each step costs one
+/// message, so a delay costs `ceil(delay / longest)` messages.
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail::delay_leg;
+///
+/// let day = Duration::from_secs(86_400);
+/// assert_eq!(delay_leg(3 * day, Some(day)), day);
+/// assert_eq!(delay_leg(day / 2, Some(day)), day / 2);
+/// assert_eq!(delay_leg(30 * day, None), 30 * day);
+/// ```
+pub fn delay_leg(remaining: Duration, longest: Option<Duration>) -> Duration {
+    match longest {
+        Some(longest) => remaining.min(longest),
+        None => remaining,
+    }
 }
 
 /// A new random message id (UUID v4). Natively it comes from a thread-local

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use web_time::Instant;
-pub(crate) use web_time::{SystemTime, UNIX_EPOCH};
+pub use web_time::{SystemTime, UNIX_EPOCH};
 
 use crate::model::maybe_send::{BoxFuture, MaybeSend, MaybeSync};
 

@@ -159,6 +159,25 @@ pub enum ClaimError {
     /// said about the claim.
     #[error("claim store error: {0}")]
     Store(#[source] BoxError),
+    /// The store cannot do this operation (a store without
+    /// [`ClaimStore::state`], say): nothing was read or changed.
+    #[error("unsupported by this claim store: {0}")]
+    Unsupported(String),
+}
+
+/// The state of a key, read without changing it ([`ClaimStore::state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimState {
+    /// Never claimed, released, or its last lease ended: the next claim
+    /// takes it.
+    Free,
+    /// A holder's lease runs for `remaining` more.
+    Held {
+        /// Until the holder's lease ends.
+        remaining: Duration,
+    },
+    /// A holder completed it: every claim answers [`Claim::Done`].
+    Done,
 }
 
 impl ClaimError {
@@ -228,6 +247,19 @@ pub trait ClaimStore: MaybeSend + MaybeSync {
         fence: u64,
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), ClaimError>>;
+
+    /// Reads the state of `key` without claiming or changing it (the
+    /// schedules' listing of the ticks fired reads it). The default answers
+    /// [`ClaimError::Unsupported`]: a store that can read its keys
+    /// overrides it.
+    fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
+        let _ = key;
+        Box::pin(async {
+            Err(ClaimError::Unsupported(
+                "this claim store cannot read the state of a key".into(),
+            ))
+        })
+    }
 }
 
 impl<S: ClaimStore + ?Sized> ClaimStore for Arc<S> {
@@ -251,6 +283,9 @@ impl<S: ClaimStore + ?Sized> ClaimStore for Arc<S> {
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), ClaimError>> {
         (**self).extend(key, fence, lease)
+    }
+    fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
+        (**self).state(key)
     }
 }
 
@@ -507,6 +542,20 @@ mod memory {
                 self.held(key, fence, |slot, now| slot.held_until = Some(now + lease))
             });
             Box::pin(async move { result })
+        }
+
+        fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
+            let state = self.with_state(|state, now| match state.get(key) {
+                Some(slot) if slot.done => ClaimState::Done,
+                Some(Slot {
+                    held_until: Some(end),
+                    ..
+                }) if *end > now => ClaimState::Held {
+                    remaining: *end - now,
+                },
+                _ => ClaimState::Free,
+            });
+            Box::pin(async move { Ok(state) })
         }
     }
 }

@@ -6,6 +6,7 @@ pub(crate) mod overrides;
 pub(crate) mod pipeline;
 pub(crate) mod registry;
 pub(crate) mod retry_delay;
+pub(crate) mod schedule;
 pub(crate) mod state;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;

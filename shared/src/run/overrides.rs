@@ -209,11 +209,16 @@ impl Overrides {
         })?;
         let mut jobs = BTreeMap::new();
         for (key, value) in file {
+            // `[schedules.<name>]` tables are the schedules' (read by
+            // `SchedulesConfig::from_toml`), not job overrides.
+            if key == "schedules" {
+                continue;
+            }
             if key != "jobs" {
                 return Err(PolicyError::invalid(
                     "*",
                     "config file",
-                    format!("unknown top-level key `{key}`; expected `jobs`"),
+                    format!("unknown top-level key `{key}`; expected `jobs` or `schedules`"),
                 ));
             }
             for (job, value) in table("*", key, value)? {

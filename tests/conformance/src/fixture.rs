@@ -350,6 +350,8 @@ pub fn sqs_emulator_config() -> jobrail_native::sqs::SqsConfig {
         .credentials(jobrail_native::sqs::SqsCredentials::fixed("test", "test"))
         .visibility_timeout(std::time::Duration::from_secs(2))
         .wait_time(std::time::Duration::from_secs(1))
+        // Short, so the suite's longer delays are carried in steps.
+        .max_dispatch_delay(std::time::Duration::from_secs(1))
 }
 
 /// Amazon SQS (`jobrail_native::sqs::SqsDriver`), usually against the emulator.

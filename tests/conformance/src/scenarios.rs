@@ -102,6 +102,14 @@ pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
         ],
     );
     choice.when(
+        capabilities.delayed_dispatch,
+        "the driver cannot delay a dispatch (delayed_dispatch)",
+        &scenarios![
+            long_delay_fires_on_time,
+            long_delay_survives_a_worker_restart
+        ],
+    );
+    choice.when(
         capabilities.max_message_bytes.is_some(),
         "the driver reports no size limit (max_message_bytes)",
         &scenarios![
@@ -1086,6 +1094,130 @@ pub async fn delayed_dispatch(backend: &dyn Backend) {
     let ran = calls.times()[0];
     assert!(ran - sent >= MS(300), "delivered after {:?}", ran - sent);
     consumer.shutdown().await.unwrap();
+}
+
+/// A delay past what the backend holds in one message, when it has such a
+/// limit ([`Capabilities::max_dispatch_delay`](jobrail_native::Capabilities::max_dispatch_delay)):
+/// two of the longest legs and some; 2.3 s where it holds any delay (the
+/// fixtures keep the legs short, so the steps are real).
+fn long_delay(driver: &dyn Driver) -> Duration {
+    match driver.capabilities().max_dispatch_delay {
+        Some(longest) => longest * 2 + MS(300),
+        None => MS(2300),
+    }
+}
+
+/// How late a delayed job may run and still be on time, in the suite: the
+/// rule is within 1 s of its due time; the suite allows scheduling noise on
+/// a loaded machine on top.
+const LATENESS: Duration = Duration::from_millis(2000);
+
+/// A delay of any length: jobs delayed past what one message holds run
+/// once each, not before their time and soon after it, at attempt 1, with
+/// no event for the steps that carried them (no outcome, no retry). Ten
+/// jobs, their delays 137 ms apart so that they meet the backend's
+/// rounding at different points; the lateness of each is printed (the
+/// precision the guide states per backend).
+pub async fn long_delay_fires_on_time(backend: &dyn Backend) {
+    const JOBS: u32 = 10;
+    let h = Harness::new(backend, "long-delay").await;
+    let job = h.job("long-delay").build().unwrap();
+    let base = long_delay(h.driver.as_ref());
+    let delay_of = |id: u32| base + MS(137) * id;
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let seen = calls.clone();
+    let consumer = h.start(
+        registry_with(&job, move |ctx: JobContext, work: Work| {
+            seen.lock()
+                .unwrap()
+                .push((work.id, ctx.attempt(), Instant::now()));
+            async { Ok(()) }
+        }),
+        4,
+    );
+    let mut sent = Vec::new();
+    for id in 0..JOBS {
+        sent.push(Instant::now());
+        h.producer
+            .dispatch(&job)
+            .delay(delay_of(id))
+            .send(&Work { id })
+            .await
+            .unwrap();
+    }
+    h.events
+        .wait_count(h.patience + delay_of(JOBS), "succeeded", JOBS as usize)
+        .await;
+    // Room for a second copy to show itself.
+    tokio::time::sleep(MS(500)).await;
+    consumer.shutdown().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), JOBS as usize, "each job ran once: {calls:?}");
+    let mut late = Vec::new();
+    for (id, attempt, ran) in calls {
+        let delay = delay_of(id);
+        let after = ran - sent[id as usize];
+        assert!(
+            after >= delay,
+            "job {id} ran {after:?} after dispatch, before its {delay:?}"
+        );
+        assert!(
+            after <= delay + LATENESS,
+            "job {id} ran {:?} after its due time",
+            after - delay
+        );
+        assert_eq!(
+            attempt,
+            1,
+            "job {id}: no step counted as an attempt (ran {:?} late)",
+            after - delay
+        );
+        late.push(after - delay);
+    }
+    assert_eq!(
+        h.events.names(),
+        vec!["succeeded"; JOBS as usize],
+        "the steps emit nothing"
+    );
+    late.sort();
+    eprintln!(
+        "delays of {base:?} to {:?} on {}: ran {:?} to {:?} after their due time (median {:?})",
+        delay_of(JOBS - 1),
+        h.driver.name(),
+        late[0],
+        late[late.len() - 1],
+        late[late.len() / 2]
+    );
+}
+
+/// A long delay survives a worker restart: the consumer that held the
+/// job's steps stops half way, another starts, and the job runs once, not
+/// before its time.
+pub async fn long_delay_survives_a_worker_restart(backend: &dyn Backend) {
+    let h = Harness::new(backend, "long-delay-restart").await;
+    let job = h.job("long-delay-restart").build().unwrap();
+    let delay = long_delay(h.driver.as_ref());
+    let calls = Calls::default();
+    let first = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
+    let sent = Instant::now();
+    h.producer
+        .dispatch(&job)
+        .delay(delay)
+        .send(&Work { id: 1 })
+        .await
+        .unwrap();
+    tokio::time::sleep(delay / 2).await;
+    first.shutdown().await.unwrap();
+    assert_eq!(calls.count(), 0, "nothing ran before its time");
+    let second = h.start(registry_with(&job, calls.handler(|_, _| Ok(()))), 2);
+    h.events
+        .wait_count(h.patience + delay, "succeeded", 1)
+        .await;
+    tokio::time::sleep(MS(500)).await;
+    second.shutdown().await.unwrap();
+    let times = calls.times();
+    assert_eq!(times.len(), 1, "the job ran once");
+    assert!(times[0] - sent >= delay, "ran before its time");
 }
 
 /// No more than `concurrency` handlers run at once, and that many do.

@@ -805,3 +805,166 @@ fn a_message_at_the_size_limit_round_trips() {
         steps[&over.id]
     );
 }
+
+/// Fires the Cron Trigger `cron` at the scheduled time `time_ms` through
+/// `wrangler dev`'s trigger route (the worker's `scheduled` handler, which
+/// the `consumer!` macro exports for its `schedules`).
+fn fire_trigger(cron: &str, time_ms: u64) {
+    let answer = ureq::get(&format!("{}/cdn-cgi/handler/scheduled", base()))
+        .query("cron", cron)
+        .query("time", &time_ms.to_string())
+        .call()
+        .unwrap_or_else(|e| panic!("triggering `{cron}` at {time_ms}: {e}"))
+        .into_string()
+        .unwrap_or_default();
+    assert_eq!(answer, "ok", "the scheduled handler's outcome");
+}
+
+/// The succeeded events of reports with `report_id`, from the log.
+fn succeeded_reports(log: &[Value], report_id: u64) -> Vec<Value> {
+    log.iter()
+        .filter_map(|e| e.get("event"))
+        .filter(|e| e["payload"]["report_id"].as_u64() == Some(report_id))
+        .filter(|e| e["kind"]["event"] == "succeeded")
+        .cloned()
+        .collect()
+}
+
+/// A Cron Trigger fires the worker's schedule (`report-every-minute`, a
+/// report whose id is the tick's Unix seconds) through the queue: its
+/// handler runs once. The same trigger delivered twice for the same tick
+/// (here: the minute's trigger, then again 20 s into that minute)
+/// dispatches once: the tick's claim in D1 is done.
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn a_cron_trigger_fires_its_tick_once_through_the_queue() {
+    // A minute no earlier run used (a few minutes ahead of the clock).
+    let minute_s = (fresh() / 1_000_000 / 60 + 5) * 60;
+    fire_trigger("* * * * *", minute_s * 1000);
+    fire_trigger("* * * * *", minute_s * 1000 + 20_000);
+    let started = Instant::now();
+    let runs = loop {
+        let runs = succeeded_reports(&log(), minute_s);
+        if !runs.is_empty() {
+            break runs;
+        }
+        assert!(
+            started.elapsed() < PATIENCE,
+            "the tick's report never ran (report_id {minute_s})"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert_eq!(runs[0]["attempt"], 1, "{runs:?}");
+    // A second dispatch would arrive within the batch wait (1 s).
+    std::thread::sleep(Duration::from_secs(4));
+    let runs = succeeded_reports(&log(), minute_s);
+    assert_eq!(runs.len(), 1, "the tick ran once: {runs:#?}");
+    if let Ok(path) = std::env::var("EDGE_WRANGLER_LOG") {
+        let output = std::fs::read_to_string(path).unwrap_or_default();
+        let tick = jobrail::Tick::from_unix_seconds(minute_s as i64).rfc3339();
+        let lines: Vec<&str> = output
+            .lines()
+            .filter(|l| l.contains("jobrail-edge schedule") && l.contains(&tick))
+            .collect();
+        assert!(
+            lines.iter().any(|l| l.contains("\"outcome\":\"fired\"")),
+            "{lines:#?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("\"outcome\":\"already-fired\"")),
+            "the second trigger found it fired: {lines:#?}"
+        );
+    }
+}
+
+/// An envelope not due yet (a step of a dispatch delay beyond 24 hours,
+/// here due in 3 s) is sent on by the consumer, through the queue's
+/// producer binding, delayed by the rest, without running; it runs when
+/// due, as attempt 1. The due time is compared with `Date.now()` in
+/// workerd (`jobrail::unix_now_ms`).
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn an_envelope_not_due_yet_is_sent_on_and_runs_when_due() {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let payload = serde_json::to_value(report(fresh(), Behaviour::Healthy)).unwrap();
+    let mut envelope = Envelope::new(report_job::NAME, payload);
+    let due_ms = now_ms + 3_000;
+    envelope.due_ms = Some(due_ms);
+    let answer = post("/dispatch", json!({ "envelopes": [envelope] }));
+    let id = answer["envelopes"][0].as_str().unwrap().to_string();
+    let log = wait_terminal(std::slice::from_ref(&id));
+    let steps = edge_steps(&log);
+    assert_eq!(
+        plain(&steps[&id]),
+        [(1, "succeeded:first_attempt".to_string(), 1)],
+        "the step was no attempt"
+    );
+    let (at, _) = &steps[&id][0];
+    assert!(
+        *at >= due_ms as f64,
+        "ran {} ms before it was due",
+        due_ms as f64 - at
+    );
+    if let Ok(path) = std::env::var("EDGE_WRANGLER_LOG") {
+        let output = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            output.lines().any(|l| l.contains("jobrail-edge delay-step")
+                && l.contains(&id)
+                && l.contains("\"sent\":true")),
+            "no delay step logged for {id}"
+        );
+    }
+}
+
+/// `D1Claims` reads a key's state without claiming it (`ClaimStore::state`,
+/// one `SELECT` on the database's clock): free before any claim, held with
+/// the lease's time left, done once completed, free again after a release;
+/// reading it changes nothing (the next claim takes the key as if unread).
+#[test]
+#[ignore = "needs the report worker under wrangler dev (tests/run starts it)"]
+fn d1_claims_read_a_keys_state_without_claiming_it() {
+    let key = format!("state-{}", fresh());
+    let state = |key: &str| post("/claims", json!({ "op": "state", "key": key }));
+    assert_eq!(state(&key), json!({ "state": "free" }));
+    assert_eq!(
+        state(&key),
+        json!({ "state": "free" }),
+        "reading took nothing"
+    );
+    let claimed = post(
+        "/claims",
+        json!({ "op": "claim", "key": key, "lease_ms": 60_000 }),
+    );
+    assert_eq!(claimed["claim"], "claimed", "{claimed}");
+    assert_eq!(claimed["fence"], 1, "the reads made no row: {claimed}");
+    let held = state(&key);
+    assert_eq!(held["state"], "held", "{held}");
+    let remaining = held["remaining_ms"].as_u64().unwrap();
+    assert!((1..=60_000).contains(&remaining), "{held}");
+    let done = post(
+        "/claims",
+        json!({ "op": "complete", "key": key, "fence": 1 }),
+    );
+    assert_eq!(done, json!({ "ok": true }));
+    assert_eq!(state(&key), json!({ "state": "done" }));
+
+    let other = format!("state-released-{}", fresh());
+    post(
+        "/claims",
+        json!({ "op": "claim", "key": other, "lease_ms": 60_000 }),
+    );
+    post(
+        "/claims",
+        json!({ "op": "release", "key": other, "fence": 1 }),
+    );
+    assert_eq!(
+        state(&other),
+        json!({ "state": "free" }),
+        "a released lease"
+    );
+}

@@ -23,6 +23,8 @@ impl Memory {
             max_retry_delay: Some(Duration::from_secs(3600)),
             // Short, so the suite sees a refused settlement's message again.
             refused_hold: Duration::from_millis(500),
+            // Short, so the suite's longer delays are carried in steps.
+            max_dispatch_delay: Some(Duration::from_secs(1)),
         };
         Memory {
             driver: MemoryDriver::new(config),

@@ -136,6 +136,8 @@ mod backend;
 mod charge;
 mod nodes;
 mod run;
+#[cfg(all(feature = "postgres-queue", feature = "redis"))]
+mod schedules;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -157,6 +159,14 @@ enum Cmd {
     Worker(worker::WorkerArgs),
     /// Run the suite and print the report.
     Run(run::RunArgs),
+    /// Three schedulers on one claim store, killed and restarted at random
+    /// while a schedule fires every second: every tick must run once
+    /// (features `postgres-queue` and `redis`).
+    #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+    Schedules(schedules::SchedulesArgs),
+    /// One scheduler process (started by `schedules`).
+    #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+    ScheduleWorker(schedules::ScheduleWorkerArgs),
 }
 
 fn main() {
@@ -184,6 +194,33 @@ fn main() {
                 }
             }
         }
+        #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+        Cmd::ScheduleWorker(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "warn".into()),
+                )
+                .with_ansi(false)
+                .with_writer(std::io::stderr)
+                .init();
+            match runtime.block_on(schedules::worker(args)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!(error = %e, "schedule worker failed");
+                    1
+                }
+            }
+        }
+        #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+        Cmd::Schedules(args) => match runtime.block_on(schedules::run(args)) {
+            Ok(true) => 0,
+            Ok(false) => 1,
+            Err(e) => {
+                eprintln!("jobrail-faults schedules: {e}");
+                2
+            }
+        },
         Cmd::Run(args) => match runtime.block_on(run::run(args)) {
             Ok(true) => 0,
             Ok(false) => 1,

@@ -135,6 +135,38 @@ pub struct Report {
     pub scenario: String,
     /// What the charging job's claims did (all zero without one).
     pub claims: ClaimStats,
+    /// What the delayed dispatches did (all zero without one).
+    pub delays: DelayStats,
+}
+
+/// What the delayed dispatches of one run did: evidence that the scenario
+/// exercised invariant 15.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DelayStats {
+    /// Messages dispatched with a delay (not zero).
+    pub delayed: u32,
+    /// Delays longer than the backend's longest leg.
+    pub beyond_leg: u32,
+    /// Steps (deliveries before the due time carried on).
+    pub steps: u32,
+    /// The most steps of one message.
+    pub most_steps: u32,
+    /// The longest delay, in seconds.
+    pub longest_secs: u64,
+    /// The latest a delayed message became deliverable after its due
+    /// time, in milliseconds.
+    pub latest_ms: u64,
+}
+
+impl std::ops::AddAssign for DelayStats {
+    fn add_assign(&mut self, o: Self) {
+        self.delayed += o.delayed;
+        self.beyond_leg += o.beyond_leg;
+        self.steps += o.steps;
+        self.most_steps = self.most_steps.max(o.most_steps);
+        self.longest_secs = self.longest_secs.max(o.longest_secs);
+        self.latest_ms = self.latest_ms.max(o.latest_ms);
+    }
 }
 
 /// What the charging job's claims did in one run: evidence that the
@@ -345,6 +377,7 @@ pub fn check(
     for e in &st.trace {
         end_time = end_time.max(e.at);
     }
+    let mut delays = DelayStats::default();
     let faults = handing_back_faults(&st.trace);
     let fault_between =
         |from: Duration, to: Duration| faults.iter().any(|t| *t >= from && *t <= to);
@@ -444,6 +477,7 @@ pub fn check(
             }
         }
         let what = format!("{:?} message of {} (cap {})", plan.kind, job.name, job.cap);
+        check_delay(sc, plan, &entries, &mut delays, &mut push);
         // 1. Ends exactly once; records.
         if removed.len() > 1 {
             push(
@@ -830,6 +864,142 @@ pub fn check(
         summary,
         scenario,
         claims,
+        delays,
+    }
+}
+
+/// Invariant 15, long delays, for one message: it never reaches a consumer
+/// (delivered, executed, reported) before its due time; it becomes
+/// deliverable within the backend's precision after it
+/// ([`Semantics::delay_precision`]); a step comes only before the due time,
+/// and the first delivery after the steps counts attempt 1 (a step counts
+/// none and runs nothing); the dispatch and its steps stay within
+/// [`Semantics::delay_messages_bound`]. A message without a delay never
+/// steps. (That it is not lost, that it ends by the horizon, which runs
+/// from the last due time, is invariant 9.)
+fn check_delay(
+    sc: &Scenario,
+    plan: &crate::scenario::MsgPlan,
+    entries: &[&Entry],
+    stats: &mut DelayStats,
+    push: &mut impl FnMut(u8, u64, String),
+) {
+    let n = plan.n;
+    let delay = plan.delay.filter(|d| !d.is_zero());
+    let steps: Vec<&Entry> = entries
+        .iter()
+        .copied()
+        .filter(|e| matches!(e.ev, Ev::Step { .. }))
+        .collect();
+    let Some(delay) = delay else {
+        if let Some(e) = steps.first() {
+            push(
+                15,
+                n,
+                format!(
+                    "a message dispatched without a delay stepped at {:?}: {:?}",
+                    e.at, e.ev
+                ),
+            );
+        }
+        return;
+    };
+    let due = plan.due();
+    stats.delayed += 1;
+    stats.steps += steps.len() as u32;
+    stats.most_steps = stats.most_steps.max(steps.len() as u32);
+    stats.longest_secs = stats.longest_secs.max(delay.as_secs());
+    if sc.sem.longest_leg().is_some_and(|leg| delay > leg) {
+        stats.beyond_leg += 1;
+    }
+    let sends: Vec<Duration> = entries
+        .iter()
+        .filter_map(|e| match e.ev {
+            Ev::Delayed { available, .. } | Ev::Step { available, .. } => Some(available),
+            _ => None,
+        })
+        .collect();
+    if sends.is_empty() {
+        // Never dispatched (the run ended first): invariant 9 says so.
+        return;
+    }
+    // Never before the due time.
+    if let Some(early) = entries.iter().find(|e| {
+        e.at < due
+            && matches!(
+                e.ev,
+                Ev::Delivered { .. } | Ev::Exec { .. } | Ev::Emitted { .. }
+            )
+    }) {
+        push(
+            15,
+            n,
+            format!("dispatched at {:?} with a delay of {delay:?}, due at {due:?}: {:?} at {:?}, before its due time", plan.at, early.ev, early.at),
+        );
+    }
+    // Steps only before the due time.
+    if let Some(late) = steps.iter().find(|e| e.at >= due) {
+        push(
+            15,
+            n,
+            format!(
+                "stepped at {:?}, at or after its due time {due:?}: {:?}",
+                late.at, late.ev
+            ),
+        );
+    }
+    // Deliverable within the backend's precision after the due time.
+    let available = sends.iter().copied().max().unwrap_or_default();
+    // A body that is not an envelope carries no due time: held whole, as
+    // the backend rounds a plain delay (RabbitMQ up to a bucket).
+    let raw = plan.kind == Kind::Malformed;
+    let precision = if raw {
+        let held = sc.sem.dispatch_hold(b"raw", delay);
+        held.saturating_sub(delay) + Duration::from_millis(1)
+    } else {
+        sc.sem.delay_precision()
+    };
+    if !raw {
+        stats.latest_ms = stats
+            .latest_ms
+            .max(available.saturating_sub(due).as_millis() as u64);
+    }
+    if available > due + precision {
+        push(
+            15,
+            n,
+            format!("due at {due:?} (a delay of {delay:?}) and deliverable only from {available:?}: later than the backend's precision of {precision:?}"),
+        );
+    }
+    // A step counts no attempt.
+    let first = entries.iter().find_map(|e| match e.ev {
+        Ev::Delivered { attempt, .. } => Some(attempt),
+        _ => None,
+    });
+    if first.is_some_and(|a| a != 1) {
+        push(
+            15,
+            n,
+            format!(
+                "after {} steps its first delivery counted attempt {}, not 1",
+                steps.len(),
+                first.unwrap_or_default()
+            ),
+        );
+    }
+    // The messages a delay costs.
+    let spent = sends.len() as u64;
+    let bound = if raw {
+        1
+    } else {
+        sc.sem.delay_messages_bound(delay)
+    };
+    if spent > bound {
+        push(
+            15,
+            n,
+            format!("a delay of {delay:?} cost {spent} messages (the dispatch and {} steps), more than the bound of {bound} (longest leg {:?})", steps.len(), sc.sem.longest_leg()),
+        );
     }
 }
 

@@ -121,6 +121,42 @@
 //!     a crash, restart, lost connection or instance panic came between.
 //!     [`run_refusing`] holds every backend to the rate this implies with
 //!     every settlement refused.
+//! 15. Long delays. One seed in four dispatches some messages with a delay
+//!     (zero; short; a leg's multiple, or a RabbitMQ bucket, give or take
+//!     two seconds; anything up to 30 days, or 40 legs where that is less),
+//!     and puts crashes, shutdowns and lost connections near their due
+//!     times. The producer's side is `Producer::prepare`'s (the edge's
+//!     `prepare_send`) with the shared functions (`jobrail::with_due`,
+//!     `jobrail::delay_leg`) on the model's wall clock
+//!     ([`model::DELAY_EPOCH_MS`] plus the virtual time); each backend
+//!     model holds a leg as the backend does ([`Semantics::longest_leg`]:
+//!     RabbitMQ a day, rounded down to a bucket; SQS 900 s, whole seconds up;
+//!     the edge a day, whole seconds up; memory, NATS and Postgres any
+//!     delay, Postgres to the microsecond up); and the consumer's step
+//!     (`jobrail::delay_remaining` on that clock: a copy delayed by the next
+//!     leg, the delivery acknowledged) is taken by the model as a delivery
+//!     is handed out. A delayed message never reaches a consumer before its
+//!     due time; becomes deliverable within the backend's precision after it
+//!     ([`Semantics::delay_precision`]: RabbitMQ the smallest bucket, SQS and
+//!     the edge 1 s, Postgres 1 µs, memory and NATS exactly, each plus the
+//!     clock's millisecond; a body that is not an envelope, held whole, as
+//!     the backend rounds a plain delay); is stepped only before it; counts
+//!     attempt 1 on its first delivery (a step runs nothing and counts
+//!     nothing); costs at most [`Semantics::delay_messages_bound`] messages
+//!     (`ceil(delay / leg)`; RabbitMQ's greedy bound); and is not lost (9,
+//!     whose horizon runs from the last due time). Not modelled: a step's
+//!     send or acknowledgement failing (the model's never fail, and nothing
+//!     awaits between them, so a crash cannot leave two copies), and how
+//!     soon a consumer takes a deliverable message (its slots, its
+//!     restarts).
+//! 16. Schedules ([`schedule`]): several schedulers, crashing and
+//!     restarting, run the real `jobrail::ScheduleFiring` on one
+//!     `jobrail::MemoryClaims` on virtual time: each tick at most once but
+//!     for a firer's death between its send and its completion, never
+//!     early, nothing at or before the first start, a watched tick taken
+//!     over within the lease and the poll, missed ticks as the policy says
+//!     (`Skip`, `Latest`, `Each(n)`), ticks as the expression's across a
+//!     daylight-saving transition.
 //!
 //! The clock is the real `jobrail_native::TokioRuntime`, whose clock follows
 //! tokio's paused time (the simulation found that it did not: breaker
@@ -141,10 +177,12 @@ pub mod check;
 mod cloudflare;
 pub mod model;
 pub mod scenario;
+pub mod schedule;
 
-pub use check::{ClaimStats, Report, Violation};
+pub use check::{ClaimStats, DelayStats, Report, Violation};
 use model::{Abandon, Ev, MState, Model, Semantics, World};
 use scenario::{Fault, Kind, Scenario};
+pub use schedule::{run_schedule_seed, ScheduleReport, ScheduleStats};
 
 /// Virtual time after the last dispatch before the run stops.
 pub const HORIZON: Duration = Duration::from_secs(6 * 3600);
@@ -334,6 +372,11 @@ pub fn run_refusing(seed: u64, backend: Backend) -> RefusalReport {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut sc = scenario::generate(&mut rng, backend.sem());
     sc.faults = vec![(Duration::ZERO, Fault::Refuse(u32::MAX))];
+    // Dispatch delays left out: the property is the refusals' (a delay
+    // only postpones the first delivery, and would stretch the run).
+    for m in &mut sc.msgs {
+        m.delay = None;
+    }
     let world = simulate_on(&paused_runtime(), &sc, REFUSING_HORIZON);
     let hold = sc.sem.refused_hold();
     let st = world.lock();
@@ -545,26 +588,20 @@ async fn simulate(sc: &Scenario, horizon: Duration) -> Arc<World> {
             let (id, body) = outgoing(sc, m);
             st.ids.insert(id.clone(), m.n);
             st.scripts.insert(m.n, m.script.clone());
-            sends.push((m.at, m.queue.clone(), id, body));
+            sends.push((m.at, m.queue.clone(), id, body, m.delay));
         }
     }
     let sender = Model {
         world: world.clone(),
         incarnation: 0,
     };
+    let sem = sc.sem;
     let dispatcher = tokio::spawn(async move {
-        for (at, queue, id, body) in sends {
+        for (at, queue, id, body, delay) in sends {
             tokio::time::sleep_until(t0 + at).await;
-            let _ = sender
-                .send(
-                    &queue,
-                    Outgoing {
-                        id,
-                        body,
-                        delay: None,
-                    },
-                )
-                .await;
+            let now_ms = sender.world.now_ms();
+            let (body, delay) = model::prepare_dispatch(sem, body, delay, now_ms);
+            let _ = sender.send(&queue, Outgoing { id, body, delay }).await;
         }
     });
     let mut inc = 0;
@@ -604,23 +641,46 @@ async fn simulate(sc: &Scenario, horizon: Duration) -> Arc<World> {
             }
         }
     }
-    let last = sc.msgs.iter().map(|m| m.at).max().unwrap_or_default();
+    // The horizon runs from the last due time (a dispatch plus its delay).
+    let last = sc.msgs.iter().map(|m| m.due()).max().unwrap_or_default();
     let horizon = t0 + last + horizon;
     loop {
-        let done = dispatcher.is_finished() && {
+        let (done, idle_until) = {
             let st = world.lock();
-            st.msgs.len() == sc.msgs.len() && st.msgs.values().all(|m| m.state == MState::Done)
+            let done = dispatcher.is_finished()
+                && st.msgs.len() == sc.msgs.len()
+                && st.msgs.values().all(|m| m.state == MState::Done);
+            // Nothing in flight and every message held for later (a long
+            // delay): nothing can end before the first comes back.
+            let idle = dispatcher.is_finished()
+                && !st
+                    .msgs
+                    .values()
+                    .any(|m| matches!(m.state, MState::InFlight(_)));
+            let next = st
+                .msgs
+                .values()
+                .filter(|m| m.state == MState::Ready)
+                .map(|m| m.avail)
+                .min();
+            (done, next.filter(|_| idle))
         };
         let runaway = world.lock().deliveries > 20_000;
-        if done || runaway || tokio::time::Instant::now() >= horizon {
+        let now = tokio::time::Instant::now();
+        if done || runaway || now >= horizon {
             break;
         }
+        let poll = Duration::from_secs(5);
+        let wake = match idle_until {
+            Some(at) if at > now + poll => at.min(horizon),
+            _ => now + poll,
+        };
         tokio::select! {
             biased;
             _ = world.crash_requested.notified() => {
                 (host, inc) = crash_and_restart(sc, &world, &clock, host, inc).await;
             }
-            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = tokio::time::sleep_until(wake) => {}
         }
     }
     stop(host, &world, inc, true).await;

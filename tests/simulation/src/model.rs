@@ -46,6 +46,17 @@ pub(crate) const CF_MAX: Duration = Duration::from_secs(24 * 3600);
 /// How long a message whose settlement was refused stays away where the
 /// backend has no lease (the memory driver, RabbitMQ, the edge's own retry).
 pub(crate) const REFUSED_HOLD: Duration = jobrail::REFUSED_SETTLEMENT_HOLD;
+/// SQS's longest dispatch delay (`DelaySeconds`), the SQS driver's default
+/// `max_dispatch_delay`.
+pub(crate) const SQS_MAX_DELAY: Duration = Duration::from_secs(900);
+/// The simulation's wall clock at the start of a run, in Unix milliseconds:
+/// due times ([`jobrail::Envelope::due_ms`]) are written and compared on it,
+/// the virtual time elapsed added. It lies years before any real clock, so
+/// the real consumers' own wall-clock check
+/// (`jobrail::delay_remaining(body, jobrail::unix_now_ms())`) finds every
+/// body due: the model takes the consumer's step on virtual time instead
+/// (as it hands a delivery out), with the same shared functions.
+pub const DELAY_EPOCH_MS: u64 = 1_600_000_000_000;
 
 impl Semantics {
     /// The least time a message whose settlement was refused stays away:
@@ -59,6 +70,124 @@ impl Semantics {
             Semantics::Sqs | Semantics::Nats => LEASE,
             Semantics::Postgres => LEASE / 2,
         }
+    }
+
+    /// The longest dispatch delay one message holds
+    /// ([`Capabilities::max_dispatch_delay`] of the driver's default
+    /// configuration; `None`: any): RabbitMQ's largest bucket, SQS's 900 s,
+    /// the edge's 24 h ([`jobrail_edge::MAX_DELAY`]); memory, NATS (its
+    /// driver holds a delay itself) and Postgres any.
+    pub fn longest_leg(self) -> Option<Duration> {
+        match self {
+            Semantics::Memory | Semantics::Nats | Semantics::Postgres => None,
+            Semantics::Rabbit => Some(Duration::from_secs(BUCKETS[BUCKETS.len() - 1])),
+            Semantics::Sqs => Some(SQS_MAX_DELAY),
+            Semantics::Cloudflare => Some(jobrail_edge::MAX_DELAY),
+        }
+    }
+
+    /// How much later than its due time a delayed message may become
+    /// deliverable (invariant 15), the model's wall clock's millisecond
+    /// included: RabbitMQ the smallest bucket (a leg below it is held that
+    /// long), SQS and the edge a second (whole seconds, rounded up; the
+    /// edge's batch wait is zero in the model, its host taking a batch as
+    /// soon as one message is there), Postgres a microsecond, memory and
+    /// NATS nothing.
+    pub fn delay_precision(self) -> Duration {
+        let ms = Duration::from_millis(1);
+        ms + match self {
+            Semantics::Memory | Semantics::Nats => Duration::ZERO,
+            Semantics::Rabbit => Duration::from_secs(BUCKETS[0]),
+            Semantics::Sqs | Semantics::Cloudflare => Duration::from_secs(1),
+            Semantics::Postgres => Duration::from_micros(1),
+        }
+    }
+
+    /// How long the backend holds a new message sent with `delay` (`body`:
+    /// what it carries): RabbitMQ's `dispatch_hold` (a body with a due time
+    /// rounds down to a bucket, the smallest below it; any other rounds up),
+    /// SQS's and the edge's whole seconds rounded up, Postgres's
+    /// microseconds rounded up, memory and NATS as asked.
+    pub(crate) fn dispatch_hold(self, body: &[u8], delay: Duration) -> Duration {
+        if delay.is_zero() {
+            return delay;
+        }
+        match self {
+            Semantics::Memory | Semantics::Nats => delay,
+            Semantics::Rabbit => {
+                let buckets = BUCKETS.map(Duration::from_secs);
+                if jobrail::delay_remaining(body, 0).is_some() {
+                    let below = buckets.iter().copied().rfind(|b| *b <= delay);
+                    below.unwrap_or(buckets[0])
+                } else {
+                    let above = buckets.iter().copied().find(|b| *b >= delay);
+                    above.expect("a delay within the largest bucket")
+                }
+            }
+            Semantics::Sqs | Semantics::Cloudflare => {
+                Duration::from_secs(jobrail::whole_seconds_up(delay))
+            }
+            Semantics::Postgres => pg_micros(delay),
+        }
+    }
+
+    /// The most messages a dispatch delay of `delay` costs on this backend
+    /// (the dispatch and its steps), invariant 15: `ceil(delay / leg)` where
+    /// a leg is held whole (SQS, the edge; one where any delay is), and on
+    /// RabbitMQ, where each leg rounds down to a bucket, the greedy bound:
+    /// the steps of each bucket while the rest is below the next one
+    /// (`floor((min(delay, next) - 1 ms) / bucket)`, the largest
+    /// `floor(delay / bucket)`), plus one for a rest below the smallest
+    /// bucket. Late deliveries (a busy or restarting consumer) only shorten
+    /// the rest a step sees, and each level's count stays within its bound.
+    pub fn delay_messages_bound(self, delay: Duration) -> u64 {
+        match (self, self.longest_leg()) {
+            (Semantics::Rabbit, _) => {
+                let d = delay.as_millis() as u64;
+                let ms: Vec<u64> = BUCKETS.iter().map(|b| b * 1000).collect();
+                let mut bound = 1;
+                for (i, b) in ms.iter().enumerate() {
+                    let top = match ms.get(i + 1) {
+                        Some(next) => d.min(next - 1),
+                        None => d,
+                    };
+                    bound += top / b;
+                }
+                bound
+            }
+            (_, None) => 1,
+            (_, Some(leg)) => (delay.as_nanos().div_ceil(leg.as_nanos()) as u64).max(1),
+        }
+    }
+}
+
+/// The envelope `body` as the producer sends it with a dispatch `delay`,
+/// at `now_ms` on the model's wall clock: the body (a due time written in
+/// where the backend holds delays in steps) and the first leg's delay.
+/// Natively as `Producer::prepare` does it (a backend with a
+/// `max_dispatch_delay` gets the due time for every delay, and the first
+/// leg); at the edge as `prepare_send` does (a due time only beyond 24 h).
+pub(crate) fn prepare_dispatch(
+    sem: Semantics,
+    body: Vec<u8>,
+    delay: Option<Duration>,
+    now_ms: u64,
+) -> (Vec<u8>, Option<Duration>) {
+    let Some(delay) = delay.filter(|d| !d.is_zero()) else {
+        return (body, None);
+    };
+    let Some(longest) = sem.longest_leg() else {
+        return (body, Some(delay));
+    };
+    if sem == Semantics::Cloudflare && delay <= longest {
+        return (body, Some(delay));
+    }
+    let delay_ms = u64::try_from(delay.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+    match jobrail::with_due(&body, now_ms.saturating_add(delay_ms)) {
+        Some(due) => (due, Some(jobrail::delay_leg(delay, Some(longest)))),
+        // Not an envelope: held whole where it fits (the producer refuses
+        // a longer one; the scenarios never ask for it).
+        None => (body, Some(delay.min(longest))),
     }
 }
 
@@ -180,6 +309,26 @@ pub enum Ev {
         queue: String,
         /// What kind of message.
         what: String,
+    },
+    /// Sent with a dispatch delay: `leg` asked of the backend (the first
+    /// leg of a longer delay), deliverable from `available` (since the
+    /// start), due at `due` (the envelope's due time, if written).
+    Delayed {
+        /// The delay of this message (the first leg).
+        leg: Duration,
+        /// When the backend makes it deliverable, since the start.
+        available: Duration,
+    },
+    /// A delivery before its due time, carried on by the consumer's step
+    /// (the shared rule on the model's wall clock): a copy delayed by the
+    /// next leg, the delivery acknowledged, no handler run, no attempt.
+    Step {
+        /// How long before its due time it came.
+        remaining: Duration,
+        /// The next leg (`jobrail::delay_leg`).
+        leg: Duration,
+        /// When the copy is deliverable, since the start.
+        available: Duration,
     },
     /// Handed to a consumer.
     Delivered {
@@ -525,6 +674,7 @@ impl World {
     pub(crate) fn capabilities(&self) -> Capabilities {
         let mut c = Capabilities::full();
         c.refused_hold = self.sem.refused_hold();
+        c.max_dispatch_delay = self.sem.longest_leg();
         match self.sem {
             Semantics::Memory => {}
             Semantics::Rabbit => {
@@ -537,7 +687,6 @@ impl World {
             }
             Semantics::Nats => {
                 c.max_retry_delay = None;
-                c.delayed_dispatch = false;
                 c.redelivery_hint = LEASE;
             }
             Semantics::Cloudflare => {
@@ -563,18 +712,33 @@ impl World {
         }
     }
 
-    pub(crate) fn add_message(&self, n: u64, queue: &str, id: &str, body: Vec<u8>, what: &str) {
+    /// The model's wall clock, in Unix milliseconds ([`DELAY_EPOCH_MS`]
+    /// plus the virtual time elapsed, rounded down).
+    pub(crate) fn now_ms(&self) -> u64 {
+        DELAY_EPOCH_MS + (Instant::now() - self.start).as_millis() as u64
+    }
+
+    pub(crate) fn add_message(
+        &self,
+        n: u64,
+        queue: &str,
+        id: &str,
+        body: Vec<u8>,
+        what: &str,
+        delay: Option<Duration>,
+    ) {
         let mut st = self.lock();
         st.ids.insert(id.to_string(), n);
         let order = Self::order(&mut st, false);
         let now = Instant::now();
+        let avail = now + delay.map_or(Duration::ZERO, |d| self.sem.dispatch_hold(&body, d));
         st.msgs.insert(
             n,
             Msg {
                 queue: queue.to_string(),
                 body,
                 state: MState::Ready,
-                avail: now,
+                avail,
                 order,
                 count: 0,
                 carried: 0,
@@ -592,8 +756,49 @@ impl World {
                 what: what.to_string(),
             },
         );
+        if let Some(leg) = delay {
+            let available = avail - self.start;
+            self.log(&mut st, Some(n), Ev::Delayed { leg, available });
+        }
         drop(st);
         self.notify.notify_waiters();
+    }
+
+    /// The consumer's step (natively `Steps::step`, at the edge
+    /// `EdgeConsumer::step`), on the model's wall clock: message `n`, about
+    /// to be delivered, is not due for `remaining`; a copy (the same body)
+    /// is sent delayed by the next leg and the delivery acknowledged, as
+    /// one operation (the model's send and acknowledgement do not fail, and
+    /// nothing awaits between them). The copy is a new message: nothing
+    /// counted, no attempt.
+    fn step(&self, st: &mut State, n: u64, remaining: Duration, now: Instant) {
+        let sem = self.sem;
+        let leg = jobrail::delay_leg(remaining, sem.longest_leg());
+        let back = Self::order(st, false);
+        let m = st.msgs.get_mut(&n).expect("message");
+        let held = match sem {
+            // `leg_seconds`: whole seconds, rounded up, at least one.
+            Semantics::Cloudflare => Duration::from_secs(jobrail::whole_seconds_up(leg).max(1)),
+            _ => sem.dispatch_hold(&m.body, leg),
+        };
+        m.avail = now + held;
+        m.order = back;
+        m.count = 0;
+        m.carried = 0;
+        m.dcount = 0;
+        m.shutdowns = 0;
+        m.receive_at = now;
+        m.cf_delay = None;
+        let available = m.avail - self.start;
+        self.log(
+            st,
+            Some(n),
+            Ev::Step {
+                remaining,
+                leg,
+                available,
+            },
+        );
     }
 
     /// Takes the next available message of `queues` (or says when one will be).
@@ -622,6 +827,11 @@ impl World {
             }
         }
         let Some((_, n)) = best else { return Err(wake) };
+        if let Some(remaining) = jobrail::delay_remaining(&st.msgs[&n].body, self.now_ms()) {
+            self.step(&mut st, n, remaining, now);
+            drop(st);
+            return self.take(queues, incarnation);
+        }
         if let Some(limit) = st.broker_limit {
             // The broker's count since the message was (re)published.
             let m = &st.msgs[&n];
@@ -1133,8 +1343,14 @@ impl Driver for Model {
         let Some(n) = n else {
             return Err(derr(ErrorKind::NotAccepted, "unknown sim message"));
         };
-        self.world
-            .add_message(n, queue, &message.id, message.body, "dispatch");
+        self.world.add_message(
+            n,
+            queue,
+            &message.id,
+            message.body,
+            "dispatch",
+            message.delay,
+        );
         Ok(())
     }
 

@@ -129,6 +129,15 @@ pub struct MsgPlan {
     pub script: Script,
     /// The business key a charging job's message carries.
     pub key: Option<String>,
+    /// The dispatch delay (`None`: none; a zero delay is none too).
+    pub delay: Option<Duration>,
+}
+
+impl MsgPlan {
+    /// When it is due: its dispatch plus its delay.
+    pub fn due(&self) -> Duration {
+        self.at + self.delay.unwrap_or_default()
+    }
 }
 
 /// A generated fault.
@@ -301,6 +310,7 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
             at: ms(r, 0, spread * 1000),
             script,
             key: None,
+            delay: None,
         });
     }
     msgs.sort_by_key(|m| (m.at, m.n));
@@ -385,7 +395,87 @@ pub fn generate(r: &mut ChaCha8Rng, sem: Semantics) -> Scenario {
         }
         sc.charging = Some(Charging { job, lease, keys });
     }
+    // Long delays: one seed in four dispatches some of its messages with a
+    // delay (drawn last, as the charging job).
+    if r.gen_bool(0.25) {
+        for m in &mut sc.msgs {
+            if r.gen_bool(0.4) {
+                let mut delay = dispatch_delay(r, sem);
+                if m.kind == Kind::Malformed {
+                    // Not an envelope: no due time to carry a longer delay
+                    // in steps (the producer refuses one), one leg at most.
+                    delay = sem.longest_leg().map_or(delay, |leg| delay.min(leg));
+                }
+                m.delay = Some(delay);
+            }
+        }
+        // Faults where the delays end: a crash, a shutdown or a lost
+        // connection a moment before or after a due time, so that due
+        // messages meet restarts and redeliveries, as the early ones do.
+        let dues: Vec<Duration> = sc
+            .msgs
+            .iter()
+            .filter(|m| m.delay.is_some_and(|d| !d.is_zero()))
+            .map(MsgPlan::due)
+            .collect();
+        if !dues.is_empty() && r.gen_bool(0.6) {
+            for _ in 0..r.gen_range(1..=2) {
+                let due = *dues.choose(r).expect("a due time");
+                let at = due.saturating_sub(ms(r, 0, 3_000)) + ms(r, 0, 3_000);
+                let fault = match r.gen_range(0..3) {
+                    0 => Fault::Crash(ms(r, 0, 60_000)),
+                    1 => Fault::Shutdown(ms(r, 0, 60_000)),
+                    _ if matches!(
+                        sem,
+                        Semantics::Rabbit | Semantics::Nats | Semantics::Postgres
+                    ) =>
+                    {
+                        Fault::ConnectionLost
+                    }
+                    _ => Fault::Crash(ms(r, 0, 60_000)),
+                };
+                sc.faults.push((at, fault));
+            }
+            sc.faults.sort_by_key(|f| f.0);
+        }
+    }
     sc
+}
+
+/// The longest dispatch delay a scenario draws: 30 days, or 40 legs where
+/// a leg is shorter (SQS: 10 hours), to bound the steps a run takes.
+fn longest_delay(sem: Semantics) -> Duration {
+    let month = Duration::from_secs(30 * 86_400);
+    sem.longest_leg().map_or(month, |leg| month.min(leg * 40))
+}
+
+/// A dispatch delay for `sem`, in whole milliseconds: none (zero), short,
+/// a leg's multiple give or take a little, one of RabbitMQ's buckets give
+/// or take a little, or anything up to [`longest_delay`].
+fn dispatch_delay(r: &mut ChaCha8Rng, sem: Semantics) -> Duration {
+    let leg = sem.longest_leg().unwrap_or(Duration::from_secs(86_400));
+    let near = |r: &mut ChaCha8Rng, at: Duration| {
+        let off = ms(r, 0, 2_000);
+        if r.gen_bool(0.5) {
+            at + off
+        } else {
+            at.saturating_sub(off)
+        }
+    };
+    let longest = longest_delay(sem).as_millis() as u64;
+    match r.gen_range(0..5) {
+        0 => Duration::ZERO,
+        1 => ms(r, 1, 10_000),
+        2 => {
+            let k = r.gen_range(1..=3);
+            near(r, leg * k)
+        }
+        3 => {
+            let b = *crate::model::BUCKETS.choose(r).expect("bucket");
+            near(r, Duration::from_secs(b))
+        }
+        _ => ms(r, 1, longest),
+    }
 }
 
 /// What a `PanicBefore` step panics with.

@@ -4,17 +4,19 @@
 //! prints one line per failing seed and a summary; `simulate --seed S
 //! [--backend B]` replays one seed and prints the offending messages' traces;
 //! `--refusing` runs the seed with every settlement refused (the hot-loop
-//! property, `run_refusing`).
+//! property, `run_refusing`); `simulate --schedule-seeds N [--from S]` runs
+//! schedule seeds (`run_schedule_seed`), `--schedule-seed S` replays one and
+//! prints its log.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use jobrail_simulation::{run_refusing, run_seed, Backend, ClaimStats};
+use jobrail_simulation::{run_refusing, run_schedule_seed, run_seed, Backend, ClaimStats};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all] [--refusing]\n backends: memory rabbit sqs nats cloudflare postgres"
+        "usage: simulate --seeds N [--from S] [--backend B] | --seed S [--backend B] [--trace] [--all] [--refusing] | --schedule-seeds N [--from S] | --schedule-seed S\n backends: memory rabbit sqs nats cloudflare postgres"
     );
     ExitCode::from(2)
 }
@@ -28,6 +30,8 @@ fn main() -> ExitCode {
     let mut full = false;
     let mut all = false;
     let mut refusing = false;
+    let mut schedule_seed: Option<u64> = None;
+    let mut schedule_seeds: Option<u64> = None;
     let mut i = 0;
     while i < args.len() {
         let val = args.get(i + 1).cloned().unwrap_or_default();
@@ -35,6 +39,8 @@ fn main() -> ExitCode {
             "--seeds" => seeds = val.parse().ok(),
             "--from" => from = val.parse().unwrap_or(0),
             "--seed" => seed = val.parse().ok(),
+            "--schedule-seed" => schedule_seed = val.parse().ok(),
+            "--schedule-seeds" => schedule_seeds = val.parse().ok(),
             "--backend" => match Backend::parse(&val) {
                 Some(b) => backend = Some(b),
                 None => return usage(),
@@ -57,6 +63,43 @@ fn main() -> ExitCode {
             _ => return usage(),
         }
         i += 2;
+    }
+    if let Some(seed) = schedule_seed {
+        let report = run_schedule_seed(seed);
+        if report.ok() {
+            println!("schedule seed {seed}: ok ({:?})", report.stats);
+            if full {
+                print!("{}", report.details());
+            }
+            return ExitCode::SUCCESS;
+        }
+        print!("{}", report.details());
+        return ExitCode::FAILURE;
+    }
+    if let Some(n) = schedule_seeds {
+        let started = Instant::now();
+        let mut failing = 0;
+        let mut stats = jobrail_simulation::ScheduleStats::default();
+        for s in from..from + n {
+            let report = run_schedule_seed(s);
+            stats += report.stats;
+            if !report.ok() {
+                failing += 1;
+                println!(
+                    "FAIL schedule seed {s}: {}\n  replay: cargo run -p jobrail-simulation -- --schedule-seed {s}",
+                    report.violations[0]
+                );
+            }
+        }
+        println!(
+            "{n} schedule seeds from {from}: {failing} failing; {:.1}s\n  {stats:?}",
+            started.elapsed().as_secs_f64()
+        );
+        return if failing > 0 {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        };
     }
     if let (Some(seed), true) = (seed, refusing) {
         let report = run_refusing(seed, backend.unwrap_or(Backend::Memory));

@@ -136,6 +136,15 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
         self
     }
 
+    /// Not deliverable before `when` (a time past is now), by the Worker's
+    /// clock: [`delay`](Self::delay) of the time between now and then.
+    pub fn at(self, when: jobrail::SystemTime) -> Self {
+        let delay = when
+            .duration_since(jobrail::SystemTime::now())
+            .unwrap_or_default();
+        self.delay(delay)
+    }
+
     /// Adds `key` = `value` to the envelope's metadata (a handler reads it
     /// with `JobContext::metadata`).
     pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
@@ -238,6 +247,12 @@ impl<P: Serialize, S: ClaimStore + ?Sized> UniqueDispatchBuilder<'_, P, S> {
     /// As [`Dispatch::delay`].
     pub fn delay(mut self, delay: Duration) -> Self {
         self.dispatch = self.dispatch.delay(delay);
+        self
+    }
+
+    /// As [`Dispatch::at`].
+    pub fn at(mut self, when: jobrail::SystemTime) -> Self {
+        self.dispatch = self.dispatch.at(when);
         self
     }
 

@@ -315,6 +315,12 @@ struct Shared {
     overlap: Option<crate::scheduler::OverlapGuard>,
 }
 
+/// The longest rest of a delay a consumer waits out holding the delivery,
+/// rather than sending it on as one more step: 1 s (what SQS's whole
+/// seconds or RabbitMQ's smallest default bucket would add to it), or the
+/// backend's longest step if that is shorter.
+const STEP_HOLD: Duration = Duration::from_secs(1);
+
 /// The steps of delays the backend holds only up to a limit
 /// ([`Capabilities::max_dispatch_delay`](crate::Capabilities::max_dispatch_delay)).
 struct Steps {
@@ -624,7 +630,14 @@ impl Source {
 
 async fn handle(shared: &Shared, queue: &str, delivery: Box<dyn Delivery>) {
     if let Some(remaining) = jobrail::delay_remaining(delivery.body(), jobrail::unix_now_ms()) {
-        return shared.steps.step(queue, delivery, remaining).await;
+        let hold = shared.steps.longest.map_or(STEP_HOLD, |l| l.min(STEP_HOLD));
+        if remaining > hold {
+            return shared.steps.step(queue, delivery, remaining).await;
+        }
+        // Within a step and less than another step's rounding would add (a
+        // whole second on SQS, the smallest bucket on RabbitMQ): waited out
+        // here, holding the delivery.
+        tokio::time::sleep(remaining).await;
     }
     // A schedule's job whose previous tick still runs is settled here.
     let (delivery, running) = match &shared.overlap {

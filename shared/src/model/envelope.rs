@@ -93,17 +93,6 @@ pub fn encode_envelope<P: Serialize + ?Sized>(
     payload: &P,
     metadata: &BTreeMap<String, String>,
 ) -> Result<(String, Vec<u8>), serde_json::Error> {
-    encode_envelope_due(job, payload, metadata, None)
-}
-
-/// [`encode_envelope`] with a due time ([`Envelope::due_ms`]): what a
-/// producer writes for a delay the backend holds in steps.
-pub fn encode_envelope_due<P: Serialize + ?Sized>(
-    job: &str,
-    payload: &P,
-    metadata: &BTreeMap<String, String>,
-    due_ms: Option<u64>,
-) -> Result<(String, Vec<u8>), serde_json::Error> {
     #[derive(Serialize)]
     struct Borrowed<'a, P: Serialize + ?Sized> {
         v: u32,
@@ -113,8 +102,6 @@ pub fn encode_envelope_due<P: Serialize + ?Sized>(
         dispatched_at_ms: u64,
         #[serde(skip_serializing_if = "no_metadata")]
         metadata: &'a BTreeMap<String, String>,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        due_ms: Option<u64>,
     }
     fn no_metadata(metadata: &&BTreeMap<String, String>) -> bool {
         metadata.is_empty()
@@ -127,7 +114,6 @@ pub fn encode_envelope_due<P: Serialize + ?Sized>(
         payload,
         dispatched_at_ms: now_ms(),
         metadata,
-        due_ms,
     })?;
     Ok((id, body))
 }
@@ -358,12 +344,12 @@ fn may_not_be_a_value(raw: &[u8]) -> bool {
 /// ```
 /// use std::collections::BTreeMap;
 /// use std::time::Duration;
-/// use jobrail::{delay_remaining, encode_envelope, encode_envelope_due};
+/// use jobrail::{delay_remaining, encode_envelope, with_due};
 ///
-/// let (_, body) = encode_envelope_due("report", &7, &BTreeMap::new(), Some(10_000)).unwrap();
+/// let (_, plain) = encode_envelope("report", &7, &BTreeMap::new()).unwrap();
+/// let body = with_due(&plain, 10_000).unwrap();
 /// assert_eq!(delay_remaining(&body, 4_000), Some(Duration::from_millis(6_000)));
 /// assert_eq!(delay_remaining(&body, 10_000), None);
-/// let (_, plain) = encode_envelope("report", &7, &BTreeMap::new()).unwrap();
 /// assert_eq!(delay_remaining(&plain, 0), None);
 /// ```
 pub fn delay_remaining(body: &[u8], now_ms: u64) -> Option<Duration> {

@@ -102,13 +102,12 @@ pub(crate) fn delay_seconds(delay: Option<Duration>) -> Result<Option<u32>, Edge
 pub(crate) fn prepare_send(
     body: String,
     delay: Option<Duration>,
-    now_ms: u64,
+    now: jobrail::SystemTime,
 ) -> Result<(String, Option<u32>), EdgeError> {
     let delay = delay.filter(|d| !d.is_zero());
     let body = match delay {
         Some(delay) if delay > MAX_DELAY => {
-            let delay_ms = u64::try_from(delay.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
-            let due = now_ms.saturating_add(delay_ms);
+            let due = jobrail::due_ms(now, delay);
             let with_due = jobrail::with_due(body.as_bytes(), due).ok_or_else(|| {
                 EdgeError::new(
                     EdgeErrorKind::Unsupported,
@@ -142,6 +141,11 @@ pub(crate) fn leg_seconds(remaining: Duration) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ms` milliseconds after the Unix epoch.
+    fn at(ms: u64) -> jobrail::SystemTime {
+        jobrail::UNIX_EPOCH + Duration::from_millis(ms)
+    }
 
     /// An envelope whose text is exactly `size` bytes (an ASCII string payload).
     fn envelope_of(size: usize) -> Envelope {
@@ -203,19 +207,19 @@ mod tests {
     #[test]
     fn a_delay_within_24_hours_is_the_platforms_own() {
         let text = body();
-        let (sent, seconds) = prepare_send(text.clone(), Some(MAX_DELAY), 1_000).unwrap();
+        let (sent, seconds) = prepare_send(text.clone(), Some(MAX_DELAY), at(1_000)).unwrap();
         assert_eq!(sent, text, "no due time written");
         assert_eq!(seconds, Some(86_400));
-        let (sent, seconds) = prepare_send(text.clone(), Some(Duration::ZERO), 1_000).unwrap();
+        let (sent, seconds) = prepare_send(text.clone(), Some(Duration::ZERO), at(1_000)).unwrap();
         assert_eq!((sent, seconds), (text.clone(), None));
-        let (_, seconds) = prepare_send(text, Some(Duration::from_millis(1_500)), 0).unwrap();
+        let (_, seconds) = prepare_send(text, Some(Duration::from_millis(1_500)), at(0)).unwrap();
         assert_eq!(seconds, Some(2));
     }
 
     #[test]
     fn a_longer_delay_carries_its_due_time_and_sends_the_first_leg() {
         let day = MAX_DELAY;
-        let (sent, seconds) = prepare_send(body(), Some(3 * day), 1_000).unwrap();
+        let (sent, seconds) = prepare_send(body(), Some(3 * day), at(1_000)).unwrap();
         assert_eq!(seconds, Some(86_400));
         let envelope = Envelope::decode(sent.as_bytes()).unwrap();
         assert_eq!(envelope.due_ms, Some(1_000 + 3 * 86_400_000));
@@ -224,25 +228,25 @@ mod tests {
             Some(2 * day)
         );
         // Rounded up to whole milliseconds, never early.
-        let (sent, _) = prepare_send(body(), Some(day + Duration::from_nanos(1)), 0).unwrap();
+        let (sent, _) = prepare_send(body(), Some(day + Duration::from_nanos(1)), at(0)).unwrap();
         let envelope = Envelope::decode(sent.as_bytes()).unwrap();
         assert_eq!(envelope.due_ms, Some(86_400_001));
     }
 
     #[test]
     fn a_body_that_is_not_an_envelope_cannot_be_delayed_beyond_24_hours() {
-        let err = prepare_send("raw text".into(), Some(2 * MAX_DELAY), 0).unwrap_err();
+        let err = prepare_send("raw text".into(), Some(2 * MAX_DELAY), at(0)).unwrap_err();
         assert_eq!(err.kind, EdgeErrorKind::Unsupported);
         assert!(err.to_string().contains("due time"), "{err}");
-        let (sent, seconds) = prepare_send("raw text".into(), Some(MAX_DELAY), 0).unwrap();
+        let (sent, seconds) = prepare_send("raw text".into(), Some(MAX_DELAY), at(0)).unwrap();
         assert_eq!((sent.as_str(), seconds), ("raw text", Some(86_400)));
     }
 
     #[test]
     fn the_due_time_counts_towards_the_size_limit() {
         let at_limit = String::from_utf8(envelope_of(MAX_MESSAGE_BYTES).encode()).unwrap();
-        prepare_send(at_limit.clone(), Some(MAX_DELAY), 0).unwrap();
-        let err = prepare_send(at_limit, Some(2 * MAX_DELAY), 0).unwrap_err();
+        prepare_send(at_limit.clone(), Some(MAX_DELAY), at(0)).unwrap();
+        let err = prepare_send(at_limit, Some(2 * MAX_DELAY), at(0)).unwrap_err();
         assert!(err.to_string().contains("limit of 128000 bytes"), "{err}");
     }
 

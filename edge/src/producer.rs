@@ -89,7 +89,7 @@ impl EdgeProducer {
     /// is written in) and refused ([`EdgeErrorKind::Unsupported`]) when it
     /// is not.
     pub async fn send_text(&self, body: String, delay: Option<Duration>) -> Result<(), EdgeError> {
-        let (body, seconds) = prepare_send(body, delay, jobrail::unix_now_ms())?;
+        let (body, seconds) = prepare_send(body, delay, jobrail::SystemTime::now())?;
         let message = text_message(body, seconds);
         self.queue
             .send(message)
@@ -190,7 +190,7 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
         let (text, seconds) = prepare_send(
             envelope_text(&envelope)?,
             self.delay,
-            jobrail::unix_now_ms(),
+            jobrail::SystemTime::now(),
         )?;
         self.producer
             .queue
@@ -205,13 +205,13 @@ impl<'a, P: Serialize> Dispatch<'a, P> {
     /// does not encode, or one message above the size limit, refuses the
     /// whole batch before the binding is called.
     pub async fn send_batch(self, payloads: &[P]) -> Result<Vec<String>, EdgeError> {
-        let now_ms = jobrail::unix_now_ms();
+        let now = jobrail::SystemTime::now();
         let mut ids = Vec::with_capacity(payloads.len());
         let mut batch = worker::BatchMessageBuilder::new();
         for payload in payloads {
             let envelope = EdgeProducer::envelope(self.job, payload, self.metadata.clone())?;
             ids.push(envelope.id.clone());
-            let (text, seconds) = prepare_send(envelope_text(&envelope)?, self.delay, now_ms)?;
+            let (text, seconds) = prepare_send(envelope_text(&envelope)?, self.delay, now)?;
             batch = batch.message(text_message(text, seconds));
         }
         self.producer

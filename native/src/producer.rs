@@ -382,9 +382,7 @@ impl Producer {
                 ));
             }
             if let Some(longest) = capabilities.max_dispatch_delay {
-                let delay_ms =
-                    u64::try_from(delay.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
-                let due = jobrail::unix_now_ms().saturating_add(delay_ms);
+                let due = jobrail::due_ms(SystemTime::now(), delay);
                 match jobrail::with_due(&message.body, due) {
                     Some(body) => {
                         message.body = body;

@@ -7,7 +7,9 @@
 
 use std::time::Duration;
 
-use jobrail::{delay_leg, delay_remaining, encode_envelope, with_due, Envelope};
+use jobrail::{
+    delay_leg, delay_remaining, due_ms, encode_envelope, with_due, Envelope, UNIX_EPOCH,
+};
 use proptest::prelude::*;
 
 fn payload() -> impl Strategy<Value = serde_json::Value> {
@@ -29,6 +31,38 @@ fn payload() -> impl Strategy<Value = serde_json::Value> {
 }
 
 proptest! {
+    /// A due time written at any instant (not a whole millisecond) is found
+    /// due, by a worker reading the clock in whole milliseconds, no sooner
+    /// than the delay: at every instant before `now + delay` some delay
+    /// remains. (The conformance suite caught a job run 0.4 ms early when
+    /// the due time added the delay to the clock rounded down.)
+    #[test]
+    fn a_due_time_is_never_reached_before_its_delay(
+        now_ns in 0u64..u64::MAX / 4,
+        delay_ns in 0u64..u64::MAX / 4,
+        probe_ns in 0u64..2_000_000,
+    ) {
+        let now = Duration::from_nanos(now_ns);
+        let delay = Duration::from_nanos(delay_ns);
+        let due = due_ms(UNIX_EPOCH + now, delay);
+        let (_, plain) = encode_envelope("report", &7, &std::collections::BTreeMap::new()).unwrap();
+        let body = with_due(&plain, due).unwrap();
+        let target = now + delay;
+        // Instants around the target, read as a worker reads the clock.
+        for at in [target.saturating_sub(Duration::from_nanos(probe_ns)), target + Duration::from_nanos(probe_ns)] {
+            let read = u64::try_from(at.as_millis()).unwrap();
+            let remaining = delay_remaining(&body, read);
+            if at < target {
+                prop_assert!(remaining.is_some(), "due {due} found reached at {at:?}, before {target:?}");
+            }
+            if let Some(rest) = remaining {
+                // Waiting the rest out from the reading never ends early.
+                prop_assert!(Duration::from_millis(read) + rest >= target);
+            }
+        }
+        prop_assert!(Duration::from_millis(due) < target + Duration::from_millis(1), "at most 1 ms late");
+    }
+
     #[test]
     fn a_due_time_written_in_reads_back_and_changes_nothing_else(
         job in "[a-z-]{1,12}",

@@ -415,7 +415,7 @@ impl CloudflareQueues {
         let (text, seconds) = crate::limits::prepare_send(
             crate::limits::envelope_text(&envelope)?,
             Some(delay),
-            self.unix_now_ms(),
+            jobrail::UNIX_EPOCH + Duration::from_millis(self.unix_now_ms()),
         )?;
         let id = envelope.id.clone();
         let visible_at = self.now() + Duration::from_secs(u64::from(seconds.unwrap_or(0)));

@@ -75,6 +75,26 @@ pub fn unix_now_ms() -> u64 {
     now_ms()
 }
 
+/// The due time, in milliseconds since the Unix epoch, of a delay `delay`
+/// from `now`, rounded up to the next whole millisecond: a worker that
+/// reads the clock in whole milliseconds ([`unix_now_ms`], rounded down)
+/// finds it due only once `now + delay` has passed, never a fraction of a
+/// millisecond early.
+///
+/// ```
+/// use std::time::Duration;
+/// use jobrail::{due_ms, UNIX_EPOCH};
+///
+/// let now = UNIX_EPOCH + Duration::from_micros(1_999_600);
+/// assert_eq!(due_ms(now, Duration::from_millis(500)), 2_500);
+/// assert_eq!(due_ms(UNIX_EPOCH + Duration::from_secs(2), Duration::from_millis(500)), 2_500);
+/// ```
+pub fn due_ms(now: SystemTime, delay: Duration) -> u64 {
+    let since = now.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    let due = since.saturating_add(delay);
+    u64::try_from(due.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
 /// Milliseconds since the Unix epoch, now.
 fn now_ms() -> u64 {
     SystemTime::now()

@@ -148,7 +148,7 @@ pub use overrides::{apply_env_overrides, overrides_from_env};
 pub use producer::{Dispatch, DispatchOptions, Producer, UniqueDispatchBuilder};
 pub use runtime::TokioRuntime;
 pub use scheduler::{
-    OverlapGuard, Running, Scheduler, SchedulerBuilder, SchedulerHandle, DEFAULT_POLL,
+    OverlapGuard, Running, Scheduler, SchedulerBuilder, SchedulerHandle, TickSink, DEFAULT_POLL,
     RUNNING_LEASE,
 };
 pub use unique::{UniqueDispatch, UniqueDispatchError};

@@ -4,7 +4,7 @@
 //! previous one runs ([`jobrail::Overlap::Skip`]).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jobrail::{
@@ -47,6 +47,7 @@ pub struct SchedulerBuilder {
     poll: Duration,
     runtime: Arc<dyn Runtime>,
     epoch: Option<SystemTime>,
+    sink: Option<Arc<dyn TickSink>>,
 }
 
 impl std::fmt::Debug for SchedulerBuilder {
@@ -116,6 +117,19 @@ impl SchedulerBuilder {
         self
     }
 
+    /// Sends each tick's job and records the tick fired in one step,
+    /// through `sink`, instead of sending through the producer and then
+    /// completing the claim. For a queue kept in the claim store's own
+    /// database (`jobrail_postgres::PgTicks`: the job's row and the claim's
+    /// completion commit in one transaction), this closes the window in
+    /// which a scheduler killed after the send leaves the tick unrecorded,
+    /// to be sent again by another when its lease ends: each tick's job is
+    /// then sent exactly once.
+    pub fn sink(mut self, sink: Arc<dyn TickSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
     /// Checks the schedules (the configuration applied, names unique).
     pub fn build(self) -> Result<Scheduler, ScheduleError> {
         let schedules = match &self.config {
@@ -145,6 +159,7 @@ impl SchedulerBuilder {
             poll: self.poll,
             runtime: self.runtime,
             wall,
+            sink: self.sink,
         })
     }
 }
@@ -186,6 +201,7 @@ pub struct Scheduler {
     poll: Duration,
     runtime: Arc<dyn Runtime>,
     wall: WallClock,
+    sink: Option<Arc<dyn TickSink>>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -232,6 +248,7 @@ impl Scheduler {
             poll: DEFAULT_POLL,
             runtime: Arc::new(TokioRuntime),
             epoch: None,
+            sink: None,
         }
     }
 
@@ -285,18 +302,40 @@ impl Scheduler {
             );
         }
         let producer = &self.producer;
+        let recording = self.sink.as_ref().map(|sink| Recording {
+            claims: self.claims.clone(),
+            sink: sink.clone(),
+            fences: Mutex::default(),
+            recorded: Mutex::default(),
+        });
         while !cancel.is_cancelled() {
             let now = self.now();
             let mut wake = now + self.poll;
             for firing in &mut firings {
-                let report = firing
-                    .fire_due(
-                        &*self.claims,
-                        now,
-                        |d: TickDispatch| send(producer, d),
-                        |e: &DriverError| e.kind() != ErrorKind::Uncertain,
-                    )
-                    .await;
+                let certain = |e: &DriverError| e.kind() != ErrorKind::Uncertain;
+                let report = match &recording {
+                    None => {
+                        firing
+                            .fire_due(
+                                &*self.claims,
+                                now,
+                                |d: TickDispatch| send(producer, d),
+                                certain,
+                            )
+                            .await
+                    }
+                    Some(recording) => {
+                        let schedule = firing.schedule().clone();
+                        firing
+                            .fire_due(
+                                recording,
+                                now,
+                                |d: TickDispatch| recording.send(&schedule, d),
+                                certain,
+                            )
+                            .await
+                    }
+                };
                 log_report(firing.schedule(), &report);
                 if let Some(at) = report.next_wake {
                     wake = wake.min(at);
@@ -311,6 +350,124 @@ impl Scheduler {
                 _ = cancel.cancelled() => break,
             }
         }
+    }
+}
+
+/// Sends a tick's job and records the tick fired in one step, both or
+/// neither ([`SchedulerBuilder::sink`]).
+///
+/// `jobrail_postgres::PgTicks` is one: the job's row and the completion of
+/// the tick's claim in one Postgres transaction.
+#[async_trait::async_trait]
+pub trait TickSink: Send + Sync {
+    /// Sends `dispatch`'s job and completes the claim `key` held under
+    /// `fence`, atomically, answering the message id. An error of kind
+    /// [`ErrorKind::Uncertain`] says either may have happened (the tick is
+    /// then tried again when its lease ends, and finds it done if it was);
+    /// any other, that neither did (a claim no longer held by `fence`
+    /// included).
+    async fn send_and_record(
+        &self,
+        dispatch: TickDispatch,
+        key: &str,
+        fence: u64,
+    ) -> Result<String, DriverError>;
+}
+
+/// The claim store as a scheduler with a [`TickSink`] sees it: a tick's
+/// claim is completed by the sink, with its send, so the completion that
+/// follows the send only confirms it.
+struct Recording {
+    claims: Arc<dyn ClaimStore>,
+    sink: Arc<dyn TickSink>,
+    /// The fence of each tick claimed and not yet sent.
+    fences: Mutex<BTreeMap<String, u64>>,
+    /// The claims the sink completed, not yet confirmed.
+    recorded: Mutex<std::collections::BTreeSet<(String, u64)>>,
+}
+
+impl Recording {
+    async fn send(
+        &self,
+        schedule: &Schedule,
+        dispatch: TickDispatch,
+    ) -> Result<String, DriverError> {
+        let key = schedule.tick_key(&dispatch.tick);
+        let fence = key
+            .as_ref()
+            .and_then(|k| self.fences.lock().unwrap().remove(k));
+        let (Some(key), Some(fence)) = (key, fence) else {
+            return Err(DriverError::new(
+                "scheduler",
+                ErrorKind::NotAccepted,
+                "a tick sent without its claim (a bug: nothing was sent)",
+            ));
+        };
+        let sent = self.sink.send_and_record(dispatch, &key, fence).await?;
+        self.recorded.lock().unwrap().insert((key, fence));
+        Ok(sent)
+    }
+}
+
+impl ClaimStore for Recording {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        lease: Duration,
+    ) -> jobrail::BoxFuture<'a, Result<jobrail::Claim, jobrail::ClaimError>> {
+        Box::pin(async move {
+            let claim = self.claims.claim(key, lease).await?;
+            if let jobrail::Claim::Claimed { fence } = claim {
+                self.fences.lock().unwrap().insert(key.to_owned(), fence);
+            }
+            Ok(claim)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+    ) -> jobrail::BoxFuture<'a, Result<(), jobrail::ClaimError>> {
+        Box::pin(async move {
+            let confirmed = self
+                .recorded
+                .lock()
+                .unwrap()
+                .remove(&(key.to_owned(), fence));
+            if confirmed {
+                Ok(())
+            } else {
+                // A claim completed without a send (the schedule's marks).
+                self.fences.lock().unwrap().remove(key);
+                self.claims.complete(key, fence).await
+            }
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+    ) -> jobrail::BoxFuture<'a, Result<(), jobrail::ClaimError>> {
+        self.fences.lock().unwrap().remove(key);
+        self.claims.release(key, fence)
+    }
+
+    fn extend<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+        lease: Duration,
+    ) -> jobrail::BoxFuture<'a, Result<(), jobrail::ClaimError>> {
+        self.claims.extend(key, fence, lease)
+    }
+
+    fn state<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> jobrail::BoxFuture<'a, Result<jobrail::ClaimState, jobrail::ClaimError>> {
+        self.claims.state(key)
     }
 }
 

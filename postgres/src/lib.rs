@@ -41,7 +41,9 @@ mod schema;
 
 pub use claims::PgClaims;
 pub use connect::PgConnect;
-pub use driver::{PgConfig, PgDriver, DEFAULT_SCHEMA, MAX_MESSAGE_BYTES_LIMIT, SCHEMA_VERSION};
+pub use driver::{
+    PgConfig, PgDriver, PgTicks, DEFAULT_SCHEMA, MAX_MESSAGE_BYTES_LIMIT, SCHEMA_VERSION,
+};
 pub use outbox::{Outbox, OutboxError, DEFAULT_OUTBOX_TABLE};
 pub use relay::{OutboxRelay, RelayPass};
 pub use rustls;

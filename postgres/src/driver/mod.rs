@@ -103,6 +103,7 @@ mod failures;
 mod publish;
 #[cfg(feature = "testing")]
 mod testing;
+mod ticks;
 mod topology;
 
 use std::collections::{BTreeSet, HashMap};
@@ -120,6 +121,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 
 pub use config::{PgConfig, DEFAULT_SCHEMA, MAX_MESSAGE_BYTES_LIMIT};
+pub use ticks::PgTicks;
 pub use topology::SCHEMA_VERSION;
 
 use acks::Acks;

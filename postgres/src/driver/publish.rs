@@ -78,7 +78,7 @@ impl Inner {
             .collect()
     }
 
-    fn refuse_oversize(&self, len: usize) -> Result<(), DriverError> {
+    pub(super) fn refuse_oversize(&self, len: usize) -> Result<(), DriverError> {
         self.capabilities().refuse_oversize(NAME, len)
     }
 }

@@ -11,7 +11,10 @@
 //!   `schedule-worker`), each a [`Scheduler`] on [`PgClaims`] (a table of
 //!   the run's own) or `RedisClaims` (a key prefix of the run's own),
 //!   sending to a Postgres queue ([`PgDriver`], a schema of the run's own);
-//!   a kill is SIGKILL.
+//!   a kill is SIGKILL. On Postgres the claims table is in the queue's
+//!   database, and each tick's job and its record commit in one
+//!   transaction (`PgTicks`); on Redis the job is sent, then the claim
+//!   completed.
 //!
 //! The orchestrator consumes each store's queue itself (never killed) and
 //! records every execution's tick (`jobrail-tick`) and message id. Kills
@@ -129,13 +132,7 @@ fn pg_config(run: &str) -> Result<jobrail_postgres::PgConfig, Error> {
 async fn claims(run: &str, store: Store) -> Result<Arc<dyn ClaimStore>, Error> {
     Ok(match store {
         Store::Memory => Arc::new(MemoryClaims::new()),
-        Store::Postgres => Arc::new(
-            jobrail_postgres::PgClaims::connect_with_table(
-                &database_url(),
-                &format!("{}.claims", schema(run)),
-            )
-            .await?,
-        ),
+        Store::Postgres => Arc::new(pg_claims(run).await?),
         Store::Redis => Arc::new(
             jobrail_redis::RedisClaims::connect(&redis_url())
                 .await?
@@ -144,14 +141,30 @@ async fn claims(run: &str, store: Store) -> Result<Arc<dyn ClaimStore>, Error> {
     })
 }
 
+async fn pg_claims(run: &str) -> Result<jobrail_postgres::PgClaims, Error> {
+    Ok(jobrail_postgres::PgClaims::connect_with_table(
+        &database_url(),
+        &format!("{}.claims", schema(run)),
+    )
+    .await?)
+}
+
 /// One scheduler process: fires the store's schedule until killed.
 pub(crate) async fn worker(args: ScheduleWorkerArgs) -> Result<(), Error> {
-    let driver = Arc::new(jobrail_postgres::PgDriver::connect(pg_config(&args.run)?).await?);
+    let driver = jobrail_postgres::PgDriver::connect(pg_config(&args.run)?).await?;
     let claims = claims(&args.run, args.store).await?;
-    let scheduler = Scheduler::builder(Producer::new(driver), claims)
+    let mut builder = Scheduler::builder(Producer::new(Arc::new(driver.clone())), claims)
         .schedule(schedule(&args.run, args.store))
-        .poll(Duration::from_millis(250))
-        .build()?;
+        .poll(Duration::from_millis(250));
+    if args.store == Store::Postgres {
+        // The claims and the queue share the database: each tick's job and
+        // its record commit in one transaction.
+        builder = builder.sink(Arc::new(jobrail_postgres::PgTicks::new(
+            driver,
+            pg_claims(&args.run).await?,
+        )));
+    }
+    let scheduler = builder.build()?;
     let cancel = jobrail::CancelToken::new();
     scheduler.run(cancel).await;
     Ok(())

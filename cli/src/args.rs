@@ -184,6 +184,40 @@ pub(crate) enum Command {
     /// from the claim store the workers' schedulers share (--claims).
     #[command(subcommand)]
     Schedules(Schedules),
+    /// Serve the dashboard (jobrail-web): queues, jobs, failure records, schedules.
+    ///
+    /// Shows the queues of --backend (those given with --queue, and those of
+    /// the jobs the configuration file names) and each edge worker's failure
+    /// keeper given with --edge, side by side. Every page needs a user of the
+    /// users file (HTTP Basic): one per line, `NAME ROLE PASSWORD` or
+    /// `NAME ROLE sha256:HEX`, ROLE `operator` (replays and purges) or
+    /// `read-only`; `#` starts a comment. Each replay and purge is logged
+    /// on standard error (target jobrail_web::audit), never a payload.
+    Serve {
+        /// The address to listen on.
+        #[arg(long, env = "JOBRAIL_WEB_LISTEN", default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// The users file.
+        #[arg(long, env = "JOBRAIL_WEB_USERS", value_name = "PATH")]
+        users: std::path::PathBuf,
+        /// A work queue to show (repeatable).
+        #[arg(long = "queue", value_name = "QUEUE")]
+        queues: Vec<String>,
+        /// An edge worker's failure keeper, NAME=URL (repeatable); the token
+        /// is read from JOBRAIL_EDGE_TOKEN, or JOBRAIL_EDGE_TOKEN_<NAME>.
+        #[arg(long = "edge", value_name = "NAME=URL")]
+        edges: Vec<String>,
+        /// Show records' payloads on their pages (off by default: payloads
+        /// may hold personal data or secrets).
+        #[arg(long)]
+        show_payloads: bool,
+        /// The path the dashboard is served under behind a proxy (`/ops`).
+        #[arg(long, default_value = "")]
+        base_path: String,
+        /// Where the schedules and their claims are.
+        #[command(flatten)]
+        source: ScheduleSource,
+    },
 }
 
 /// The claim stores `jobrail schedules` reads.

@@ -12,6 +12,7 @@
 //! JOBRAIL_CONFIG=jobs.toml jobrail --backend postgres schedules trigger nightly-digest
 //! jobrail --backend postgres --schema jobrail install --print
 //! jobrail --backend postgres failed list --queue reports
+//! jobrail --backend rabbitmq serve --users users.txt --queue reports --edge edge=https://worker.example
 //! ```
 //!
 //! `jobrail --help` lists the flags and the environment variables read;
@@ -27,6 +28,7 @@ mod budget;
 mod commands;
 mod error;
 mod schedules;
+mod serve;
 
 use args::{Cli, Command};
 use commands::Output;
@@ -126,6 +128,29 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
                 stop(driver.as_ref(), result).await
             }
         },
+        Command::Serve {
+            listen,
+            users,
+            queues,
+            edges,
+            show_payloads,
+            base_path,
+            source,
+        } => {
+            serve::serve(
+                &cli.connection,
+                serve::Settings {
+                    listen,
+                    users,
+                    queues,
+                    edges,
+                    show_payloads,
+                    base_path,
+                    source,
+                },
+            )
+            .await
+        }
         Command::Depth { queue } => {
             let driver = backend::connect(&cli.connection).await?;
             let result = commands::depth(driver.clone(), &queue).await;

@@ -182,6 +182,21 @@ pub struct Replayed {
     pub queue: String,
 }
 
+/// What [`Failures::replay_many`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BulkReplay {
+    /// Entries sent again and removed.
+    pub replayed: u64,
+    /// Poison entries left where they were, with the reason (not forced).
+    pub refused: Vec<(String, String)>,
+    /// Entries whose send failed or may have failed, with the error: they
+    /// stay, and a later replay sends them (perhaps a second time).
+    pub not_sent: Vec<(String, String)>,
+    /// Ids asked for that were no longer there.
+    pub missing: usize,
+}
+
 /// The operator's view of a backend's failure records: list, show, replay
 /// and purge, the same on every backend.
 ///
@@ -368,6 +383,97 @@ impl Failures {
             message_id,
             queue: queue.to_string(),
         })
+    }
+
+    /// Replays every entry of `queue` whose id is in `ids` (ids read by
+    /// [`all`](Self::all) or [`list`](Self::list)), as [`replay`](Self::replay)
+    /// replays one: the same message, metadata and new message id. For a
+    /// selection of thousands (an operator's "replay everything matching"):
+    /// one read of the failure destination, the messages sent in batches
+    /// ([`Driver::send_batch`]), then one removal of those sent.
+    ///
+    /// Nothing is lost: an entry is removed only after its message was
+    /// accepted; a send that may have gone out leaves the entry (a second
+    /// replay may duplicate it). Unlike [`replay`](Self::replay), the
+    /// entries are not claimed one by one: a replay of the same entry by
+    /// another operator at the same moment may send it twice (on NATS, the
+    /// new message id makes the second copy a duplicate the stream drops).
+    /// Poison entries are left and counted in [`BulkReplay::refused`]
+    /// unless `force`.
+    pub async fn replay_many(
+        &self,
+        queue: &str,
+        ids: &[String],
+        force: bool,
+    ) -> Result<BulkReplay, DriverError> {
+        let store = self.store()?;
+        let wanted: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
+        let entries: Vec<StoredFailure> = store
+            .read_failures(queue)
+            .await?
+            .into_iter()
+            .filter(|e| wanted.contains(e.id.as_str()))
+            .collect();
+        let mut outcome = BulkReplay::default();
+        let mut seen = std::collections::HashSet::new();
+        let mut batch: Vec<(String, Outgoing)> = Vec::new();
+        let name = self.driver.name();
+        let capabilities = self.driver.capabilities();
+        let now = now_ms();
+        for entry in &entries {
+            if !seen.insert(entry.id.as_str()) {
+                continue;
+            }
+            match jobrail::replay_message(&entry.id, entry.record.as_ref(), &entry.body, force, now)
+            {
+                Ok(replay) => {
+                    if let Err(e) = capabilities.refuse_oversize(name, replay.body.len()) {
+                        outcome.not_sent.push((entry.id.clone(), e.to_string()));
+                        continue;
+                    }
+                    batch.push((
+                        entry.id.clone(),
+                        Outgoing {
+                            id: replay.message_id,
+                            body: replay.body,
+                            delay: None,
+                        },
+                    ));
+                }
+                Err(refused) => outcome
+                    .refused
+                    .push((entry.id.clone(), refused.to_string())),
+            }
+        }
+        outcome.missing = wanted.len().saturating_sub(seen.len());
+        const CHUNK: usize = 500;
+        while !batch.is_empty() {
+            let rest = batch.split_off(batch.len().min(CHUNK));
+            let (chunk_ids, messages): (Vec<String>, Vec<Outgoing>) =
+                std::mem::replace(&mut batch, rest).into_iter().unzip();
+            let results = self.driver.send_batch(queue, messages).await;
+            let mut sent = Vec::with_capacity(chunk_ids.len());
+            for (id, result) in chunk_ids.into_iter().zip(results) {
+                match result {
+                    Ok(()) => sent.push(id),
+                    Err(e) => outcome.not_sent.push((id, e.to_string())),
+                }
+            }
+            if !sent.is_empty() {
+                store.remove_failures(queue, &sent).await?;
+                outcome.replayed += sent.len() as u64;
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Removes the entries of `queue` whose ids are in `ids`; returns how
+    /// many went (entries another operator's replay holds stay).
+    pub async fn purge_ids(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        self.store()?.remove_failures(queue, ids).await
     }
 
     /// Removes the entries `which` selects; returns how many went.

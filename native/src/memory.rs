@@ -489,12 +489,14 @@ impl FailureStore for MemoryDriver {
     }
 
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        // A set: a bulk removal names thousands of ids.
+        let ids: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         let mut state = self.state();
         let Some(entries) = state.failures.get_mut(queue) else {
             return Ok(0);
         };
         let before = entries.len();
-        entries.retain(|f| f.claim.is_some() || !ids.contains(&f.entry.id));
+        entries.retain(|f| f.claim.is_some() || !ids.contains(f.entry.id.as_str()));
         Ok((before - entries.len()) as u64)
     }
 }

@@ -57,6 +57,22 @@ fn comparison(v: &Value) -> Option<Comparison> {
     (!c.baseline_secs.is_empty() && c.baseline_secs.len() == c.facade_secs.len()).then_some(c)
 }
 
+/// A timing's row (a measured time against an absolute target, no baseline).
+fn timing_row(v: &Value) -> Option<String> {
+    let secs = spread(v, "seconds")?;
+    Some(format!(
+        "| {} | {} | {} | {:.3} ({:.3} to {:.3}) | {} | under {} s |",
+        v.get("work")?.as_str()?,
+        v.get("backend")?.as_str()?,
+        v.get("records")?.as_u64()?,
+        secs.median,
+        secs.min,
+        secs.max,
+        v.get("rounds")?.as_u64()?,
+        v.get("target_seconds")?.as_f64()?
+    ))
+}
+
 /// A scale point's row.
 fn scale_row(v: &Value) -> Option<String> {
     let rate = spread(v, "msgs_per_sec")?;
@@ -168,6 +184,22 @@ fn main() {
             values.into_iter().partition(|v| kind(v) == "scale-point");
         if !history.is_empty() {
             history_tables(&mut out, &name, &history);
+        }
+        let (timing, other): (Vec<&Value>, Vec<&Value>) =
+            other.into_iter().partition(|v| kind(v) == "timing");
+        if !timing.is_empty() {
+            out.push_str(
+                "| work | backend | records | seconds median (min to max) | rounds | target |\n",
+            );
+            out.push_str("|---|---|---|---|---|---|\n");
+            for v in timing {
+                match timing_row(v) {
+                    Some(row) => {
+                        let _ = writeln!(out, "{row}");
+                    }
+                    None => eprintln!("tables: {name}: a timing line without its fields"),
+                }
+            }
         }
         if !other.is_empty() {
             out.push_str("| work | baseline | baseline median | facade median | ratio median (range) | target |\n");

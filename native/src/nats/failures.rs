@@ -256,12 +256,14 @@ impl FailureStore for NatsDriver {
     }
 
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        // A set: a bulk removal names thousands of ids.
+        let ids: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         let destination = self.destination(queue).await?;
         let chosen: Vec<Located> = self
             .entries(&destination)
             .await?
             .into_iter()
-            .filter(|located| ids.contains(&located.entry.id))
+            .filter(|located| ids.contains(located.entry.id.as_str()))
             .collect();
         if chosen.is_empty() {
             return Ok(0);

@@ -222,6 +222,8 @@ impl FailureStore for RabbitDriver {
 
     /// Takes every message, acks those named, gives back the rest.
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        // A set: a bulk removal names thousands of ids.
+        let ids: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         if !self.failure_queue_exists(queue).await? {
             return Ok(0);
         }
@@ -230,7 +232,7 @@ impl FailureStore for RabbitDriver {
         let mut removed = 0;
         let mut kept = None;
         for held in &scan.held {
-            if ids.contains(&held.entry.id) {
+            if ids.contains(held.entry.id.as_str()) {
                 scan.ack(held.tag).await?;
                 removed += 1;
             } else {

@@ -438,25 +438,30 @@ impl FailureStore for SqsDriver {
     /// Receives every message, deletes those whose ids are in `ids` and
     /// makes the others visible again.
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
+        // A set: a bulk removal names thousands of ids.
+        let ids: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         self.inner.life.check_running()?;
         let Some(fq) = self.failure_queue(queue).await? else {
             return Ok(0);
         };
         let mut removed = 0;
-        let mut missing: Vec<&String> = ids.iter().collect();
+        let mut missing: std::collections::HashSet<&str> = ids.clone();
         let mut contention = Contention::new();
         loop {
             let mut held = Vec::new();
             let scanned = self.scan(&fq, &mut held, |_| false).await;
-            let (chosen, kept): (Vec<Held>, Vec<Held>) =
-                held.into_iter().partition(|h| ids.contains(&h.entry.id));
+            let (chosen, kept): (Vec<Held>, Vec<Held>) = held
+                .into_iter()
+                .partition(|h| ids.contains(h.entry.id.as_str()));
             let receipts: Vec<String> = kept.into_iter().map(|h| h.receipt).collect();
             let deleting: Vec<String> = chosen.iter().map(|h| h.receipt.clone()).collect();
             let deleted = self.delete_held(&fq, &deleting).await;
             self.release(&fq, &receipts).await;
             removed += deleted?;
             scanned?;
-            missing.retain(|id| !chosen.iter().any(|h| &h.entry.id == *id));
+            for h in &chosen {
+                missing.remove(h.entry.id.as_str());
+            }
             if missing.is_empty()
                 || !self.missed(&fq, receipts.len()).await?
                 || !contention.wait().await

@@ -182,7 +182,11 @@ struct Pending {
 ///    reach plus three before the start, reads as fired through
 ///    [`ClaimStore::state`], the schedule was seen before and a store that
 ///    expires done marks forgot `known`: it is recorded again, nothing
-///    marked.)
+///    marked.) The marks are written newest first: a first firer killed
+///    part way leaves the last tick before its start marked, and the firer
+///    that takes `known` over when its lease ends finishes the marks from
+///    that tick down, so the past never fires and the ticks after that
+///    first start are fired by the missed policy.
 /// 2. The due ticks: those that came due since this firer started watching
 ///    (less [`grace`](ScheduleFiring::grace)) and since its last pass, and
 ///    are at most a live window old (twice the tick lease plus the grace);
@@ -437,6 +441,36 @@ impl ScheduleFiring {
         self.pending.insert(tick, Pending { at });
     }
 
+    /// How many ticks before a start the missed policy reaches.
+    fn reach(&self) -> usize {
+        match self.schedule.missed() {
+            Missed::Each(n) => n as usize,
+            _ => 1,
+        }
+    }
+
+    /// The ticks a first sight at `since` marks fired, in order: every
+    /// tick of the minute (or the grace, if longer) before it, and the
+    /// policy's reach before that. Another firer's missed ticks end at or
+    /// after its start less its grace, and it started after this one: the
+    /// reach of its policy before `since` is the last `n` ticks before
+    /// `since - grace`, and every tick after that.
+    fn first_sight_marks(&self, since: i64) -> Vec<Tick> {
+        let grace = self.grace.max(FIRST_SEEN_GRACE);
+        let from = Tick::from_unix_seconds(since - secs_up(grace)).time();
+        let until = Tick::from_unix_seconds(since).time();
+        let mut marks = self.schedule.last_ticks(from, self.reach());
+        marks.extend(
+            self.schedule
+                .ticks_between(from, until)
+                .into_iter()
+                .take(super::spec::MAX_MISSED_EACH as usize),
+        );
+        marks.sort();
+        marks.dedup();
+        marks
+    }
+
     /// Step 1: whether some scheduler saw the schedule before.
     async fn resolve_known<S, T, E>(
         &mut self,
@@ -469,63 +503,63 @@ impl ScheduleFiring {
             Ok(Claim::Claimed { fence }) => {
                 // The first to see it: the ticks before `since` that a
                 // policy of any firer could reach are marked fired.
-                // Another firer's missed ticks end at or after its start
-                // less its grace, and it started after this one: the
-                // reach of its policy before `since` is the last `n` ticks
-                // before `since - grace`, and every tick after that.
-                let since = Tick::from_unix_seconds(self.since).time();
-                let reach = match self.schedule.missed() {
-                    Missed::Each(n) => n as usize,
-                    _ => 1,
-                };
-                let grace = self.grace.max(FIRST_SEEN_GRACE);
-                let from = Tick::from_unix_seconds(self.since - secs_up(grace)).time();
-                let mut marks = self.schedule.last_ticks(from, reach);
-                marks.extend(
-                    self.schedule
-                        .ticks_between(from, since)
-                        .into_iter()
-                        .take(super::spec::MAX_MISSED_EACH as usize),
-                );
-                marks.sort();
-                marks.dedup();
+                let mut marks = self.first_sight_marks(self.since);
                 // A store whose done marks expire (Redis, after its
                 // `done_ttl`) forgets `known` too: a tick of the reach read
                 // as fired says the schedule was seen before, and `known`
-                // is recorded again without marking anything.
-                let mut seen_before = false;
-                let mut probes = self.schedule.last_ticks(since, reach + 3);
+                // is recorded again without marking anything. Or a first
+                // firer died while marking (`known` claimed before, fence
+                // above 1): it marks newest first, so the newest tick read
+                // as fired is the last before its start, and this firer
+                // finishes its marks from there; the ticks after it came
+                // due while a scheduler watched, and the missed policy
+                // fires them.
+                let since = Tick::from_unix_seconds(self.since).time();
+                let mut probes = self.schedule.last_ticks(since, self.reach() + 3);
                 probes.extend(marks.iter().copied());
                 probes.sort();
                 probes.dedup();
+                let mut newest_fired = None;
                 for tick in probes.iter().rev() {
                     let tick_key = super::spec::tick_key(self.schedule.name(), tick);
                     if let Ok(ClaimState::Done) = claims.state(&tick_key).await {
-                        seen_before = true;
+                        newest_fired = Some(*tick);
                         break;
                     }
                 }
-                if seen_before {
-                    marks.clear();
+                let seen_before = newest_fired.is_some();
+                match newest_fired {
+                    None => {}
+                    Some(last) if fence > 1 => {
+                        marks = self.first_sight_marks(last.unix_seconds());
+                    }
+                    Some(_) => marks.clear(),
                 }
+                // Newest first: a firer killed part way leaves the last
+                // tick before its start marked, which tells the next one
+                // where the past ends.
                 let mut failed = None;
-                for tick in &marks {
+                let mut marked = Vec::new();
+                for tick in marks.iter().rev() {
                     let tick_key = super::spec::tick_key(self.schedule.name(), tick);
-                    let marked = match claims.claim(&tick_key, lease).await {
+                    let result = match claims.claim(&tick_key, lease).await {
                         Ok(Claim::Claimed { fence }) => claims.complete(&tick_key, fence).await,
                         Ok(_) => Ok(()),
                         Err(e) => Err(e),
                     };
-                    match marked {
-                        Ok(()) => report.ticks.push(TickReport {
-                            tick: *tick,
-                            outcome: TickOutcome::SkippedBeforeFirstSeen,
-                        }),
+                    match result {
+                        Ok(()) => marked.push(*tick),
                         Err(e) => {
                             failed = Some(e);
                             break;
                         }
                     }
+                }
+                for tick in marked.into_iter().rev() {
+                    report.ticks.push(TickReport {
+                        tick,
+                        outcome: TickOutcome::SkippedBeforeFirstSeen,
+                    });
                 }
                 let completed = match failed {
                     None => claims.complete(&key, fence).await,

@@ -1122,3 +1122,131 @@ mod firing_properties {
         }
     }
 }
+
+/// A store that lets `completions` completions through, then never answers
+/// again: the firer using it is killed at that point (its pass dropped).
+struct DiesAfter {
+    inner: MemoryClaims,
+    completions: std::sync::atomic::AtomicUsize,
+}
+
+impl ClaimStore for DiesAfter {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        lease: Duration,
+    ) -> crate::BoxFuture<'a, Result<Claim, crate::run::claim::ClaimError>> {
+        self.inner.claim(key, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+    ) -> crate::BoxFuture<'a, Result<(), crate::run::claim::ClaimError>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        match self.completions.load(SeqCst) {
+            0 => Box::pin(std::future::pending()),
+            n => {
+                self.completions.store(n - 1, SeqCst);
+                self.inner.complete(key, fence)
+            }
+        }
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+    ) -> crate::BoxFuture<'a, Result<(), crate::run::claim::ClaimError>> {
+        self.inner.release(key, fence)
+    }
+    fn extend<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+        lease: Duration,
+    ) -> crate::BoxFuture<'a, Result<(), crate::run::claim::ClaimError>> {
+        self.inner.extend(key, fence, lease)
+    }
+    fn state<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> crate::BoxFuture<'a, Result<ClaimState, crate::run::claim::ClaimError>> {
+        self.inner.state(key)
+    }
+}
+
+/// The first scheduler ever to start is killed while it marks the ticks
+/// before its start, after any number of marks: the scheduler that takes
+/// the schedule over never fires a tick due before that first start, and
+/// (once at least one mark was written, which says when that was) fires
+/// every tick after it once. CI's kill test found a takeover that read the
+/// partial marks as "seen before" and fired the unmarked past.
+#[test]
+fn a_first_scheduler_killed_while_marking_the_past_never_lets_the_past_fire() {
+    let s = Schedule::raw("every-second", "job", "default", "* * * * * *")
+        .missed(Missed::Each(30))
+        .lease(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    // The first sight marks the minute before the start and the policy's
+    // reach: 60 + 30 ticks, and `known`.
+    for completions in 0..=95 {
+        let world = World::new("2026-01-01T10:00:00Z");
+        let first_start = world.now();
+        let dying = DiesAfter {
+            inner: world.claims.clone(),
+            completions: completions.into(),
+        };
+        let sent = Sent::default();
+        let mut first = ScheduleFiring::new(s.clone(), first_start);
+        let send = |d: TickDispatch| {
+            let sent = &sent;
+            async move {
+                sent.borrow_mut().push(d.tick.rfc3339());
+                Ok::<_, SendError>(())
+            }
+        };
+        {
+            let mut pass =
+                std::pin::pin!(
+                    first.fire_due(&dying, first_start, send, |e: &SendError| { e.unsent })
+                );
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            if pass.as_mut().poll(&mut cx).is_ready() {
+                // It finished before its store stopped answering: a first
+                // sight with every mark written.
+                assert!(completions > 0);
+            }
+            // Dropped here: the first scheduler is killed.
+        }
+        // A second scheduler starts after the first one's lease ended, and
+        // passes every second for a while.
+        world.advance(Duration::from_millis(3500));
+        let mut second = ScheduleFiring::new(s.clone(), world.now());
+        for _ in 0..10 {
+            pass(&world, &mut second, &sent, None);
+            world.advance(Duration::from_secs(1));
+        }
+        let floor = Tick::at(first_start).time();
+        let sent = sent.borrow();
+        for label in sent.iter() {
+            assert!(
+                Tick::parse(label).unwrap().time() >= floor,
+                "killed after {completions} marks: {label} fired, due before the first scheduler started"
+            );
+        }
+        if completions > 0 {
+            // Every tick after the first start fired, once.
+            let mut expected = s.ticks_between(floor, world.now() - Duration::from_secs(1));
+            expected.retain(|t| t.time() > floor);
+            let expected: Vec<String> = expected.iter().map(Tick::rfc3339).collect();
+            let mut got: Vec<String> = sent
+                .iter()
+                .filter(|l| Tick::parse(l).unwrap().time() > floor)
+                .cloned()
+                .collect();
+            got.sort();
+            assert_eq!(got, expected, "killed after {completions} marks");
+        }
+    }
+}

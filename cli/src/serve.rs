@@ -1,7 +1,5 @@
 //! `jobrail serve`: the dashboard (jobrail-web) on its own.
 
-use std::sync::Arc;
-
 use jobrail::{Job, JobContext, Registry};
 use jobrail_web::{Dashboard, Role, Source};
 use serde_json::{json, Value};

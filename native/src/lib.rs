@@ -108,6 +108,7 @@ mod readme_doctests {
         EdgeWorker: "../../guide/edge-worker.md",
         EdgeSchedules: "../../guide/edge-schedules.md",
         Operating: "../../guide/operating.md",
+        Dashboard: "../../guide/dashboard.md",
         Testing: "../../guide/testing.md",
         Performance: "../../guide/performance.md",
         WritingADriver: "../../guide/writing-a-driver.md",

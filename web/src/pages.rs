@@ -294,14 +294,15 @@ fn job_row(
         None => "<span class=\"muted\">—</span>".to_string(),
     };
     format!(
-        "<tr data-job=\"{name}\" data-succeeded=\"{succeeded}\"><td><code>{name}</code></td><td><code>{queue}</code></td><td class=\"num\">{n} × {m} = {nm}</td><td class=\"num\">{worst}</td><td>{timeout}</td><td>{breaker}</td><td class=\"num\">{ok}</td><td class=\"resolved\">{resolved}</td><td class=\"num\">{retried}</td><td class=\"num\">{failed}</td><td class=\"num\">{rejected}</td><td class=\"num\">{executions}</td></tr>",
+        "<tr data-job=\"{name}\" data-succeeded=\"{succeeded}\"><td><code>{name}</code></td><td><code>{queue}</code></td><td class=\"num\">{budget}</td><td class=\"num\">{worst}</td><td>{timeout}</td><td>{breaker}</td><td class=\"num\">{ok}</td><td class=\"resolved\">{resolved}</td><td class=\"num\">{retried}</td><td class=\"num\">{failed}</td><td class=\"num\">{rejected}</td><td class=\"num\">{executions}</td></tr>",
         name = esc(&spec.name),
         succeeded = s.as_ref().map_or(0, |s| s.succeeded()),
         ok = cell(s.as_ref().map(|s| s.succeeded())),
         queue = esc(&spec.queue),
-        n = b.in_process,
-        m = b.deliveries.map_or("∞".into(), |m| m.to_string()),
-        nm = b.executions.map_or("unbounded".into(), num),
+        budget = match (b.deliveries, b.executions) {
+            (Some(m), Some(nm)) => format!("{} × {m} = {}", b.in_process, num(nm)),
+            _ => format!("{} × ∞", b.in_process),
+        },
         worst = esc(&human(b.time_to_failure())),
         timeout = spec.timeout.map_or("none".into(), |t| esc(&human(Some(t)))),
         breaker = spec

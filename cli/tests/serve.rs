@@ -16,7 +16,11 @@ impl Drop for Serve {
 }
 
 fn users_file(text: &str) -> std::path::PathBuf {
-    let path = std::env::temp_dir().join(format!("jobrail-serve-users-{}-{}", std::process::id(), text.len()));
+    let path = std::env::temp_dir().join(format!(
+        "jobrail-serve-users-{}-{}",
+        std::process::id(),
+        text.len()
+    ));
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -45,7 +49,16 @@ fn the_dashboard_serves_its_users_only() {
     let users = users_file("# the dashboard's users\nalice operator pw-alice\nbob read-only sha256:f3c9b4d4a0f8a3c0d3b1a8a53a7b0b4c3e0f0b4e9ac4e8e1f3a2b3c4d5e6f7a8\n");
     // bob's digest above is not pw-bob's: he cannot sign in with it.
     let mut child = Command::new(env!("CARGO_BIN_EXE_jobrail"))
-        .args(["--backend", "memory", "serve", "--listen", "127.0.0.1:0", "--queue", "reports", "--users"])
+        .args([
+            "--backend",
+            "memory",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--queue",
+            "reports",
+            "--users",
+        ])
         .arg(&users)
         .env_remove("JOBRAIL_CONFIG")
         .stderr(Stdio::piped())
@@ -76,7 +89,16 @@ fn the_dashboard_serves_its_users_only() {
 
     let users = users_file("alice operator pw-alice\nbob read-only pw-bob\n");
     let mut child = Command::new(env!("CARGO_BIN_EXE_jobrail"))
-        .args(["--backend", "memory", "serve", "--listen", "127.0.0.1:0", "--queue", "reports", "--users"])
+        .args([
+            "--backend",
+            "memory",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--queue",
+            "reports",
+            "--users",
+        ])
         .arg(&users)
         .env_remove("JOBRAIL_CONFIG")
         .stderr(Stdio::piped())
@@ -86,11 +108,26 @@ fn the_dashboard_serves_its_users_only() {
     let _serve = Serve(child);
     let mut line = String::new();
     stderr.read_line(&mut line).unwrap();
-    let addr = line.split("http://").nth(1).unwrap().trim().trim_end_matches('/').to_string();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim()
+        .trim_end_matches('/')
+        .to_string();
     let (status, page) = request(&addr, "GET", "/failures", Some(bob), "");
     assert_eq!(status, 200);
-    assert!(!page.contains("data-mutation"), "no mutation form for the read-only role");
-    let (status, _) = request(&addr, "POST", "/failures/action", Some(bob), "do=purge-matching&queue=reports&confirm=yes");
+    assert!(
+        !page.contains("data-mutation"),
+        "no mutation form for the read-only role"
+    );
+    let (status, _) = request(
+        &addr,
+        "POST",
+        "/failures/action",
+        Some(bob),
+        "do=purge-matching&queue=reports&confirm=yes",
+    );
     assert_eq!(status, 403);
 }
 
@@ -98,7 +135,14 @@ fn the_dashboard_serves_its_users_only() {
 fn a_users_file_without_users_is_refused() {
     let users = users_file("# nobody yet\n");
     let out = Command::new(env!("CARGO_BIN_EXE_jobrail"))
-        .args(["--backend", "memory", "serve", "--listen", "127.0.0.1:0", "--users"])
+        .args([
+            "--backend",
+            "memory",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--users",
+        ])
         .arg(&users)
         .output()
         .unwrap();

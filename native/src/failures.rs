@@ -99,6 +99,27 @@ pub trait FailureStore: Send + Sync {
     /// Entries another claim holds are left, and ids no longer there are
     /// not an error.
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError>;
+
+    /// Takes every entry of `queue` at once and holds them all (no other
+    /// operator's claim gets one) until [`HeldFailures::finish`] says which
+    /// to remove; dropped without it, they are given back. Bulk replays use
+    /// it to read, send and remove in one pass. `None` (the default): the
+    /// store cannot, and bulk replays read, send, then remove.
+    async fn hold_all(&self, queue: &str) -> Result<Option<Box<dyn HeldFailures>>, DriverError> {
+        let _ = queue;
+        Ok(None)
+    }
+}
+
+/// Every entry of a failure destination, held by one operator
+/// ([`FailureStore::hold_all`]).
+#[async_trait]
+pub trait HeldFailures: Send {
+    /// The entries held, in the order stored.
+    fn entries(&self) -> &[StoredFailure];
+    /// Removes the entries whose ids are in `remove` and gives the others
+    /// back; returns how many went.
+    async fn finish(self: Box<Self>, remove: &[String]) -> Result<u64, DriverError>;
 }
 
 /// How many messages a queue holds, as far as the backend reports.
@@ -193,9 +214,19 @@ pub struct BulkReplay {
     /// Entries whose send failed or may have failed, with the error: they
     /// stay, and a later replay sends them (perhaps a second time).
     pub not_sent: Vec<(String, String)>,
+    /// Entries selected (by id or by the predicate), replayed or not.
+    pub matched: usize,
     /// Ids asked for that were no longer there.
     pub missing: usize,
+    /// Entries whose message was sent but that could not be removed after
+    /// it (the destination kept showing them): a later replay of them sends
+    /// a duplicate.
+    pub not_removed: Vec<String>,
 }
+
+/// How many times [`Failures::replay_many`] removes what it sent and reads
+/// the destination again before reporting what stayed.
+const REMOVAL_ROUNDS: u32 = 6;
 
 /// The operator's view of a backend's failure records: list, show, replay
 /// and purge, the same on every backend.
@@ -399,29 +430,55 @@ impl Failures {
     /// another operator at the same moment may send it twice (on NATS, the
     /// new message id makes the second copy a duplicate the stream drops).
     /// Poison entries are left and counted in [`BulkReplay::refused`]
-    /// unless `force`.
+    /// unless `force`. The messages are sent first, in batches of 500;
+    /// then the entries sent are removed, and the destination read again
+    /// until none is left (a few rounds; what stays is reported in
+    /// [`BulkReplay::not_removed`]).
     pub async fn replay_many(
         &self,
         queue: &str,
         ids: &[String],
         force: bool,
     ) -> Result<BulkReplay, DriverError> {
-        let store = self.store()?;
         let wanted: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
-        let entries: Vec<StoredFailure> = store
-            .read_failures(queue)
-            .await?
-            .into_iter()
-            .filter(|e| wanted.contains(e.id.as_str()))
-            .collect();
+        let mut outcome = self
+            .replay_where(
+                queue,
+                &|e: &StoredFailure| wanted.contains(e.id.as_str()),
+                force,
+            )
+            .await?;
+        outcome.missing = wanted.len().saturating_sub(outcome.matched);
+        Ok(outcome)
+    }
+
+    /// Replays every entry of `queue` that `select` picks, as
+    /// [`replay_many`](Self::replay_many) replays those it names: "replay
+    /// every record matching this filter" in one read of the destination.
+    pub async fn replay_where(
+        &self,
+        queue: &str,
+        select: &(dyn Fn(&StoredFailure) -> bool + Send + Sync),
+        force: bool,
+    ) -> Result<BulkReplay, DriverError> {
+        let store = self.store()?;
+        let held = store.hold_all(queue).await?;
+        let read;
+        let entries: &[StoredFailure] = match &held {
+            Some(held) => held.entries(),
+            None => {
+                read = store.read_failures(queue).await?;
+                &read
+            }
+        };
         let mut outcome = BulkReplay::default();
         let mut seen = std::collections::HashSet::new();
         let mut batch: Vec<(String, Outgoing)> = Vec::new();
         let name = self.driver.name();
         let capabilities = self.driver.capabilities();
         let now = now_ms();
-        for entry in &entries {
-            if !seen.insert(entry.id.as_str()) {
+        for entry in entries.iter().filter(|e| select(e)) {
+            if !seen.insert(entry.id.clone()) {
                 continue;
             }
             match jobrail::replay_message(&entry.id, entry.record.as_ref(), &entry.body, force, now)
@@ -445,25 +502,52 @@ impl Failures {
                     .push((entry.id.clone(), refused.to_string())),
             }
         }
-        outcome.missing = wanted.len().saturating_sub(seen.len());
+        outcome.matched = seen.len();
         const CHUNK: usize = 500;
+        let mut sent = Vec::with_capacity(batch.len());
         while !batch.is_empty() {
             let rest = batch.split_off(batch.len().min(CHUNK));
             let (chunk_ids, messages): (Vec<String>, Vec<Outgoing>) =
                 std::mem::replace(&mut batch, rest).into_iter().unzip();
             let results = self.driver.send_batch(queue, messages).await;
-            let mut sent = Vec::with_capacity(chunk_ids.len());
             for (id, result) in chunk_ids.into_iter().zip(results) {
                 match result {
                     Ok(()) => sent.push(id),
                     Err(e) => outcome.not_sent.push((id, e.to_string())),
                 }
             }
-            if !sent.is_empty() {
-                store.remove_failures(queue, &sent).await?;
-                outcome.replayed += sent.len() as u64;
-            }
         }
+        if let Some(held) = held {
+            // Held all along: the entries sent go, the others come back.
+            let removed = held.finish(&sent).await?;
+            outcome.replayed = removed;
+            return Ok(outcome);
+        }
+        // The records sent are removed, then the destination is read again
+        // until none of them is left: a broker may not yet show the next
+        // scan a message the last one gave back, and a removal only takes
+        // what it sees.
+        let mut left: std::collections::HashSet<String> = sent.iter().cloned().collect();
+        for round in 0..REMOVAL_ROUNDS {
+            if left.is_empty() {
+                break;
+            }
+            if round > 0 {
+                tokio::time::sleep(Duration::from_millis(50 << round.min(4))).await;
+            }
+            let ids: Vec<String> = left.iter().cloned().collect();
+            store.remove_failures(queue, &ids).await?;
+            left = store
+                .read_failures(queue)
+                .await?
+                .into_iter()
+                .map(|e| e.id)
+                .filter(|id| left.contains(id))
+                .collect();
+        }
+        outcome.replayed = (sent.len() - left.len()) as u64;
+        outcome.not_removed = left.into_iter().collect();
+        outcome.not_removed.sort();
         Ok(outcome)
     }
 

@@ -140,8 +140,8 @@ pub use crate::metrics::describe_metrics;
 pub use consumer::{shutdown_signal, Consumer, ConsumerBuilder, ConsumerHandle};
 pub use driver::{Capabilities, Delivery, Driver, DriverError, ErrorKind, Outgoing, Subscription};
 pub use failures::{
-    Admin, BulkReplay, ClaimedFailure, FailurePage, FailureStore, Failures, Page, Purge,
-    QueueDepth, Replayed, StoredFailure,
+    Admin, BulkReplay, ClaimedFailure, FailurePage, FailureStore, Failures, HeldFailures, Page,
+    Purge, QueueDepth, Replayed, StoredFailure,
 };
 #[cfg(feature = "memory")]
 pub use memory::{MemoryConfig, MemoryDriver};

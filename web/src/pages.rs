@@ -55,7 +55,7 @@ fn num(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -675,7 +675,7 @@ pub(crate) async fn failures(
     if pages > 1 {
         body.push_str("<nav class=\"pages\" aria-label=\"pages\">");
         let numbers: Vec<String> = (0..=pages).map(|n| n.to_string()).collect();
-        for n in 1..=pages {
+        for (n, n_text) in numbers.iter().enumerate().skip(1) {
             if pages > 12 && n > 2 && n + 2 < pages && n.abs_diff(page_no) > 2 {
                 if n == 3 || n + 3 == pages {
                     body.push_str("<span>…</span>");
@@ -683,7 +683,7 @@ pub(crate) async fn failures(
                 continue;
             }
             let mut link_pairs = filter.pairs();
-            link_pairs.push(("page", &numbers[n]));
+            link_pairs.push(("page", n_text));
             let _ = write!(
                 body,
                 "<a href=\"{}/failures{}\"{}>{n}</a>",
@@ -932,6 +932,22 @@ pub(crate) async fn action(
         Ok(x) => x,
         Err(e) => return refuse(StatusCode::BAD_REQUEST, &e),
     };
+    let confirmed = get(&p, "confirm") == "yes";
+    // Every record matching, confirmed, on a store that replays in one
+    // pass: no separate read for the ids.
+    if matching_scope && replay && confirmed {
+        let started = std::time::Instant::now();
+        if let Some(result) = source.replay_matching(&filter, force).await {
+            let scope = format!("every record matching {}", filter.describe());
+            let (asked, result) = match result {
+                Ok((done, matched)) => (matched, Ok(done)),
+                Err(e) => (0, Err(e)),
+            };
+            return finish(
+                &d, &user, &filter, true, force, &scope, asked, started, result,
+            );
+        }
+    }
     let ids: Vec<String> = if matching_scope {
         match matching(source, &filter).await {
             Ok((entries, _)) => entries.into_iter().map(|e| e.id).collect(),
@@ -966,7 +982,7 @@ pub(crate) async fn action(
         let html = page(inner, &user, Nav::Failures, "Nothing selected", &format!("<h1>Nothing to do</h1><p>No record was selected (or none matches now).</p><p><a class=\"button\" href=\"{back}\">Back to the list</a></p>"));
         return (StatusCode::BAD_REQUEST, Html(html)).into_response();
     }
-    if get(&p, "confirm") != "yes" {
+    if !confirmed {
         // The confirmation: the same fields, and confirm=yes.
         let mut fields = String::new();
         fields.push_str(&hidden("csrf", &user.csrf));
@@ -1018,6 +1034,43 @@ pub(crate) async fn action(
     } else {
         source.purge(&filter.queue, &ids).await
     };
+    finish(
+        &d,
+        &user,
+        &filter,
+        replay,
+        force,
+        &scope,
+        ids.len(),
+        started,
+        result,
+    )
+}
+
+/// Logs a mutation's audit line and sends the operator back to the list
+/// with what it did.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    d: &Dashboard,
+    user: &User,
+    filter: &Filter,
+    replay: bool,
+    force: bool,
+    scope: &str,
+    asked: usize,
+    started: std::time::Instant,
+    result: Result<crate::source::Mutated, String>,
+) -> Response {
+    let inner = d.inner();
+    let verb = if replay {
+        if force {
+            "Force-replay"
+        } else {
+            "Replay"
+        }
+    } else {
+        "Purge"
+    };
     let notice = match &result {
         Ok(done) => {
             tracing::info!(
@@ -1029,7 +1082,7 @@ pub(crate) async fn action(
                 source = %filter.source,
                 queue = %filter.queue,
                 scope = %scope,
-                asked = ids.len(),
+                asked,
                 done = done.done,
                 refused = done.refused,
                 failed = done.failed,
@@ -1040,8 +1093,8 @@ pub(crate) async fn action(
                 "{} {} of {} record{}",
                 if replay { "Replayed" } else { "Purged" },
                 done.done,
-                ids.len(),
-                if ids.len() == 1 { "" } else { "s" }
+                asked,
+                if asked == 1 { "" } else { "s" }
             );
             if done.refused > 0 {
                 let _ = write!(
@@ -1067,7 +1120,7 @@ pub(crate) async fn action(
                 source = %filter.source,
                 queue = %filter.queue,
                 scope = %scope,
-                asked = ids.len(),
+                asked,
                 error = %e,
                 "dashboard mutation failed"
             );

@@ -218,19 +218,34 @@ impl Source {
                     .replay_many(queue, ids, force)
                     .await
                     .map_err(|e| e.to_string())?;
-                Ok(Mutated {
-                    done: done.replayed,
-                    refused: done.refused.len() as u64,
-                    failed: done.not_sent.len() as u64,
-                    first_problem: done
-                        .refused
-                        .first()
-                        .or(done.not_sent.first())
-                        .map(|(id, why)| format!("{id}: {why}")),
-                })
+                Ok(mutated(&done))
             }
             Kind::Edge(keeper) => keeper.replay(ids, force).await,
         }
+    }
+
+    /// Replays every entry of the filter's queue that it matches, in one
+    /// pass where the store can; `None` where the source replays by ids
+    /// only (the edge).
+    pub(crate) async fn replay_matching(
+        &self,
+        filter: &crate::pages::Filter,
+        force: bool,
+    ) -> Option<Result<(Mutated, usize), String>> {
+        let Kind::Native { failures, .. } = &self.kind else {
+            return None;
+        };
+        let now = crate::html::now_ms();
+        let queue = filter.queue.clone();
+        let select =
+            move |e: &StoredFailure| filter.matches(&Entry::native(&queue, e.clone()), now);
+        Some(
+            failures
+                .replay_where(&filter.queue, &select, force)
+                .await
+                .map(|done| (mutated(&done), done.matched))
+                .map_err(|e| e.to_string()),
+        )
     }
 
     /// Purges the entries `ids` of `queue`.
@@ -248,6 +263,24 @@ impl Source {
             }
             Kind::Edge(keeper) => keeper.purge(ids).await,
         }
+    }
+}
+
+fn mutated(done: &jobrail_native::BulkReplay) -> Mutated {
+    Mutated {
+        done: done.replayed,
+        refused: done.refused.len() as u64,
+        failed: (done.not_sent.len() + done.not_removed.len()) as u64,
+        first_problem: done
+            .refused
+            .first()
+            .or(done.not_sent.first())
+            .map(|(id, why)| format!("{id}: {why}"))
+            .or_else(|| {
+                done.not_removed.first().map(|id| {
+                    format!("{id}: sent, but its record stayed (a duplicate if replayed again)")
+                })
+            }),
     }
 }
 

@@ -27,7 +27,9 @@ use tokio::sync::OwnedMutexGuard;
 use super::errors::{bounded, error, not_found};
 use super::RabbitDriver;
 use crate::driver::{DriverError, ErrorKind};
-use crate::failures::{Admin, ClaimedFailure, FailureStore, QueueDepth, StoredFailure};
+use crate::failures::{
+    Admin, ClaimedFailure, FailureStore, HeldFailures, QueueDepth, StoredFailure,
+};
 use crate::kit::lock;
 
 /// A message a scan took and holds unacknowledged.
@@ -222,18 +224,43 @@ impl FailureStore for RabbitDriver {
 
     /// Takes every message, acks those named, gives back the rest.
     async fn remove_failures(&self, queue: &str, ids: &[String]) -> Result<u64, DriverError> {
-        // A set: a bulk removal names thousands of ids.
-        let ids: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         if !self.failure_queue_exists(queue).await? {
             return Ok(0);
         }
         let mut scan = Scan::start(self, queue).await?;
         scan.take_all().await?;
+        scan.finish(ids).await
+    }
+
+    /// Takes every message and keeps them on the scan's channel until
+    /// [`HeldFailures::finish`]: one pass over the queue for a bulk replay.
+    async fn hold_all(&self, queue: &str) -> Result<Option<Box<dyn HeldFailures>>, DriverError> {
+        if !self.failure_queue_exists(queue).await? {
+            return Ok(Some(Box::new(HeldScan {
+                scan: None,
+                entries: Vec::new(),
+            })));
+        }
+        let mut scan = Scan::start(self, queue).await?;
+        scan.take_all().await?;
+        let entries = scan.held.iter().map(|h| h.entry.clone()).collect();
+        Ok(Some(Box::new(HeldScan {
+            scan: Some(scan),
+            entries,
+        })))
+    }
+}
+
+impl Scan {
+    /// Acks the held messages named in `ids`, gives back the rest, closes.
+    async fn finish(self, ids: &[String]) -> Result<u64, DriverError> {
+        // A set: a bulk removal names thousands of ids.
+        let ids: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         let mut removed = 0;
         let mut kept = None;
-        for held in &scan.held {
+        for held in &self.held {
             if ids.contains(held.entry.id.as_str()) {
-                scan.ack(held.tag).await?;
+                self.ack(held.tag).await?;
                 removed += 1;
             } else {
                 kept = Some(held.tag);
@@ -241,10 +268,31 @@ impl FailureStore for RabbitDriver {
         }
         // `multiple` skips what was acked, but its own tag must be unsettled.
         if let Some(last) = kept {
-            scan.give_back_up_to(last).await?;
+            self.give_back_up_to(last).await?;
         }
-        scan.close().await?;
+        self.close().await?;
         Ok(removed)
+    }
+}
+
+/// Every message of a failure queue, held on one scan's channel.
+struct HeldScan {
+    /// `None`: the queue does not exist (nothing held).
+    scan: Option<Scan>,
+    entries: Vec<StoredFailure>,
+}
+
+#[async_trait]
+impl HeldFailures for HeldScan {
+    fn entries(&self) -> &[StoredFailure] {
+        &self.entries
+    }
+
+    async fn finish(mut self: Box<Self>, remove: &[String]) -> Result<u64, DriverError> {
+        match self.scan.take() {
+            Some(scan) => scan.finish(remove).await,
+            None => Ok(0),
+        }
     }
 }
 

@@ -498,6 +498,62 @@ pub async fn failures_replay_runs_again_with_a_fresh_attempt_count(backend: &dyn
     s.stop().await;
 }
 
+/// Bulk replay and purge (the dashboard's "replay the selection", "purge
+/// every record matching"): of 24 records, 16 replayed in one call (an id no
+/// longer there among them) run again once each and leave the store; a
+/// second bulk replay of the same ids sends nothing more; the other 8 are
+/// purged by id in one call.
+pub async fn failures_bulk_replay_and_purge_by_ids(backend: &dyn Backend) {
+    let s = Subject::new(backend, "failures-bulk", 1, 8).await;
+    let failed = s.fail(0..24).await;
+    assert_eq!(failed.len(), 24);
+    let entries = s.entries().await;
+    assert_eq!(entries.len(), 24);
+    s.fix();
+    let (chosen, rest) = entries.split_at(16);
+    let mut ids: Vec<String> = chosen.iter().map(|e| e.id.clone()).collect();
+    ids.push("no-such-record".into());
+    let done = s
+        .failures
+        .replay_many(s.queue(), &ids, false)
+        .await
+        .unwrap();
+    assert_eq!(done.replayed, 16, "{done:?}");
+    assert_eq!(done.missing, 1, "{done:?}");
+    assert!(
+        done.refused.is_empty() && done.not_sent.is_empty() && done.not_removed.is_empty(),
+        "{done:?}"
+    );
+    let left: BTreeSet<String> = s.entries().await.into_iter().map(|e| e.id).collect();
+    let rest_ids: BTreeSet<String> = rest.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(left, rest_ids, "exactly the replayed records left");
+    s.wait_succeeded(16).await;
+    let again = s
+        .failures
+        .replay_many(s.queue(), &ids, false)
+        .await
+        .unwrap();
+    assert_eq!((again.replayed, again.missing), (0, 17), "{again:?}");
+    s.settle().await;
+    for entry in chosen {
+        let runs = s.runs_of(&replay_id(&entry.id));
+        assert_eq!(
+            runs.len(),
+            1,
+            "the replay of {} ran once: {runs:?}",
+            entry.id
+        );
+        assert_eq!(runs[0].attempt, 1);
+        assert_eq!(runs[0].metadata[REPLAY_OF], entry.id);
+    }
+    assert_eq!(s.count("succeeded"), 16);
+    let rest_ids: Vec<String> = rest_ids.into_iter().collect();
+    assert_eq!(s.failures.purge_ids(s.queue(), &rest_ids).await.unwrap(), 8);
+    assert!(s.entries().await.is_empty());
+    assert_eq!(s.failures.purge_ids(s.queue(), &rest_ids).await.unwrap(), 0);
+    s.stop().await;
+}
+
 /// Replaying one record twice in a row: the second is not found, by either
 /// id, and one copy is delivered.
 pub async fn failures_replay_twice_sends_one_copy(backend: &dyn Backend) {

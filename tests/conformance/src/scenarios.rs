@@ -158,6 +158,7 @@ pub fn registered(driver: &dyn Driver, hooks: &Hooks) -> Choice {
             failures_show_by_message_or_entry_id,
             failures_replay_runs_again_with_a_fresh_attempt_count,
             failures_replay_twice_sends_one_copy,
+            failures_bulk_replay_and_purge_by_ids,
             failures_concurrent_replays_send_one_copy,
             failures_replay_while_a_worker_consumes,
             failures_poison_replay_is_refused_unless_forced,

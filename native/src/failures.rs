@@ -517,23 +517,35 @@ impl Failures {
                 }
             }
         }
+        // The records sent are removed, then the destination is read again
+        // until none of them is left: a removal only takes what the broker
+        // shows it, and RabbitMQ's quorum queues (3.10) give back a few
+        // messages whose `basic.get` deliveries were acked just before the
+        // channel closed.
+        let mut left: std::collections::HashSet<String> = sent.iter().cloned().collect();
+        let mut removed_first = false;
         if let Some(held) = held {
             // Held all along: the entries sent go, the others come back.
-            let removed = held.finish(&sent).await?;
-            outcome.replayed = removed;
-            return Ok(outcome);
+            held.finish(&sent).await?;
+            removed_first = true;
         }
-        // The records sent are removed, then the destination is read again
-        // until none of them is left: a broker may not yet show the next
-        // scan a message the last one gave back, and a removal only takes
-        // what it sees.
-        let mut left: std::collections::HashSet<String> = sent.iter().cloned().collect();
         for round in 0..REMOVAL_ROUNDS {
             if left.is_empty() {
                 break;
             }
             if round > 0 {
                 tokio::time::sleep(Duration::from_millis(50 << round.min(4))).await;
+            }
+            if removed_first {
+                removed_first = false;
+                left = store
+                    .read_failures(queue)
+                    .await?
+                    .into_iter()
+                    .map(|e| e.id)
+                    .filter(|id| left.contains(id))
+                    .collect();
+                continue;
             }
             let ids: Vec<String> = left.iter().cloned().collect();
             store.remove_failures(queue, &ids).await?;

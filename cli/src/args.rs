@@ -193,31 +193,35 @@ pub(crate) enum Command {
     /// `NAME ROLE sha256:HEX`, ROLE `operator` (replays and purges) or
     /// `read-only`; `#` starts a comment. Each replay and purge is logged
     /// on standard error (target jobrail_web::audit), never a payload.
-    Serve {
-        /// The address to listen on.
-        #[arg(long, env = "JOBRAIL_WEB_LISTEN", default_value = "127.0.0.1:8080")]
-        listen: String,
-        /// The users file.
-        #[arg(long, env = "JOBRAIL_WEB_USERS", value_name = "PATH")]
-        users: std::path::PathBuf,
-        /// A work queue to show (repeatable).
-        #[arg(long = "queue", value_name = "QUEUE")]
-        queues: Vec<String>,
-        /// An edge worker's failure keeper, NAME=URL (repeatable); the token
-        /// is read from JOBRAIL_EDGE_TOKEN, or JOBRAIL_EDGE_TOKEN_<NAME>.
-        #[arg(long = "edge", value_name = "NAME=URL")]
-        edges: Vec<String>,
-        /// Show records' payloads on their pages (off by default: payloads
-        /// may hold personal data or secrets).
-        #[arg(long)]
-        show_payloads: bool,
-        /// The path the dashboard is served under behind a proxy (`/ops`).
-        #[arg(long, default_value = "")]
-        base_path: String,
-        /// Where the schedules and their claims are.
-        #[command(flatten)]
-        source: ScheduleSource,
-    },
+    Serve(ServeArgs),
+}
+
+/// What `jobrail serve` is given.
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// The address to listen on.
+    #[arg(long, env = "JOBRAIL_WEB_LISTEN", default_value = "127.0.0.1:8080")]
+    pub(crate) listen: String,
+    /// The users file.
+    #[arg(long, env = "JOBRAIL_WEB_USERS", value_name = "PATH")]
+    pub(crate) users: std::path::PathBuf,
+    /// A work queue to show (repeatable).
+    #[arg(long = "queue", value_name = "QUEUE")]
+    pub(crate) queues: Vec<String>,
+    /// An edge worker's failure keeper, NAME=URL (repeatable); the token
+    /// is read from JOBRAIL_EDGE_TOKEN, or JOBRAIL_EDGE_TOKEN_<NAME>.
+    #[arg(long = "edge", value_name = "NAME=URL")]
+    pub(crate) edges: Vec<String>,
+    /// Show records' payloads on their pages (off by default: payloads
+    /// may hold personal data or secrets).
+    #[arg(long)]
+    pub(crate) show_payloads: bool,
+    /// The path the dashboard is served under behind a proxy (`/ops`).
+    #[arg(long, default_value = "")]
+    pub(crate) base_path: String,
+    /// Where the schedules and their claims are.
+    #[command(flatten)]
+    pub(crate) source: ScheduleSource,
 }
 
 /// The claim stores `jobrail schedules` reads.

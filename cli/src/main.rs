@@ -128,29 +128,7 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
                 stop(driver.as_ref(), result).await
             }
         },
-        Command::Serve {
-            listen,
-            users,
-            queues,
-            edges,
-            show_payloads,
-            base_path,
-            source,
-        } => {
-            serve::serve(
-                &cli.connection,
-                serve::Settings {
-                    listen,
-                    users,
-                    queues,
-                    edges,
-                    show_payloads,
-                    base_path,
-                    source,
-                },
-            )
-            .await
-        }
+        Command::Serve(settings) => serve::serve(&cli.connection, settings).await,
         Command::Depth { queue } => {
             let driver = backend::connect(&cli.connection).await?;
             let result = commands::depth(driver.clone(), &queue).await;

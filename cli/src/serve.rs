@@ -4,20 +4,9 @@ use jobrail::{Job, JobContext, Registry};
 use jobrail_web::{Dashboard, Role, Source};
 use serde_json::{json, Value};
 
-use crate::args::{Connection, ScheduleSource};
+use crate::args::{Connection, ServeArgs};
 use crate::commands::Output;
 use crate::error::CliError;
-
-/// What `jobrail serve` was given.
-pub(crate) struct Settings {
-    pub(crate) listen: String,
-    pub(crate) users: std::path::PathBuf,
-    pub(crate) queues: Vec<String>,
-    pub(crate) edges: Vec<String>,
-    pub(crate) show_payloads: bool,
-    pub(crate) base_path: String,
-    pub(crate) source: ScheduleSource,
-}
 
 /// One user of a users file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +78,10 @@ fn edges(edges: &[String]) -> Result<Vec<(String, String, String)>, CliError> {
     Ok(out)
 }
 
-pub(crate) async fn serve(connection: &Connection, settings: Settings) -> Result<Output, CliError> {
+pub(crate) async fn serve(
+    connection: &Connection,
+    settings: ServeArgs,
+) -> Result<Output, CliError> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

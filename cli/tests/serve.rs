@@ -6,12 +6,17 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 
-struct Serve(Child);
+/// The server, and its standard error kept open (a closed pipe would fail
+/// its log lines).
+struct Serve {
+    child: Child,
+    _stderr: BufReader<std::process::ChildStderr>,
+}
 
 impl Drop for Serve {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -41,13 +46,9 @@ fn request(addr: &str, method: &str, path: &str, auth: Option<&str>, body: &str)
     (status, answer)
 }
 
-#[test]
-fn the_dashboard_serves_its_users_only() {
-    // alice:pw-alice and bob:pw-bob, in base64.
-    let alice = "YWxpY2U6cHctYWxpY2U=";
-    let bob = "Ym9iOnB3LWJvYg==";
-    let users = users_file("# the dashboard's users\nalice operator pw-alice\nbob read-only sha256:f3c9b4d4a0f8a3c0d3b1a8a53a7b0b4c3e0f0b4e9ac4e8e1f3a2b3c4d5e6f7a8\n");
-    // bob's digest above is not pw-bob's: he cannot sign in with it.
+/// `jobrail --backend memory serve` with `users`, on a free port: the
+/// process and its address.
+fn start(users: &std::path::Path) -> (Serve, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_jobrail"))
         .args([
             "--backend",
@@ -59,15 +60,18 @@ fn the_dashboard_serves_its_users_only() {
             "reports",
             "--users",
         ])
-        .arg(&users)
+        .arg(users)
         .env_remove("JOBRAIL_CONFIG")
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let serve = Serve(child);
     let mut line = String::new();
     stderr.read_line(&mut line).unwrap();
+    let serve = Serve {
+        child,
+        _stderr: stderr,
+    };
     let addr = line
         .split("http://")
         .nth(1)
@@ -75,6 +79,17 @@ fn the_dashboard_serves_its_users_only() {
         .trim()
         .trim_end_matches('/')
         .to_string();
+    (serve, addr)
+}
+
+#[test]
+fn the_dashboard_serves_its_users_only() {
+    // alice:pw-alice and bob:pw-bob, in base64.
+    let alice = "YWxpY2U6cHctYWxpY2U=";
+    let bob = "Ym9iOnB3LWJvYg==";
+    let users = users_file("# the dashboard's users\nalice operator pw-alice\nbob read-only sha256:f3c9b4d4a0f8a3c0d3b1a8a53a7b0b4c3e0f0b4e9ac4e8e1f3a2b3c4d5e6f7a8\n");
+    // bob's digest above is not pw-bob's: he cannot sign in with it.
+    let (serve, addr) = start(&users);
     let (status, _) = request(&addr, "GET", "/", None, "");
     assert_eq!(status, 401);
     let (status, page) = request(&addr, "GET", "/", Some(alice), "");
@@ -88,33 +103,7 @@ fn the_dashboard_serves_its_users_only() {
     drop(serve);
 
     let users = users_file("alice operator pw-alice\nbob read-only pw-bob\n");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_jobrail"))
-        .args([
-            "--backend",
-            "memory",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--queue",
-            "reports",
-            "--users",
-        ])
-        .arg(&users)
-        .env_remove("JOBRAIL_CONFIG")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let _serve = Serve(child);
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .unwrap()
-        .trim()
-        .trim_end_matches('/')
-        .to_string();
+    let (_serve, addr) = start(&users);
     let (status, page) = request(&addr, "GET", "/failures", Some(bob), "");
     assert_eq!(status, 200);
     assert!(

@@ -522,40 +522,35 @@ impl Failures {
         // shows it, and RabbitMQ's quorum queues (3.10) give back a few
         // messages whose `basic.get` deliveries were acked just before the
         // channel closed.
-        let mut left: std::collections::HashSet<String> = sent.iter().cloned().collect();
-        let mut removed_first = false;
-        if let Some(held) = held {
+        match held {
             // Held all along: the entries sent go, the others come back.
-            held.finish(&sent).await?;
-            removed_first = true;
+            Some(held) => held.finish(&sent).await.map(drop)?,
+            None if sent.is_empty() => {}
+            None => store.remove_failures(queue, &sent).await.map(drop)?,
         }
-        for round in 0..REMOVAL_ROUNDS {
-            if left.is_empty() {
-                break;
-            }
-            if round > 0 {
-                tokio::time::sleep(Duration::from_millis(50 << round.min(4))).await;
-            }
-            if removed_first {
-                removed_first = false;
-                left = store
+        let still_there = |left: std::collections::HashSet<String>| async move {
+            Ok::<_, DriverError>(
+                store
                     .read_failures(queue)
                     .await?
                     .into_iter()
                     .map(|e| e.id)
                     .filter(|id| left.contains(id))
-                    .collect();
-                continue;
+                    .collect::<std::collections::HashSet<String>>(),
+            )
+        };
+        let mut left = match sent.is_empty() {
+            true => std::collections::HashSet::new(),
+            false => still_there(sent.iter().cloned().collect()).await?,
+        };
+        for round in 1..REMOVAL_ROUNDS {
+            if left.is_empty() {
+                break;
             }
+            tokio::time::sleep(Duration::from_millis(50 << round.min(4))).await;
             let ids: Vec<String> = left.iter().cloned().collect();
             store.remove_failures(queue, &ids).await?;
-            left = store
-                .read_failures(queue)
-                .await?
-                .into_iter()
-                .map(|e| e.id)
-                .filter(|id| left.contains(id))
-                .collect();
+            left = still_there(left).await?;
         }
         outcome.replayed = (sent.len() - left.len()) as u64;
         outcome.not_removed = left.into_iter().collect();

@@ -50,16 +50,14 @@ struct Kept {
     body: Option<serde_json::Value>,
 }
 
+/// A path segment, percent-encoded (everything but `A-Z a-z 0-9 - . _ ~`).
 fn encode(segment: &str) -> String {
-    let mut out = String::with_capacity(segment.len());
-    for b in segment.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    percent_encoding::utf8_percent_encode(segment, SEGMENT).to_string()
 }
 
 impl EdgeKeeper {
@@ -142,72 +140,67 @@ impl EdgeKeeper {
         ids: &[String],
         force: bool,
     ) -> Result<Mutated, String> {
-        let me = self.clone();
-        let ids = ids.to_vec();
-        tokio::task::spawn_blocking(move || {
-            let mut done = Mutated::default();
-            for id in &ids {
-                let mut request = me.request("POST", &format!("/failures/{}/replay", encode(id)));
-                if force {
-                    request = request.query("force", "true");
-                }
-                match request.call() {
-                    Ok(_) => done.done += 1,
-                    Err(ureq::Error::Status(409, response)) => {
-                        done.refused += 1;
-                        if done.first_problem.is_none() {
-                            done.first_problem = Some(format!(
-                                "{id}: {}",
-                                me.problem("a replay", ureq::Error::Status(409, response))
-                            ));
-                        }
-                    }
-                    // Gone meanwhile (replayed or purged by another operator).
-                    Err(ureq::Error::Status(404, _)) => {}
-                    Err(e) => {
-                        done.failed += 1;
-                        if done.first_problem.is_none() {
-                            done.first_problem =
-                                Some(format!("{id}: {}", me.problem("a replay", e)));
-                        }
-                    }
-                }
+        self.each(ids, "a replay", move |me, id| {
+            let mut request = me.request("POST", &format!("/failures/{}/replay", encode(id)));
+            if force {
+                request = request.query("force", "true");
             }
-            Ok(done)
+            request.call().map(|_| 1).map_err(Box::new)
         })
         .await
-        .map_err(|e| format!("the edge keeper's requests stopped: {e}"))?
     }
 
     pub(crate) async fn purge(
         self: &std::sync::Arc<Self>,
         ids: &[String],
     ) -> Result<Mutated, String> {
+        self.each(ids, "a purge", |me, id| {
+            me.request("DELETE", &format!("/failures/{}", encode(id)))
+                .call()
+                .map(|response| {
+                    response
+                        .into_json::<serde_json::Value>()
+                        .ok()
+                        .and_then(|v| v.get("purged").and_then(|p| p.as_u64()))
+                        .unwrap_or(1)
+                })
+                .map_err(Box::new)
+        })
+        .await
+    }
+
+    /// Sends one request per id, one after another, on the blocking pool:
+    /// the count each answered, 409 (a poison record a replay refuses)
+    /// counted as refused, 404 (gone meanwhile: replayed or purged by
+    /// another operator) as nothing, anything else as failed.
+    async fn each(
+        self: &std::sync::Arc<Self>,
+        ids: &[String],
+        what: &'static str,
+        call: impl Fn(&EdgeKeeper, &str) -> Result<u64, Box<ureq::Error>> + Send + 'static,
+    ) -> Result<Mutated, String> {
         let me = self.clone();
         let ids = ids.to_vec();
         tokio::task::spawn_blocking(move || {
             let mut done = Mutated::default();
             for id in &ids {
-                match me
-                    .request("DELETE", &format!("/failures/{}", encode(id)))
-                    .call()
-                {
-                    Ok(response) => {
-                        let purged = response
-                            .into_json::<serde_json::Value>()
-                            .ok()
-                            .and_then(|v| v.get("purged").and_then(|p| p.as_u64()))
-                            .unwrap_or(1);
-                        done.done += purged;
+                let problem = match call(&me, id).map_err(|e| *e) {
+                    Ok(n) => {
+                        done.done += n;
+                        continue;
                     }
-                    Err(ureq::Error::Status(404, _)) => {}
+                    Err(ureq::Error::Status(404, _)) => continue,
+                    Err(e @ ureq::Error::Status(409, _)) => {
+                        done.refused += 1;
+                        me.problem(what, e)
+                    }
                     Err(e) => {
                         done.failed += 1;
-                        if done.first_problem.is_none() {
-                            done.first_problem =
-                                Some(format!("{id}: {}", me.problem("a purge", e)));
-                        }
+                        me.problem(what, e)
                     }
+                };
+                if done.first_problem.is_none() {
+                    done.first_problem = Some(format!("{id}: {problem}"));
                 }
             }
             Ok(done)

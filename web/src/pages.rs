@@ -711,27 +711,20 @@ pub(crate) async fn record(
     let mut filter = Filter::from_pairs(&p);
     let id = get(&p, "id").to_string();
     let mut body = String::new();
+    let failed = |status: StatusCode, body: &str| {
+        (
+            status,
+            Html(page(inner, &user, Nav::Failures, "Record", body)),
+        )
+            .into_response()
+    };
     let (source, _) = match resolve(&d, &mut filter).await {
         Ok(x) => x,
-        Err(e) => {
-            body.push_str(&problem(&e));
-            return (
-                StatusCode::NOT_FOUND,
-                Html(page(inner, &user, Nav::Failures, "Record", &body)),
-            )
-                .into_response();
-        }
+        Err(e) => return failed(StatusCode::NOT_FOUND, &problem(&e)),
     };
     let entries = match source.entries(&filter.queue).await {
         Ok(e) => e,
-        Err(e) => {
-            body.push_str(&problem(&e));
-            return (
-                StatusCode::BAD_GATEWAY,
-                Html(page(inner, &user, Nav::Failures, "Record", &body)),
-            )
-                .into_response();
-        }
+        Err(e) => return failed(StatusCode::BAD_GATEWAY, &problem(&e)),
     };
     let back = format!(
         "{}/failures{}",
@@ -750,11 +743,7 @@ pub(crate) async fn record(
                 filter.source, filter.queue
             ))
         );
-        return (
-            StatusCode::NOT_FOUND,
-            Html(page(inner, &user, Nav::Failures, "Record", &body)),
-        )
-            .into_response();
+        return failed(StatusCode::NOT_FOUND, &body);
     };
     let _ = write!(
         body,

@@ -144,6 +144,34 @@ async fn a_claim_hides_its_entry_until_removed_released_or_dropped() {
 
 /// Every scan gives back what it took before the next one starts: a claim
 /// right after a list (or another claim) finds its entry.
+/// Removing 1,500 entries by id, then holding the rest and removing them:
+/// a read right after each finds none of them (RabbitMQ's quorum queues
+/// give back `basic.get` deliveries acked just before their channel closes
+/// unless the channel waits: a bulk replay of 10,000 once left hundreds).
+#[tokio::test]
+async fn entries_removed_in_bulk_are_gone_at_the_next_read() {
+    let driver = RabbitDriver::connect(config()).await.unwrap();
+    let q = queue("bulk-remove");
+    filled(&driver, &q, 2000).await;
+    let first: Vec<String> = ids(&driver, &q).await.into_iter().take(1500).collect();
+    assert_eq!(driver.remove_failures(&q, &first).await.unwrap(), 1500);
+    let left = ids(&driver, &q).await;
+    assert_eq!(left.len(), 500, "removed entries came back");
+    let held = driver
+        .hold_all(&q)
+        .await
+        .unwrap()
+        .expect("RabbitMQ holds its failure queue");
+    assert_eq!(held.entries().len(), 500);
+    assert_eq!(held.finish(&left).await.unwrap(), 500);
+    assert!(
+        ids(&driver, &q).await.is_empty(),
+        "held entries removed came back"
+    );
+    driver.admin().unwrap().delete_queue(&q).await.unwrap();
+    driver.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn scans_one_after_another_see_every_entry() {
     let driver = RabbitDriver::connect(config()).await.unwrap();

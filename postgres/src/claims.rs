@@ -349,17 +349,49 @@ impl PgClaims {
         F: Fn(Arc<Conn>, bool) -> Fut,
         Fut: Future<Output = Result<T, tokio_postgres::Error>>,
     {
-        let conn = self.conn().await?;
-        match op(conn.clone(), false).await {
+        let bound = self.inner.dialer.operation_timeout();
+        let conn = tokio::time::timeout(bound, self.conn())
+            .await
+            .map_err(|_| {
+                ClaimError::Store(
+                    format!("no connection to Postgres within {bound:?} (a silent server?)").into(),
+                )
+            })??;
+        let first = match tokio::time::timeout(bound, op(conn.clone(), false)).await {
+            Ok(result) => result,
+            Err(_) => return Err(self.silent(&conn, bound).await),
+        };
+        match first {
             Ok(value) => Ok(value),
             Err(error) if connection_lost(&error, &conn) => {
                 tracing::debug!(%error, "postgres claims: connection lost, trying once more");
                 self.forget(&conn).await;
                 let conn = self.conn().await?;
-                op(conn, true).await.map_err(ClaimError::store)
+                match tokio::time::timeout(bound, op(conn.clone(), true)).await {
+                    Ok(result) => result.map_err(ClaimError::store),
+                    Err(_) => Err(self.silent(&conn, bound).await),
+                }
             }
             Err(error) => Err(ClaimError::store(error)),
         }
+    }
+
+    /// An operation on `conn` got no answer within `bound`: the connection
+    /// is dropped (the next operation connects again), and the outcome is
+    /// unknown.
+    async fn silent(&self, conn: &Arc<Conn>, bound: Duration) -> ClaimError {
+        self.forget(conn).await;
+        tracing::warn!(
+            ?bound,
+            "postgres claims: no answer within the operation timeout; dropping the connection"
+        );
+        ClaimError::Store(
+            format!(
+                "no answer from Postgres within {bound:?} (the connection is dropped and the next \
+                 operation connects again; whether this one was applied is unknown)"
+            )
+            .into(),
+        )
     }
 
     async fn claim_now(&self, key: &str, lease: Duration) -> Result<Claim, ClaimError> {

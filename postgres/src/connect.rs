@@ -18,6 +18,42 @@ const FIRST_WAIT: Duration = Duration::from_millis(100);
 /// The longest such wait, unless [`PgConnect::reconnect_wait`] sets another.
 const MAX_WAIT: Duration = Duration::from_secs(5);
 
+/// The bound on each operation unless [`PgConnect::operation_timeout`]
+/// sets another.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
+/// The keepalive idle time tokio-postgres uses when none is set (2 h).
+const LIBRARY_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
+/// The keepalive idle time a connection gets unless its settings name one.
+pub(crate) const KEEPALIVES_IDLE: Duration = Duration::from_secs(10);
+/// The wait between keepalive probes unless the settings name one.
+pub(crate) const KEEPALIVES_INTERVAL: Duration = Duration::from_secs(5);
+/// Unanswered probes before the connection is dropped, unless set.
+pub(crate) const KEEPALIVES_RETRIES: u32 = 3;
+/// How long sent data may stay unacknowledged, unless set.
+pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bounds, unless `config` sets its own, how long a connection whose peer
+/// went silent (a partition: no reset, nothing answered) stays open:
+/// keepalive probes after 10 s idle, every 5 s, dropped after 3 unanswered
+/// (25 s), and sent data unacknowledged for 30 s drops it too
+/// (`tcp_user_timeout`, Linux). Without them, tokio-postgres would wait on
+/// the kernel's defaults: about 2 h 11 min for an idle connection and about
+/// 15 min of retransmissions for a busy one, while every query on it waits.
+fn silence_bounds(config: &mut Config) {
+    if config.get_keepalives_idle() == LIBRARY_KEEPALIVES_IDLE {
+        config.keepalives_idle(KEEPALIVES_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVES_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVES_RETRIES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+}
+
 /// Where and how to connect to Postgres: the connection settings, TLS,
 /// and the wait between reconnection attempts. [`PgClaims`](crate::PgClaims)
 /// and [`OutboxRelay`](crate::OutboxRelay) connect through one, and so can
@@ -48,6 +84,18 @@ const MAX_WAIT: Duration = Duration::from_secs(5);
 /// [`jobrail_native::kit::Reconnect`], and back to the first wait after a
 /// success. A `connect_timeout` in the URL bounds each attempt.
 ///
+/// # A silent server
+///
+/// A partition leaves a connection open with nothing answering: no reset
+/// arrives, and a query on it would wait for the kernel to give up (about
+/// 15 minutes of retransmissions, over two hours for an idle connection).
+/// Unless the settings name their own, every connection gets TCP
+/// keepalives after 10 s idle, every 5 s, three unanswered (the URL's
+/// `keepalives_idle`, `keepalives_interval`, `keepalives_retries`), and
+/// `tcp_user_timeout` 30 s: a connection whose server went silent is
+/// dropped within about 30 s, its query fails, and the next operation
+/// connects again.
+///
 /// ```no_run
 /// use jobrail_postgres::{PgClaims, PgConnect};
 ///
@@ -65,6 +113,7 @@ pub struct PgConnect {
     tls: Option<Arc<ClientConfig>>,
     first_wait: Duration,
     max_wait: Duration,
+    operation_timeout: Duration,
 }
 
 impl fmt::Debug for PgConnect {
@@ -75,6 +124,7 @@ impl fmt::Debug for PgConnect {
             .field("custom_tls", &self.tls.is_some())
             .field("first_wait", &self.first_wait)
             .field("max_wait", &self.max_wait)
+            .field("operation_timeout", &self.operation_timeout)
             .finish()
     }
 }
@@ -88,12 +138,14 @@ impl PgConnect {
     }
 
     /// The settings of a [`Config`] built in code.
-    pub fn from_config(config: Config) -> PgConnect {
+    pub fn from_config(mut config: Config) -> PgConnect {
+        silence_bounds(&mut config);
         PgConnect {
             config,
             tls: None,
             first_wait: FIRST_WAIT,
             max_wait: MAX_WAIT,
+            operation_timeout: OPERATION_TIMEOUT,
         }
     }
 
@@ -110,6 +162,24 @@ impl PgConnect {
         self.first_wait = first;
         self.max_wait = max.max(first);
         self
+    }
+
+    /// Bounds each operation of [`PgClaims`](crate::PgClaims) (a claim, a
+    /// completion) and each statement of a [`PgDriver`](crate::PgDriver)
+    /// connecting through this to `bound` (default 10 s):
+    /// past it, the operation fails as a store error (its outcome unknown:
+    /// a claim may have been taken, a completion made) and its connection
+    /// is dropped, so the next operation connects again instead of
+    /// waiting behind a server that stopped answering. Zero is raised to
+    /// 1 ms.
+    pub fn operation_timeout(mut self, bound: Duration) -> PgConnect {
+        self.operation_timeout = bound.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The bound on each operation ([`operation_timeout`](Self::operation_timeout)).
+    pub fn get_operation_timeout(&self) -> Duration {
+        self.operation_timeout
     }
 
     /// The connection settings.
@@ -257,6 +327,11 @@ struct DialState {
 }
 
 impl Dialer {
+    /// The bound on each operation of the store that dials through this.
+    pub(crate) fn operation_timeout(&self) -> Duration {
+        self.connect.operation_timeout
+    }
+
     /// One attempt to connect, after what is left of the wait that the last
     /// failed attempt started.
     pub(crate) async fn dial(&self) -> Result<Client, tokio_postgres::Error> {
@@ -284,6 +359,31 @@ impl Dialer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_gets_bounds_on_a_silent_server_unless_it_sets_its_own() {
+        let connect = PgConnect::new("postgres://app@db/shop").unwrap();
+        let config = connect.config();
+        assert_eq!(config.get_keepalives_idle(), KEEPALIVES_IDLE);
+        assert_eq!(config.get_keepalives_interval(), Some(KEEPALIVES_INTERVAL));
+        assert_eq!(config.get_keepalives_retries(), Some(KEEPALIVES_RETRIES));
+        assert_eq!(config.get_tcp_user_timeout(), Some(&TCP_USER_TIMEOUT));
+        let connect = PgConnect::new(
+            "postgres://app@db/shop?keepalives_idle=60&keepalives_interval=7&keepalives_retries=9&tcp_user_timeout=1000",
+        )
+        .unwrap();
+        let config = connect.config();
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(
+            config.get_keepalives_interval(),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(config.get_keepalives_retries(), Some(9));
+        assert_eq!(
+            config.get_tcp_user_timeout(),
+            Some(&Duration::from_secs(1000))
+        );
+    }
 
     #[test]
     fn settings_parse_and_hide_the_password() {

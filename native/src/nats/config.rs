@@ -6,6 +6,11 @@ use std::time::Duration;
 use super::errors::config_error;
 use crate::driver::DriverError;
 
+/// How often the NATS connection is checked by default
+/// ([`NatsConfig::ping_interval`]): a silent connection is replaced within
+/// about four intervals, 20 s.
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Settings for [`NatsDriver`](super::NatsDriver).
 ///
 /// `Debug` never shows the password or token in [`url`](Self::url).
@@ -80,6 +85,17 @@ pub struct NatsConfig {
     /// Longest wait between reconnection attempts (of the connection and of a
     /// subscription's consumer).
     pub max_reconnect_backoff: Duration,
+    /// How often the connection is checked (default
+    /// [`DEFAULT_PING_INTERVAL`], 5 s): the client pings an idle
+    /// connection at this interval (more than two pings unanswered and it
+    /// is replaced), and the driver asks the server for its account info
+    /// at this interval, busy or not (two left unanswered for an interval
+    /// each and it is replaced), so a silent connection (a partition, a
+    /// half-open link) is noticed within about four intervals, 20 s. The
+    /// server pings on its own schedule (`ping_interval`, 2 min by default,
+    /// two unanswered) before it drops the connection and its
+    /// subscriptions' pull requests. At least 100 ms.
+    pub ping_interval: Duration,
     /// The connection name shown by the server (`/connz`).
     pub connection_name: String,
     /// How a dispatch with a delay is held until it is due (default
@@ -131,6 +147,7 @@ impl NatsConfig {
             operation_timeout: Duration::from_secs(10),
             fetch_expiry: Duration::from_secs(5),
             max_reconnect_backoff: Duration::from_secs(5),
+            ping_interval: DEFAULT_PING_INTERVAL,
             connection_name: "jobrail-native".into(),
             delay_mechanism: DelayMechanism::Auto,
         }
@@ -200,6 +217,12 @@ impl NatsConfig {
         if self.max_deliver == Some(0) {
             return Err(config_error("MaxDeliver must be positive (or unset)"));
         }
+        if self.ping_interval < Duration::from_millis(100) {
+            return Err(config_error(format!(
+                "ping_interval {:?} is too short (at least 100 ms)",
+                self.ping_interval
+            )));
+        }
         if self.ack_wait < Duration::from_millis(100) {
             return Err(config_error(format!(
                 "AckWait {:?} is too short (at least 100 ms)",
@@ -245,6 +268,7 @@ impl fmt::Debug for NatsConfig {
             .field("operation_timeout", &self.operation_timeout)
             .field("fetch_expiry", &self.fetch_expiry)
             .field("max_reconnect_backoff", &self.max_reconnect_backoff)
+            .field("ping_interval", &self.ping_interval)
             .field("connection_name", &self.connection_name)
             .field("delay_mechanism", &self.delay_mechanism)
             .finish()
@@ -370,6 +394,16 @@ pub(super) fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ping_interval_too_short_to_run_is_refused() {
+        let mut config = NatsConfig::new("nats://localhost:4222");
+        assert_eq!(config.ping_interval, DEFAULT_PING_INTERVAL);
+        config.ping_interval = Duration::ZERO;
+        let err = config.validate().unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::Config);
+        assert!(err.to_string().contains("ping_interval"), "{err}");
+    }
 
     #[test]
     fn credentials_are_redacted_and_separated() {

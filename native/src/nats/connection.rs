@@ -30,6 +30,57 @@ const FIRST_RECONNECT: Duration = Duration::from_millis(100);
 /// client's state.
 const STATE_POLL: Duration = Duration::from_millis(100);
 
+/// Probes missed in a row before the connection is replaced.
+const PROBES_MISSED: u32 = 2;
+
+/// Asks the server something it always answers (JetStream's account info)
+/// every `every` while `link` lives, each within `every`; after
+/// [`PROBES_MISSED`] unanswered in a row, replaces the connection.
+///
+/// async-nats pings only a connection that is idle: every command resets
+/// its ping timer, so a busy worker on a connection that went half-open
+/// (its requests reach the server, nothing comes back) would never notice,
+/// each request timing out on its own, for as long as the link stays so.
+async fn probe(link: std::sync::Weak<Link>, every: Duration, address: String) {
+    let mut missed = 0;
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(link) = link.upgrade() else { return };
+        if link.client.connection_state() != State::Connected {
+            missed = 0;
+            continue;
+        }
+        let answer = tokio::time::timeout(
+            every,
+            link.client.request("$JS.API.INFO", Default::default()),
+        )
+        .await;
+        let unanswered = match answer {
+            Err(_) => true,
+            Ok(Err(e)) => e.kind() == async_nats::RequestErrorKind::TimedOut,
+            // An answer, or an error the server sent (no responders, no
+            // JetStream): the connection carries the server's replies.
+            Ok(Ok(_)) => false,
+        };
+        if !unanswered {
+            missed = 0;
+            continue;
+        }
+        missed += 1;
+        if missed >= PROBES_MISSED {
+            warn!(
+                url = %address,
+                probes = missed,
+                "no answer from NATS on this connection; replacing it"
+            );
+            missed = 0;
+            if let Err(e) = link.client.force_reconnect().await {
+                warn!(url = %address, error = %e, "replacing the NATS connection failed");
+            }
+        }
+    }
+}
+
 /// The connection and its JetStream context, shared (in an `Arc`) by every
 /// operation and delivery.
 pub(super) struct Link {
@@ -71,6 +122,7 @@ impl NatsDriver {
             .name(&config.connection_name)
             .connection_timeout(config.operation_timeout)
             .request_timeout(Some(config.operation_timeout))
+            .ping_interval(config.ping_interval)
             .reconnect_delay_callback(move |attempts| {
                 reconnect.after(u32::try_from(attempts).unwrap_or(u32::MAX))
             })
@@ -127,6 +179,11 @@ impl NatsDriver {
             .store(max_payload, std::sync::atomic::Ordering::Release);
         let fresh = Arc::new(Link { client, js });
         *write(&self.inner.link) = Some(fresh.clone());
+        tokio::spawn(probe(
+            Arc::downgrade(&fresh),
+            config.ping_interval,
+            endpoint.address.clone(),
+        ));
         Ok(fresh)
     }
 

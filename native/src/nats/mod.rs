@@ -380,7 +380,7 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use config::Endpoint;
-pub use config::{DelayMechanism, NatsConfig};
+pub use config::{DelayMechanism, NatsConfig, DEFAULT_PING_INTERVAL};
 use connection::Link;
 pub use delay::{DUE_HEADER, LONGEST_HOLD};
 

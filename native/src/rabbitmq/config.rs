@@ -10,6 +10,11 @@ use crate::driver::DriverError;
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 134_217_728;
 
+/// The AMQP heartbeat the driver asks for by default
+/// ([`RabbitConfig::heartbeat`]): a silent connection is closed after twice
+/// this, 20 s.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
+
 /// Settings for [`RabbitDriver`](super::RabbitDriver).
 ///
 /// `Debug` never shows the password in [`url`](Self::url).
@@ -57,6 +62,15 @@ pub struct RabbitConfig {
     pub operation_timeout: Duration,
     /// Longest wait between reconnection attempts of a subscription.
     pub max_reconnect_backoff: Duration,
+    /// The AMQP heartbeat asked for (default [`DEFAULT_HEARTBEAT`], 10 s;
+    /// whole seconds; zero leaves it to the broker, whose default is 60 s).
+    /// The connection sends a heartbeat every half of it and is closed, and
+    /// its deliveries handed back, once nothing has arrived from the broker
+    /// for twice as long: this bounds how long a silent connection (a
+    /// partition, a half-open link) goes unnoticed, on both sides, since the
+    /// broker uses the same value. The broker's lower value wins; a
+    /// `heartbeat=` in the URL wins over this.
+    pub heartbeat: Duration,
     /// `x-delivery-limit` set on work queues. `None` (default, recommended):
     /// none, so the broker never drops a message on its own (RabbitMQ 3.x
     /// quorum queues have no default limit). The limit counts returns to
@@ -127,6 +141,7 @@ impl RabbitConfig {
             confirm_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(10),
             max_reconnect_backoff: Duration::from_secs(5),
+            heartbeat: DEFAULT_HEARTBEAT,
             delivery_limit: None,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             consumer_timeout: Duration::from_secs(30 * 60),
@@ -154,6 +169,22 @@ impl RabbitConfig {
     pub fn failure_queue(mut self, pattern: Option<&str>) -> Self {
         self.failure_queue = pattern.map(str::to_string);
         self
+    }
+
+    /// The URL the connection opens: [`url`](Self::url) with
+    /// `heartbeat=` added from [`heartbeat`](Self::heartbeat) unless the URL
+    /// has one (or the heartbeat is zero).
+    pub(super) fn connect_url(&self) -> String {
+        let has_query = self.url.contains('?');
+        if self.heartbeat.is_zero() || self.url.contains("heartbeat=") {
+            return self.url.clone();
+        }
+        let separator = if has_query { '&' } else { '?' };
+        format!(
+            "{}{separator}heartbeat={}",
+            self.url,
+            self.heartbeat.as_secs()
+        )
     }
 
     /// The URL with its password replaced by `***`.
@@ -202,6 +233,13 @@ impl RabbitConfig {
             let _ = e;
             config_error(format!("`{}` is not a valid AMQP URL", self.redacted_url()))
         })?;
+        if self.heartbeat.subsec_nanos() != 0 || self.heartbeat.as_secs() > u64::from(u16::MAX) {
+            return Err(config_error(format!(
+                "heartbeat must be a whole number of seconds up to {} s (zero: the broker's), not {:?}",
+                u16::MAX,
+                self.heartbeat
+            )));
+        }
         if self.delay_buckets.is_empty() {
             return Err(config_error("at least one delay bucket is required"));
         }
@@ -262,6 +300,7 @@ impl fmt::Debug for RabbitConfig {
             .field("confirm_timeout", &self.confirm_timeout)
             .field("operation_timeout", &self.operation_timeout)
             .field("max_reconnect_backoff", &self.max_reconnect_backoff)
+            .field("heartbeat", &self.heartbeat)
             .field("delivery_limit", &self.delivery_limit)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("consumer_timeout", &self.consumer_timeout)
@@ -304,6 +343,37 @@ pub(super) fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_heartbeat_goes_into_the_url_unless_it_names_one() {
+        let config = RabbitConfig::new("amqp://u:p@host:5672/%2f");
+        assert_eq!(
+            config.connect_url(),
+            "amqp://u:p@host:5672/%2f?heartbeat=10"
+        );
+        let mut config = RabbitConfig::new("amqp://host/%2f?frame_max=8192");
+        config.heartbeat = Duration::from_secs(3);
+        assert_eq!(
+            config.connect_url(),
+            "amqp://host/%2f?frame_max=8192&heartbeat=3"
+        );
+        let config = RabbitConfig::new("amqp://host/%2f?heartbeat=30");
+        assert_eq!(config.connect_url(), "amqp://host/%2f?heartbeat=30");
+        let mut config = RabbitConfig::new("amqp://host/%2f");
+        config.heartbeat = Duration::ZERO;
+        assert_eq!(config.connect_url(), "amqp://host/%2f");
+    }
+
+    #[test]
+    fn a_heartbeat_not_in_whole_seconds_is_refused() {
+        for bad in [Duration::from_millis(1500), Duration::from_secs(70_000)] {
+            let mut config = RabbitConfig::new("amqp://host/%2f");
+            config.heartbeat = bad;
+            let err = config.validate().unwrap_err();
+            assert_eq!(err.kind(), crate::ErrorKind::Config);
+            assert!(err.to_string().contains("heartbeat"), "{err}");
+        }
+    }
 
     #[test]
     fn passwords_are_redacted() {

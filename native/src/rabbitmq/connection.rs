@@ -58,7 +58,7 @@ impl RabbitDriver {
         let connected = tokio::time::timeout(
             limit,
             Connection::connect_with_config(
-                &config.url,
+                &config.connect_url(),
                 properties,
                 lapin::tcp::OwnedTLSConfig {
                     identity: None,

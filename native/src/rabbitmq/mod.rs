@@ -315,7 +315,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-pub use config::{RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES};
+pub use config::{RabbitConfig, DEFAULT_HEARTBEAT, DEFAULT_MAX_MESSAGE_BYTES};
 use connection::Link;
 use delivery::RabbitSubscription;
 

@@ -13,7 +13,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use jobrail_native::DriverError;
+use jobrail_native::{DriverError, ErrorKind};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::connection::Pool;
@@ -108,10 +108,14 @@ async fn delete_batch(pool: &Pool, batch: &[Ack]) -> Result<HashSet<i64>, Driver
     let conn = pool.get().await?;
     let ids: Vec<i64> = batch.iter().map(|a| a.id).collect();
     let leases: Vec<i64> = batch.iter().map(|a| a.lease).collect();
+    let bound = pool.operation_timeout();
     let rows = conn
-        .client
-        .query(&conn.delete_many, &[&ids, &leases])
-        .await
-        .map_err(|e| write_error("acknowledge: delete the rows", e))?;
+        .within(bound, ErrorKind::Uncertain, "acknowledge", async {
+            conn.client
+                .query(&conn.delete_many, &[&ids, &leases])
+                .await
+                .map_err(|e| write_error("acknowledge: delete the rows", e))
+        })
+        .await?;
     Ok(rows.into_iter().map(|r| r.get(0)).collect())
 }

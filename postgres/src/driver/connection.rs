@@ -3,12 +3,13 @@
 //! one; and the connection that listens for new jobs.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use jobrail_native::kit::{lock, Reconnect};
-use jobrail_native::DriverError;
+use jobrail_native::{DriverError, ErrorKind};
 use tokio::sync::Notify;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Statement};
@@ -21,6 +22,9 @@ use crate::connect::Dialer;
 /// One connection and its prepared statements.
 pub(crate) struct Conn {
     pub(crate) client: Client,
+    /// An operation on it went unanswered past the operation timeout: the
+    /// pool opens another in its place.
+    silent: AtomicBool,
     pub(crate) fetch: Statement,
     pub(crate) next_due: Statement,
     pub(crate) renew: Statement,
@@ -157,6 +161,7 @@ impl Conn {
         .await?;
         Ok(Conn {
             client,
+            silent: AtomicBool::new(false),
             fetch,
             next_due,
             renew,
@@ -192,6 +197,11 @@ impl Pool {
         }
     }
 
+    /// The bound on each statement.
+    pub(crate) fn operation_timeout(&self) -> Duration {
+        self.config.connect.get_operation_timeout()
+    }
+
     pub(crate) fn sql(&self) -> &Sql {
         &self.sql
     }
@@ -202,12 +212,16 @@ impl Pool {
         let n = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let mut slot = self.slots[n].lock().await;
         if let Some(conn) = slot.as_ref() {
-            if !conn.client.is_closed() {
+            if !conn.client.is_closed() && !conn.silent.load(Ordering::SeqCst) {
                 return Ok(conn.clone());
             }
         }
         *slot = None;
-        let conn = Arc::new(Conn::open(&self.dialer, &self.sql, &self.config).await?);
+        let bound = self.config.connect.get_operation_timeout();
+        let opened = tokio::time::timeout(bound, Conn::open(&self.dialer, &self.sql, &self.config))
+            .await
+            .map_err(|_| silent_error(ErrorKind::Connection, "connect to Postgres", bound))?;
+        let conn = Arc::new(opened?);
         *slot = Some(conn.clone());
         Ok(conn)
     }
@@ -223,6 +237,47 @@ impl Pool {
     pub(crate) async fn dial(&self) -> Result<Client, DriverError> {
         self.dialer.dial().await.map_err(connect_error)
     }
+}
+
+impl Conn {
+    /// Runs `op`, a statement on this connection, within the operation
+    /// timeout `bound`. Past it the connection is marked silent (the pool
+    /// replaces it; its statements in flight fail the same way) and the
+    /// statement fails with `kind`: [`ErrorKind::Uncertain`] for one that
+    /// changes something (it may have been applied), else
+    /// [`ErrorKind::Connection`].
+    pub(crate) async fn within<T>(
+        &self,
+        bound: Duration,
+        kind: ErrorKind,
+        doing: &str,
+        op: impl Future<Output = Result<T, DriverError>>,
+    ) -> Result<T, DriverError> {
+        match tokio::time::timeout(bound, op).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.silent.store(true, Ordering::SeqCst);
+                tracing::warn!(
+                    ?bound,
+                    doing,
+                    "postgres: no answer within the operation timeout; replacing the connection"
+                );
+                Err(silent_error(kind, doing, bound))
+            }
+        }
+    }
+}
+
+/// The error of a statement that got no answer within `bound`.
+fn silent_error(kind: ErrorKind, doing: &str, bound: Duration) -> DriverError {
+    DriverError::new(
+        super::errors::NAME,
+        kind,
+        format!(
+            "{doing}: no answer from Postgres within {bound:?} (the connection is replaced; \
+             a silent server, a partition or a half-open link)"
+        ),
+    )
 }
 
 /// Who waits for new jobs on which queue: the listener wakes them.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jobrail::Settlement;
 use jobrail_native::kit::Reconnect;
-use jobrail_native::{Delivery, DriverError, StoredFailure, Subscription};
+use jobrail_native::{Delivery, DriverError, ErrorKind, StoredFailure, Subscription};
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
@@ -346,11 +346,15 @@ impl Delivery for PgDelivery {
                 // a broker's visibility timeout or ack wait would.
                 let delay = micros(delay.unwrap_or(self.inner.config.lease));
                 let shutdowns = i32::from(*shutdown);
+                let bound = self.inner.config.connect.get_operation_timeout();
                 let n = conn
-                    .client
-                    .execute(&conn.retry, &[&id, &lease, &delay, &shutdowns])
-                    .await
-                    .map_err(|e| write_error("retry: set the row's run time", e))?;
+                    .within(bound, ErrorKind::Uncertain, "retry", async {
+                        conn.client
+                            .execute(&conn.retry, &[&id, &lease, &delay, &shutdowns])
+                            .await
+                            .map_err(|e| write_error("retry: set the row's run time", e))
+                    })
+                    .await?;
                 if n == 0 {
                     return self.unmatched("retry").await;
                 }
@@ -362,14 +366,18 @@ impl Delivery for PgDelivery {
                 let body = record.encode_within(self.inner.config.max_message_bytes);
                 let entry = StoredFailure::from_body(body);
                 let message_id = entry.record.as_ref().and_then(|r| r.message_id.clone());
+                let bound = self.inner.config.connect.get_operation_timeout();
                 let n = conn
-                    .client
-                    .execute(
-                        &conn.fail,
-                        &[&id, &lease, &entry.id, &message_id, &entry.body],
-                    )
-                    .await
-                    .map_err(|e| write_error("fail: move the row to the failures", e))?;
+                    .within(bound, ErrorKind::Uncertain, "fail", async {
+                        conn.client
+                            .execute(
+                                &conn.fail,
+                                &[&id, &lease, &entry.id, &message_id, &entry.body],
+                            )
+                            .await
+                            .map_err(|e| write_error("fail: move the row to the failures", e))
+                    })
+                    .await?;
                 if n == 0 {
                     return self.unmatched("fail").await;
                 }
@@ -386,11 +394,17 @@ impl Inner {
         let conn = self.pool.get().await?;
         let limit = i64::try_from(n).unwrap_or(i64::MAX);
         let lease = micros(self.config.lease);
+        let bound = self.config.connect.get_operation_timeout();
+        // A fetch takes rows: unanswered, it may have taken some, which
+        // come back when their lease ends.
         let rows = conn
-            .client
-            .query(&conn.fetch, &[&queue, &limit, &lease])
-            .await
-            .map_err(|e| read_error(format!("fetch from queue `{queue}`"), e))?;
+            .within(bound, ErrorKind::Connection, "fetch", async {
+                conn.client
+                    .query(&conn.fetch, &[&queue, &limit, &lease])
+                    .await
+                    .map_err(|e| read_error(format!("fetch from queue `{queue}`"), e))
+            })
+            .await?;
         let mut rows: Vec<Row> = rows
             .into_iter()
             .map(|r| Row {
@@ -409,11 +423,20 @@ impl Inner {
     /// How long until `queue`'s next row is due; `None` when it has none.
     async fn next_due(&self, queue: &str) -> Result<Option<Duration>, DriverError> {
         let conn = self.pool.get().await?;
+        let bound = self.config.connect.get_operation_timeout();
         let row = conn
-            .client
-            .query_one(&conn.next_due, &[&queue])
-            .await
-            .map_err(|e| read_error("read the next due time", e))?;
+            .within(
+                bound,
+                ErrorKind::Connection,
+                "read the next due time",
+                async {
+                    conn.client
+                        .query_one(&conn.next_due, &[&queue])
+                        .await
+                        .map_err(|e| read_error("read the next due time", e))
+                },
+            )
+            .await?;
         Ok(row
             .get::<_, Option<i64>>(0)
             .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
@@ -422,21 +445,29 @@ impl Inner {
     /// Extends a lease; `false` when the row is no longer held under it.
     async fn renew(&self, id: i64, lease: i64) -> Result<bool, DriverError> {
         let conn = self.pool.get().await?;
+        let bound = self.config.connect.get_operation_timeout();
         let row = conn
-            .client
-            .query_one(&conn.renew, &[&id, &lease, &micros(self.config.lease)])
-            .await
-            .map_err(|e| write_error("renew a lease", e))?;
+            .within(bound, ErrorKind::Uncertain, "renew a lease", async {
+                conn.client
+                    .query_one(&conn.renew, &[&id, &lease, &micros(self.config.lease)])
+                    .await
+                    .map_err(|e| write_error("renew a lease", e))
+            })
+            .await?;
         Ok(row.get::<_, i64>(0) == 1 || row.get::<_, bool>(1))
     }
 
     /// Gives a held row back, due now, `taken_back` attempts fewer.
     async fn release(&self, id: i64, lease: i64, taken_back: i32) -> Result<(), DriverError> {
         let conn = self.pool.get().await?;
-        conn.client
-            .execute(&conn.release, &[&id, &lease, &taken_back])
-            .await
-            .map_err(|e| write_error("release a delivery", e))?;
+        let bound = self.config.connect.get_operation_timeout();
+        conn.within(bound, ErrorKind::Uncertain, "release a delivery", async {
+            conn.client
+                .execute(&conn.release, &[&id, &lease, &taken_back])
+                .await
+                .map_err(|e| write_error("release a delivery", e))
+        })
+        .await?;
         Ok(())
     }
 
@@ -446,11 +477,15 @@ impl Inner {
             "SELECT EXISTS (SELECT 1 FROM {}.jobs WHERE id = $1)",
             super::topology::quoted(&self.config.schema)
         );
+        let bound = self.config.connect.get_operation_timeout();
         let row = conn
-            .client
-            .query_one(&sql, &[&id])
-            .await
-            .map_err(|e| read_error("look the row up", e))?;
+            .within(bound, ErrorKind::Connection, "look the row up", async {
+                conn.client
+                    .query_one(&sql, &[&id])
+                    .await
+                    .map_err(|e| read_error("look the row up", e))
+            })
+            .await?;
         Ok(row.get(0))
     }
 }

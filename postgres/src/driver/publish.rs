@@ -171,13 +171,16 @@ struct Pending {
 /// was lost, any may have been).
 pub(crate) struct Sends {
     sender: mpsc::UnboundedSender<Pending>,
+    /// The bound on one dispatch, its wait for the batch before it included.
+    bound: std::time::Duration,
 }
 
 impl Sends {
     pub(crate) fn start(pool: Arc<super::connection::Pool>) -> Sends {
         let (sender, receiver) = mpsc::unbounded_channel();
+        let bound = pool.operation_timeout();
         tokio::spawn(run_sends(pool, receiver));
-        Sends { sender }
+        Sends { sender, bound }
     }
 
     async fn send(&self, queue: &str, message: Outgoing) -> Result<(), DriverError> {
@@ -190,10 +193,22 @@ impl Sends {
                 done,
             })
             .map_err(|_| stopped())?;
-        match answer.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(DriverError::new(NAME, error.kind(), error)),
-            Err(_) => Err(stopped()),
+        // A batch before this one may be waiting on a silent server: the
+        // dispatch answers within the operation timeout all the same. Its
+        // message may still be stored after that (Uncertain).
+        match tokio::time::timeout(self.bound, answer).await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(error))) => Err(DriverError::new(NAME, error.kind(), error)),
+            Ok(Err(_)) => Err(stopped()),
+            Err(_) => Err(DriverError::new(
+                NAME,
+                ErrorKind::Uncertain,
+                format!(
+                    "dispatch to `{queue}`: no answer from Postgres within {:?}; the message \
+                     may still be stored",
+                    self.bound
+                ),
+            )),
         }
     }
 }
@@ -242,9 +257,13 @@ async fn insert_rows(pool: &super::connection::Pool, batch: &[Pending]) -> Resul
         .iter()
         .map(|p| micros(p.message.delay.unwrap_or_default()))
         .collect();
-    conn.client
-        .execute(&conn.insert_many, &[&queues, &ids, &bodies, &delays])
-        .await
-        .map(|_| ())
-        .map_err(|e| write_error(format!("insert {} message(s)", batch.len()), e))
+    let bound = pool.operation_timeout();
+    conn.within(bound, ErrorKind::Uncertain, "dispatch", async {
+        conn.client
+            .execute(&conn.insert_many, &[&queues, &ids, &bodies, &delays])
+            .await
+            .map(|_| ())
+            .map_err(|e| write_error(format!("insert {} message(s)", batch.len()), e))
+    })
+    .await
 }

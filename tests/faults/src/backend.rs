@@ -16,6 +16,8 @@ pub(crate) const URL_VAR: &str = "FAULTS_URL";
 pub(crate) const SQS_KEY_VAR: &str = "FAULTS_SQS_KEY_ID";
 /// The SQS secret access key a worker uses.
 pub(crate) const SQS_SECRET_VAR: &str = "FAULTS_SQS_SECRET";
+/// The bound on each broker round trip a worker uses, in ms.
+pub(crate) const OPERATION_TIMEOUT_VAR: &str = "FAULTS_OPERATION_TIMEOUT_MS";
 /// The schema of the Postgres queue a worker uses.
 pub(crate) const PG_SCHEMA_VAR: &str = "FAULTS_PG_SCHEMA";
 
@@ -100,7 +102,10 @@ impl Target {
             url: std::env::var(URL_VAR).unwrap_or_default(),
             sqs_keys: keys,
             lease,
-            operation_timeout: Duration::from_secs(10),
+            operation_timeout: std::env::var(OPERATION_TIMEOUT_VAR)
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+                .map_or(Duration::from_secs(10), Duration::from_millis),
             pg_schema: std::env::var(PG_SCHEMA_VAR).ok(),
             worker: true,
         }
@@ -108,7 +113,13 @@ impl Target {
 
     /// The environment a worker needs to connect like this target.
     pub(crate) fn env(&self) -> Vec<(&'static str, String)> {
-        let mut env = vec![(URL_VAR, self.url.clone())];
+        let mut env = vec![
+            (URL_VAR, self.url.clone()),
+            (
+                OPERATION_TIMEOUT_VAR,
+                self.operation_timeout.as_millis().to_string(),
+            ),
+        ];
         if let Some((k, s)) = &self.sqs_keys {
             env.push((SQS_KEY_VAR, k.clone()));
             env.push((SQS_SECRET_VAR, s.clone()));
@@ -166,7 +177,8 @@ pub(crate) fn pg_config(target: &Target) -> Result<jobrail_postgres::PgConfig, D
     config.application_name(format!("{schema}_{role}"));
     config.connect_timeout(Duration::from_secs(5));
     let connect = PgConnect::from_config(config)
-        .reconnect_wait(Duration::from_millis(50), Duration::from_secs(1));
+        .reconnect_wait(Duration::from_millis(50), Duration::from_secs(1))
+        .operation_timeout(target.operation_timeout);
     let mut config = PgConfig::with_connect(connect)
         .schema(schema)
         .lease(target.lease.max(Duration::from_secs(1)));

@@ -124,6 +124,26 @@ mod pg {
         }
     }
 
+    /// How long a charge's transaction may take before it is given up
+    /// (its connection dropped, the charge retried): what a careful
+    /// application bounds its own statements by, so that a connection
+    /// whose server went silent (a partition, a half-open link) does not
+    /// hold the handler until the job's timeout.
+    const CHARGE_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// `charge` within [`CHARGE_BOUND`]; past it, a retry.
+    async fn bounded(
+        charge: impl std::future::Future<Output = Result<(), JobError>>,
+    ) -> Result<(), JobError> {
+        tokio::time::timeout(CHARGE_BOUND, charge)
+            .await
+            .unwrap_or_else(|_| {
+                Err(JobError::new(format!(
+                    "the charge's transaction got no answer within {CHARGE_BOUND:?}"
+                )))
+            })
+    }
+
     /// 0–20 ms, so that kills land at every step: before the claim, inside
     /// the transaction, between the commit and the acknowledgement.
     async fn pause() {
@@ -165,26 +185,33 @@ mod pg {
                 let Some(fence) = claim.proceed(&key)? else {
                     return Ok(());
                 };
-                let charged = async {
+                let charged = bounded(async {
                     let mut slot = pool.get().await?;
-                    let client = slot.as_mut().expect("the pool connected the slot");
-                    let tx = client.transaction().await?;
-                    pause().await;
-                    tx.execute(
-                        &*insert,
-                        &[
-                            &(id as i64),
-                            &amount_cents(id),
-                            &i64::from(pid),
-                            &(fence as i64),
-                        ],
-                    )
-                    .await?;
-                    // Dropping the transaction on an error rolls it back.
-                    claims.complete_in(&tx, &key, fence).await?;
-                    tx.commit().await?;
-                    Ok::<(), JobError>(())
-                }
+                    // Owned while in use: if the bound drops this future,
+                    // the connection goes with it and the slot opens anew.
+                    let mut client = slot.take().expect("the pool connected the slot");
+                    let charged = async {
+                        let tx = client.transaction().await?;
+                        pause().await;
+                        tx.execute(
+                            &*insert,
+                            &[
+                                &(id as i64),
+                                &amount_cents(id),
+                                &i64::from(pid),
+                                &(fence as i64),
+                            ],
+                        )
+                        .await?;
+                        // Dropping the transaction on an error rolls it back.
+                        claims.complete_in(&tx, &key, fence).await?;
+                        tx.commit().await?;
+                        Ok::<(), JobError>(())
+                    }
+                    .await;
+                    *slot = Some(client);
+                    charged
+                })
                 .await;
                 if charged.is_ok() {
                     // A kill here, after the commit and before the
@@ -241,27 +268,33 @@ mod pg {
                 // The attempt stands in for the fence: above 1, the charge
                 // was made by a redelivery.
                 let attempt = i64::from(ctx.attempt());
-                let charged = async {
+                let charged = bounded(async {
                     let mut slot = pool.get().await?;
-                    let client = slot.as_mut().expect("the pool connected the slot");
-                    let tx = client.transaction().await?;
-                    pause().await;
-                    tx.execute(
-                        &*insert,
-                        &[&(id as i64), &amount_cents(id), &i64::from(pid), &attempt],
-                    )
-                    .await?;
-                    // Dropping the transaction on an error rolls it back.
-                    if let Err(e) = driver.complete_in(&tx, &ctx).await {
-                        if e.kind() == jobrail_native::ErrorKind::NotAccepted {
-                            append(&ledger, &format!("lost {id} {pid} {attempt}\n"));
+                    // Owned while in use, as above.
+                    let mut client = slot.take().expect("the pool connected the slot");
+                    let charged = async {
+                        let tx = client.transaction().await?;
+                        pause().await;
+                        tx.execute(
+                            &*insert,
+                            &[&(id as i64), &amount_cents(id), &i64::from(pid), &attempt],
+                        )
+                        .await?;
+                        // Dropping the transaction on an error rolls it back.
+                        if let Err(e) = driver.complete_in(&tx, &ctx).await {
+                            if e.kind() == jobrail_native::ErrorKind::NotAccepted {
+                                append(&ledger, &format!("lost {id} {pid} {attempt}\n"));
+                            }
+                            return Err(JobError::from(e));
                         }
-                        return Err(JobError::from(e));
+                        pause().await;
+                        tx.commit().await?;
+                        Ok::<(), JobError>(())
                     }
-                    pause().await;
-                    tx.commit().await?;
-                    Ok::<(), JobError>(())
-                }
+                    .await;
+                    *slot = Some(client);
+                    charged
+                })
                 .await;
                 if charged.is_ok() {
                     // A kill here, after the commit and before the
@@ -347,6 +380,33 @@ mod pg {
                     )
                 })
                 .collect())
+        }
+
+        /// When the first charge after `after` was made (by process `pid`
+        /// if given), as seconds since the Unix epoch.
+        pub(crate) async fn first_charge_after(
+            &self,
+            after: std::time::SystemTime,
+            pid: Option<u32>,
+        ) -> Result<Option<f64>, String> {
+            let after = after
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64();
+            let pid = pid.map(i64::from);
+            let row = self
+                .client
+                .query_one(
+                    &format!(
+                        "SELECT extract(epoch FROM min(at))::float8 FROM {}
+                         WHERE at > to_timestamp($1) AND ($2::bigint IS NULL OR pid = $2)",
+                        self.tables.ledger
+                    ),
+                    &[&after, &pid],
+                )
+                .await
+                .map_err(|e| format!("reading {}: {e}", self.tables.ledger))?;
+            Ok(row.get(0))
         }
 
         /// Of `ids`, those whose key a new claim does not find done (each

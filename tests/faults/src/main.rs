@@ -17,6 +17,8 @@
 //! cargo run -p jobrail-faults --features "postgres rabbitmq nats sqs" -- run   # everything
 //! cargo run -p jobrail-faults --features "postgres rabbitmq nats" -- run --fault charge
 //! cargo run -p jobrail-faults --features postgres-queue -- run --backend postgres
+//! sudo -E cargo run -p jobrail-faults --features "postgres-queue rabbitmq nats sqs" -- \
+//!   run --backend rabbitmq,nats,sqs,postgres --fault partition,isolate,slow-link,half-open
 //! ```
 //!
 //! Connections: RabbitMQ on 127.0.0.1:5672 (`FAULTS_RABBITMQ_PORT`
@@ -106,6 +108,12 @@
 //!   (lease taken over) appends `lost` and rolls back. The same checks
 //!   hold (no id charged twice, none lost, deliveries repeated), and at the
 //!   end no job may be left in the queue.
+//! - **partitions** (`--fault partition,isolate,slow-link,half-open`,
+//!   feature `postgres`, root): three workers and a dispatcher in network
+//!   namespaces of their own, reaching the servers through the suite's
+//!   forwarder on the host end of their veth pairs ([`netns`]); a clean
+//!   partition, one worker cut off, a slow link, half-open connections,
+//!   with the exactly-once charge as the handler. See `run/partition.rs`.
 //! - **secrets** (always): workers log at debug level to
 //!   `target/faults/logs/`, the orchestrator too (`orchestrator.log`); the
 //!   RabbitMQ user is created for the run with a random password, the NATS
@@ -134,6 +142,10 @@
 
 mod backend;
 mod charge;
+// The partition faults need Postgres (the charge); without it only the
+// namespace checks of `run` use this.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+mod netns;
 mod nodes;
 mod run;
 #[cfg(all(feature = "postgres-queue", feature = "redis"))]
@@ -164,6 +176,10 @@ enum Cmd {
     /// (features `postgres-queue` and `redis`).
     #[cfg(all(feature = "postgres-queue", feature = "redis"))]
     Schedules(schedules::SchedulesArgs),
+    /// Dispatches business ids at a pace, repeating each until accepted
+    /// (started by the partition faults, in a namespace; feature `postgres`).
+    #[cfg(feature = "postgres")]
+    Dispatcher(run::DispatcherArgs),
     /// One scheduler process (started by `schedules`).
     #[cfg(all(feature = "postgres-queue", feature = "redis"))]
     ScheduleWorker(schedules::ScheduleWorkerArgs),
@@ -190,6 +206,24 @@ fn main() {
                 Ok(()) => 0,
                 Err(e) => {
                     tracing::error!(error = %e, "worker failed");
+                    1
+                }
+            }
+        }
+        #[cfg(feature = "postgres")]
+        Cmd::Dispatcher(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "debug".into()),
+                )
+                .with_ansi(false)
+                .with_writer(std::io::stderr)
+                .init();
+            match runtime.block_on(run::dispatcher(args)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!(error = %e, "dispatcher failed");
                     1
                 }
             }

@@ -19,6 +19,11 @@ use crate::backend::{Conn, Kind, Target};
 use crate::nodes;
 use crate::worker::{self, Item, Mode};
 
+#[cfg(feature = "postgres")]
+mod partition;
+#[cfg(feature = "postgres")]
+pub(crate) use partition::{dispatcher, DispatcherArgs};
+
 /// A fault the suite injects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
 pub(crate) enum Fault {
@@ -37,6 +42,16 @@ pub(crate) enum Fault {
     /// The Postgres queue's connections terminated by the server
     /// (`pg_terminate_backend`) under load (Postgres only).
     Terminate,
+    /// A clean partition: every worker and the dispatcher cut off from
+    /// every server (links down, no reset) for four leases, then healed.
+    Partition,
+    /// One worker of three cut off for four leases while the others run.
+    Isolate,
+    /// Every link slow: each chunk held 200 ms, both ways, for four leases.
+    SlowLink,
+    /// One worker's connections half-open: nothing from the servers reaches
+    /// it any more while its own bytes still arrive.
+    HalfOpen,
 }
 
 impl Fault {
@@ -48,7 +63,19 @@ impl Fault {
             Fault::Slow => "slow handler",
             Fault::Charge => "exactly-once charge",
             Fault::Terminate => "connections terminated",
+            Fault::Partition => "partition",
+            Fault::Isolate => "one worker cut off",
+            Fault::SlowLink => "slow link",
+            Fault::HalfOpen => "half-open connection",
         }
+    }
+
+    /// Whether this is a partition fault (network namespaces, root).
+    fn partition(self) -> bool {
+        matches!(
+            self,
+            Fault::Partition | Fault::Isolate | Fault::SlowLink | Fault::HalfOpen
+        )
     }
 }
 
@@ -88,6 +115,16 @@ pub(crate) struct RunArgs {
     /// Charges of the exactly-once charge fault on the Postgres queue.
     #[arg(long, default_value_t = 500)]
     pg_charges: usize,
+    /// Charges of each partition fault (RabbitMQ, NATS, the Postgres queue).
+    #[arg(long, default_value_t = 300)]
+    partition_charges: usize,
+    /// Charges of each partition fault on SQS.
+    #[arg(long, default_value_t = 100)]
+    sqs_partition_charges: usize,
+    /// How long a partition, a cut-off worker or a slow link lasts, in
+    /// leases (the lease is 2 s).
+    #[arg(long, default_value_t = 4)]
+    partition_leases: u32,
     /// Output directory (default: `target/faults` of the build's target directory).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -392,6 +429,9 @@ struct WorkerSpec<'a> {
     panic_id: Option<u64>,
     /// The charge handler's tables.
     tables: Option<&'a crate::charge::Tables>,
+    /// The namespace to run in (the partition faults): the worker reaches
+    /// its servers through the link's host end.
+    netns: Option<&'a crate::netns::Link>,
     tag: String,
 }
 
@@ -402,7 +442,16 @@ impl Suite {
             .logs
             .join(format!("{}-{:03}.log", spec.tag, self.workers_spawned));
         let stderr = File::create(&log).expect("create a worker log");
-        let mut cmd = Command::new(&self.exe);
+        let mut cmd = match spec.netns {
+            Some(link) => link.command(&self.exe),
+            None => Command::new(&self.exe),
+        };
+        // In a namespace, loopback is the namespace's own: every address
+        // of a server becomes the link's host end.
+        let reach = |url: String| match spec.netns {
+            Some(link) => link.rewrite(&url),
+            None => url,
+        };
         cmd.arg("worker")
             .args(["--backend", spec.target.kind.name()])
             .args(["--queue", spec.queue])
@@ -422,10 +471,10 @@ impl Suite {
                 .args(["--ledger-table", &tables.ledger])
                 .env(
                     crate::charge::DATABASE_URL_VAR,
-                    crate::charge::database_url(),
+                    reach(crate::charge::database_url()),
                 );
         }
-        cmd.envs(spec.target.env())
+        cmd.envs(spec.target.env().into_iter().map(|(k, v)| (k, reach(v))))
             .env("RUST_LOG", "debug")
             .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
@@ -670,8 +719,11 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
     faults.sort();
     faults.dedup();
     #[cfg(not(feature = "postgres"))]
-    if faults.contains(&Fault::Charge) {
+    if faults.iter().any(|f| *f == Fault::Charge || f.partition()) {
         return Err(NO_POSTGRES.into());
+    }
+    if faults.iter().any(|f| f.partition()) {
+        crate::netns::Net::available()?;
     }
 
     let mut suite = Suite {
@@ -732,6 +784,14 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool, Box<dyn std::error::Error
                 Fault::Slow => slow(&mut suite, &env).await,
                 Fault::Charge => charge(&mut suite, &env, &args).await,
                 Fault::Terminate => terminate(&mut suite, &env, &args).await,
+                #[cfg(feature = "postgres")]
+                Fault::Partition | Fault::Isolate | Fault::SlowLink | Fault::HalfOpen => {
+                    partition::run(&mut suite, &env, fault, &args).await
+                }
+                #[cfg(not(feature = "postgres"))]
+                Fault::Partition | Fault::Isolate | Fault::SlowLink | Fault::HalfOpen => {
+                    Err(NO_POSTGRES.into())
+                }
             };
             if let Err(e) = result {
                 suite.problems.push(format!(
@@ -1204,6 +1264,7 @@ async fn kill_load(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), S
         slow: Duration::ZERO,
         panic_id: Some(1),
         tables: None,
+        netns: None,
         tag: format!("{}-kill", kind.name()),
     };
     let run = kill_run(
@@ -1279,6 +1340,7 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
         slow: Duration::ZERO,
         panic_id: None,
         tables: Some(&tables),
+        netns: None,
         tag: format!("{}-charge", kind.name()),
     };
     let run = kill_run(
@@ -1700,6 +1762,7 @@ async fn restart_body(
         slow: Duration::ZERO,
         panic_id: None,
         tables: None,
+        netns: None,
         tag: format!("{}-restart", kind.name()),
     };
     let mut workers = Workers {
@@ -1804,6 +1867,7 @@ async fn crash_loop(suite: &mut Suite, env: &Env) -> Result<(), String> {
         slow: Duration::ZERO,
         panic_id: None,
         tables: None,
+        netns: None,
         tag: format!("{}-crash", kind.name()),
     };
     let mut workers = Workers {
@@ -1950,6 +2014,7 @@ async fn slow(suite: &mut Suite, env: &Env) -> Result<(), String> {
         slow: handler,
         panic_id: None,
         tables: None,
+        netns: None,
         tag: format!("{}-slow", kind.name()),
     };
     let mut workers = Workers {
@@ -2015,6 +2080,7 @@ async fn terminate_postgres(suite: &mut Suite, env: &Env, args: &RunArgs) -> Res
         slow: Duration::ZERO,
         panic_id: None,
         tables: None,
+        netns: None,
         tag: format!("{}-terminate", kind.name()),
     };
     let mut workers = Workers {

@@ -94,7 +94,10 @@ pub struct NatsConfig {
     /// half-open link) is noticed within about four intervals, 20 s. The
     /// server pings on its own schedule (`ping_interval`, 2 min by default,
     /// two unanswered) before it drops the connection and its
-    /// subscriptions' pull requests. At least 100 ms.
+    /// subscriptions' pull requests. The probe is a request to
+    /// `$JS.API.INFO` (JetStream's account info): the driver's user needs
+    /// permission to publish to it, as to the rest of `$JS.API.>`.
+    /// At least 100 ms.
     pub ping_interval: Duration,
     /// The connection name shown by the server (`/connz`).
     pub connection_name: String,

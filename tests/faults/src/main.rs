@@ -185,6 +185,32 @@ enum Cmd {
     ScheduleWorker(schedules::ScheduleWorkerArgs),
 }
 
+/// Runs a child process's work (a worker, the dispatcher, a scheduler)
+/// with its log on stderr at `default` level unless `RUST_LOG` says
+/// otherwise: exit code 0, or 1 after logging `failed` with the error.
+fn child<E: std::fmt::Display>(
+    runtime: &tokio::runtime::Runtime,
+    default: &str,
+    failed: &str,
+    work: impl std::future::Future<Output = Result<(), E>>,
+) -> i32 {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default.into()),
+        )
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .init();
+    match runtime.block_on(work) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!(error = %e, "{failed}");
+            1
+        }
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -193,59 +219,21 @@ fn main() {
         .build()
         .expect("a tokio runtime");
     let code = match cli.command {
-        Cmd::Worker(args) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "debug".into()),
-                )
-                .with_ansi(false)
-                .with_writer(std::io::stderr)
-                .init();
-            match runtime.block_on(worker::run(args)) {
-                Ok(()) => 0,
-                Err(e) => {
-                    tracing::error!(error = %e, "worker failed");
-                    1
-                }
-            }
-        }
+        Cmd::Worker(args) => child(&runtime, "debug", "worker failed", worker::run(args)),
         #[cfg(feature = "postgres")]
-        Cmd::Dispatcher(args) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "debug".into()),
-                )
-                .with_ansi(false)
-                .with_writer(std::io::stderr)
-                .init();
-            match runtime.block_on(run::dispatcher(args)) {
-                Ok(()) => 0,
-                Err(e) => {
-                    tracing::error!(error = %e, "dispatcher failed");
-                    1
-                }
-            }
-        }
+        Cmd::Dispatcher(args) => child(
+            &runtime,
+            "debug",
+            "dispatcher failed",
+            run::dispatcher(args),
+        ),
         #[cfg(all(feature = "postgres-queue", feature = "redis"))]
-        Cmd::ScheduleWorker(args) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "warn".into()),
-                )
-                .with_ansi(false)
-                .with_writer(std::io::stderr)
-                .init();
-            match runtime.block_on(schedules::worker(args)) {
-                Ok(()) => 0,
-                Err(e) => {
-                    tracing::error!(error = %e, "schedule worker failed");
-                    1
-                }
-            }
-        }
+        Cmd::ScheduleWorker(args) => child(
+            &runtime,
+            "warn",
+            "schedule worker failed",
+            schedules::worker(args),
+        ),
         #[cfg(all(feature = "postgres-queue", feature = "redis"))]
         Cmd::Schedules(args) => match runtime.block_on(schedules::run(args)) {
             Ok(true) => 0,

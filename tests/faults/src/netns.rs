@@ -57,7 +57,6 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 /// What the forwarder does on one link; shared with its connections.
-#[derive(Default)]
 pub(crate) struct LinkState {
     /// Each chunk's delay, in ms (0: none).
     delay_ms: AtomicU64,
@@ -67,12 +66,23 @@ pub(crate) struct LinkState {
     next: AtomicU64,
     /// When the latest connection was accepted, in ms since `epoch`.
     last_accept_ms: AtomicU64,
-    epoch: std::sync::OnceLock<Instant>,
+    /// When the link was made.
+    epoch: Instant,
 }
 
 impl LinkState {
+    fn new() -> LinkState {
+        LinkState {
+            delay_ms: AtomicU64::new(0),
+            half_open_below: AtomicU64::new(0),
+            next: AtomicU64::new(0),
+            last_accept_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
     fn now_ms(&self) -> u64 {
-        self.epoch.get_or_init(Instant::now).elapsed().as_millis() as u64
+        self.epoch.elapsed().as_millis() as u64
     }
 }
 
@@ -114,11 +124,11 @@ impl Link {
         self.state.next.load(Ordering::SeqCst)
     }
 
-    /// When the latest connection was accepted.
-    pub(crate) fn last_accept(&self) -> Option<Instant> {
-        let epoch = *self.state.epoch.get()?;
+    /// When the latest connection was accepted (the link's making if none
+    /// was).
+    pub(crate) fn last_accept(&self) -> Instant {
         let ms = self.state.last_accept_ms.load(Ordering::SeqCst);
-        Some(epoch + Duration::from_millis(ms))
+        self.state.epoch + Duration::from_millis(ms)
     }
 
     /// `url` with loopback replaced by this link's host end (what a process
@@ -203,7 +213,7 @@ impl Net {
                 ns: ns.clone(),
                 host_if: host_if.clone(),
                 host_ip,
-                state: Arc::new(LinkState::default()),
+                state: Arc::new(LinkState::new()),
             });
             ip(&[
                 "link", "add", &host_if, "type", "veth", "peer", "name", &peer_if,
@@ -224,7 +234,6 @@ impl Net {
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
         }
         for link in &built.links {
-            link.state.now_ms();
             for &port in ports {
                 let listener = TcpListener::bind((link.host_ip, port)).await.map_err(|e| {
                     format!(

@@ -1361,25 +1361,8 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
     let tally = &account.tally;
     let what = format!("{} {}", kind.name(), Fault::Charge.name());
     suite.check_lost(kind, Fault::Charge, account);
-    if let Some(e) = &tally.table_error {
-        suite
-            .problems
-            .push(format!("{what}: the ledger table could not be read: {e}"));
-    }
-    let doubled: Vec<(u64, usize)> = tally
-        .effects
-        .iter()
-        .filter(|(_, rows)| **rows > 1)
-        .map(|(id, rows)| (*id, *rows))
-        .collect();
+    check_charges(suite, &what, tally, |_| 1);
     let charge_duplicates = tally.duplicates();
-    if !doubled.is_empty() {
-        let sample: Vec<_> = doubled.iter().take(10).collect();
-        suite.problems.push(format!(
-            "{what}: DUPLICATE CHARGES: {} ids charged more than once, {charge_duplicates} extra charges (first (id, charges): {sample:?})",
-            doubled.len()
-        ));
-    }
     let delivery_duplicates: usize = tally.deliveries.values().map(|n| n - 1).sum();
     if run.kills == 0 {
         suite.problems.push(format!(
@@ -1489,6 +1472,39 @@ async fn charge(suite: &mut Suite, env: &Env, args: &RunArgs) -> Result<(), Stri
     let _ = conn.delete(&books.queue).await;
     let _ = conn.driver().stop().await;
     Ok(())
+}
+
+/// The checks of every charge fault's table: it could be read, and no id
+/// has more charge rows than `allowed` says (one, where a claim keyed by
+/// the business id guards the charge). The ids charged more, with their
+/// rows.
+#[cfg(feature = "postgres")]
+fn check_charges(
+    suite: &mut Suite,
+    what: &str,
+    tally: &Tally,
+    allowed: impl Fn(u64) -> usize,
+) -> Vec<(u64, usize)> {
+    if let Some(e) = &tally.table_error {
+        suite
+            .problems
+            .push(format!("{what}: the ledger table could not be read: {e}"));
+    }
+    let doubled: Vec<(u64, usize)> = tally
+        .effects
+        .iter()
+        .filter(|(id, rows)| **rows > allowed(**id))
+        .map(|(id, rows)| (*id, *rows))
+        .collect();
+    if !doubled.is_empty() {
+        let extra: usize = doubled.iter().map(|(id, rows)| rows - allowed(*id)).sum();
+        suite.problems.push(format!(
+            "{what}: DUPLICATE CHARGES: {} ids charged more than allowed, {extra} extra charges (first (id, charges): {:?})",
+            doubled.len(),
+            &doubled[..doubled.len().min(10)]
+        ));
+    }
+    doubled
 }
 
 /// The jobs `queue` holds (ready, in flight and delayed).

@@ -41,7 +41,9 @@ use futures_util::stream::{self, StreamExt};
 use jobrail_native::Producer;
 use tokio::time::Instant;
 
-use super::{new_books, secs, Books, Env, Fault, Row, RunArgs, Suite, WorkerSpec, Workers};
+use super::{
+    check_charges, new_books, secs, Books, Env, Fault, Row, RunArgs, Suite, WorkerSpec, Workers,
+};
 use crate::backend::{Conn, Kind, Target};
 use crate::netns::Net;
 use crate::worker::{self, Item, Mode};
@@ -339,9 +341,7 @@ async fn cell(
             while Instant::now() < bound && net.links[0].connections() == before {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            noticed = (net.links[0].connections() > before)
-                .then(|| net.links[0].last_accept())
-                .flatten();
+            noticed = (net.links[0].connections() > before).then(|| net.links[0].last_accept());
             if noticed.is_none() {
                 suite.problems.push(format!(
                     "{tag}: worker 0 did not connect again within 60 s of its connections going half-open (a silent connection never noticed)"
@@ -401,42 +401,25 @@ async fn cell(
 
     // What must hold.
     suite.check_lost(kind, fault, &account);
-    if let Some(e) = &tally.table_error {
-        suite
-            .problems
-            .push(format!("{tag}: the ledger table could not be read: {e}"));
-    }
     // With claims (the brokers), the key is the business id: one charge
     // whatever was dispatched. On the Postgres queue the guard is the job
     // (its completion commits with its charge), and a dispatch repeated
     // after an uncertain one may have stored a second job: each uncertain
     // attempt allows one more charge of its id, no more.
-    let allowed = |id: &u64| {
+    let allowed = |id: u64| {
         if tx {
-            1 + attempts.uncertain.get(id).copied().unwrap_or(0)
+            1 + attempts.uncertain.get(&id).copied().unwrap_or(0)
         } else {
             1
         }
     };
-    let doubled: Vec<(u64, usize)> = tally
-        .effects
-        .iter()
-        .filter(|(id, rows)| **rows > allowed(id))
-        .map(|(id, rows)| (*id, *rows))
-        .collect();
+    let doubled = check_charges(suite, &tag, tally, allowed);
     let repeated_jobs: usize = tally
         .effects
         .iter()
         .filter(|(_, rows)| **rows > 1)
         .map(|(_, rows)| rows - 1)
         .sum();
-    if !doubled.is_empty() {
-        suite.problems.push(format!(
-            "{tag}: DOUBLED EFFECTS: {} ids charged more than once (first (id, charges): {:?})",
-            doubled.len(),
-            &doubled[..doubled.len().min(10)]
-        ));
-    }
     let unexpected = tally
         .effects
         .keys()

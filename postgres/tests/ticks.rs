@@ -10,56 +10,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use jobrail::{
-    BoxFuture, Claim, ClaimError, ClaimState, ClaimStore, Job, JobContext, Missed, Registry,
-    Schedule, Tick,
-};
+use jobrail::testing::StopBeforeRecord;
+use jobrail::{Job, JobContext, Missed, Registry, Schedule, Tick};
 use jobrail_native::{Consumer, Driver, Producer, Scheduler};
 use jobrail_postgres::{PgClaims, PgConfig, PgDriver, PgTicks};
 
 fn url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-/// A claim store whose completion of the claim of a tick due after `.1`
-/// (whole seconds)
-/// never returns: the scheduler stops between its send and its record.
-/// (The ticks before it starts are marked, not sent: those pass.)
-struct StuckBeforeRecord(PgClaims, i64);
-
-impl ClaimStore for StuckBeforeRecord {
-    fn claim<'a>(
-        &'a self,
-        key: &'a str,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Claim, ClaimError>> {
-        self.0.claim(key, lease)
-    }
-    fn complete<'a>(&'a self, key: &'a str, fence: u64) -> BoxFuture<'a, Result<(), ClaimError>> {
-        let tick = key
-            .strip_prefix("schedule:every-second:")
-            .and_then(Tick::parse)
-            .map(|t| t.unix_seconds());
-        match tick {
-            Some(t) if t > self.1 => Box::pin(std::future::pending()),
-            _ => self.0.complete(key, fence),
-        }
-    }
-    fn release<'a>(&'a self, key: &'a str, fence: u64) -> BoxFuture<'a, Result<(), ClaimError>> {
-        self.0.release(key, fence)
-    }
-    fn extend<'a>(
-        &'a self,
-        key: &'a str,
-        fence: u64,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<(), ClaimError>> {
-        self.0.extend(key, fence, lease)
-    }
-    fn state<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<ClaimState, ClaimError>> {
-        self.0.state(key)
-    }
 }
 
 /// Runs a scheduler on a claim store stuck before its records (with or
@@ -120,12 +78,10 @@ async fn runs_per_tick(sink: bool) -> Option<BTreeMap<i64, usize>> {
     let producer = Producer::new(Arc::new(driver.clone()));
     let mut stuck = Scheduler::builder(
         producer.clone(),
-        Arc::new(StuckBeforeRecord(
+        Arc::new(StopBeforeRecord::new(
             claims.clone(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_secs() as i64,
+            &schedule,
+            Tick::at(std::time::SystemTime::now()),
         )),
     )
     .schedule(schedule.clone())

@@ -700,6 +700,91 @@ impl DeliveryHandle for TestDelivery<'_> {
     }
 }
 
+/// A claim store that stops a scheduler between a tick's send and its
+/// record, as a kill there would: the completion of the claim of a tick of
+/// `schedule` later than `after` never answers; everything else goes to the
+/// store it wraps. The scheduler using it sends its first such tick and
+/// hangs; another scheduler on the wrapped store takes the tick over when
+/// its lease ends and sends it again. For testing what a queue, a
+/// `TickSink` or a handler does with that copy (which carries the first
+/// send's message id, [`TickDispatch::message_id`](crate::TickDispatch::message_id)).
+/// The ticks up to `after` pass: a scheduler marks those fired at its
+/// start, without sending them.
+pub struct StopBeforeRecord<S> {
+    inner: S,
+    prefix: String,
+    after: i64,
+}
+
+impl<S: crate::ClaimStore> StopBeforeRecord<S> {
+    /// Wraps `inner` for the ticks of `schedule` later than `after`.
+    pub fn new(inner: S, schedule: &crate::Schedule, after: crate::Tick) -> Self {
+        StopBeforeRecord {
+            inner,
+            prefix: format!("schedule:{}:", schedule.name()),
+            after: after.unix_seconds(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for StopBeforeRecord<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StopBeforeRecord")
+            .field("prefix", &self.prefix)
+            .field("after", &self.after)
+            .finish()
+    }
+}
+
+impl<S: crate::ClaimStore> crate::ClaimStore for StopBeforeRecord<S> {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        lease: Duration,
+    ) -> crate::BoxFuture<'a, Result<crate::Claim, crate::ClaimError>> {
+        self.inner.claim(key, lease)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+    ) -> crate::BoxFuture<'a, Result<(), crate::ClaimError>> {
+        let tick = key
+            .strip_prefix(self.prefix.as_str())
+            .and_then(crate::Tick::parse)
+            .map(|t| t.unix_seconds());
+        match tick {
+            Some(t) if t > self.after => Box::pin(std::future::pending()),
+            _ => self.inner.complete(key, fence),
+        }
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+    ) -> crate::BoxFuture<'a, Result<(), crate::ClaimError>> {
+        self.inner.release(key, fence)
+    }
+
+    fn extend<'a>(
+        &'a self,
+        key: &'a str,
+        fence: u64,
+        lease: Duration,
+    ) -> crate::BoxFuture<'a, Result<(), crate::ClaimError>> {
+        self.inner.extend(key, fence, lease)
+    }
+
+    fn state<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> crate::BoxFuture<'a, Result<crate::ClaimState, crate::ClaimError>> {
+        self.inner.state(key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

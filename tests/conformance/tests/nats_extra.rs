@@ -563,3 +563,95 @@ async fn drivers_declaring_one_stream_at_once_all_succeed() {
         );
     }
 }
+
+/// Schedules on NATS: a scheduler that stops right after sending a tick's
+/// job, before recording the tick fired, leaves the tick's claim held;
+/// another scheduler takes the tick over when the lease ends and sends it
+/// again, under the same message id (derived from the schedule and the
+/// tick), and the work stream's duplicate window drops the copy: every
+/// tick runs once, none is missed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tick_sent_again_after_a_takeover_runs_once() {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+
+    use jobrail::testing::StopBeforeRecord;
+    use jobrail::{Job, JobContext, MemoryClaims, Missed, Registry, Schedule, Tick};
+    use jobrail_native::{Producer, Scheduler};
+
+    let backend = nats(Duration::from_secs(5));
+    let h = Harness::new(&backend, "nats-ticks").await;
+    let job = Job::<String>::builder("tick")
+        .queue(h.queue.clone())
+        .build()
+        .unwrap();
+    let schedule = Schedule::builder("every-second", &job, "* * * * * *")
+        .missed(Missed::Each(10))
+        .lease(Duration::from_secs(1))
+        .payload_fn(|tick: &Tick| tick.rfc3339())
+        .build()
+        .unwrap();
+    let runs: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut registry = Registry::new();
+    let seen = runs.clone();
+    registry
+        .register(&job, move |_ctx: JobContext, tick: String| {
+            seen.lock().unwrap().push(tick);
+            async { Ok(()) }
+        })
+        .unwrap();
+    let consumer = h.start(registry, 4);
+
+    let claims = MemoryClaims::default();
+    let stuck = Scheduler::builder(
+        h.producer.clone(),
+        Arc::new(StopBeforeRecord::new(
+            claims.clone(),
+            &schedule,
+            Tick::at(std::time::SystemTime::now()),
+        )),
+    )
+    .schedule(schedule.clone())
+    .poll(MS(100))
+    .build()
+    .unwrap()
+    .spawn();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while runs.lock().unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no tick ran in 10 s"
+        );
+        tokio::time::sleep(MS(20)).await;
+    }
+    stuck.abort();
+    let healthy = Scheduler::builder(Producer::new(h.driver.clone()), Arc::new(claims))
+        .schedule(schedule)
+        .poll(MS(100))
+        .build()
+        .unwrap()
+        .spawn();
+    // Past the tick lease, and a poll.
+    tokio::time::sleep(MS(2500)).await;
+    healthy.shutdown().await;
+    tokio::time::sleep(MS(500)).await;
+    consumer.shutdown().await.unwrap();
+
+    let mut per_tick: BTreeMap<i64, usize> = BTreeMap::new();
+    for tick in runs.lock().unwrap().iter() {
+        *per_tick
+            .entry(Tick::parse(tick).expect("a tick").unix_seconds())
+            .or_default() += 1;
+    }
+    assert!(per_tick.len() > 2, "ticks fired: {per_tick:?}");
+    let twice: Vec<_> = per_tick.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        twice.is_empty(),
+        "ticks not run once: {twice:?} of {per_tick:?}"
+    );
+    let (first, last) = (
+        *per_tick.keys().next().unwrap(),
+        *per_tick.keys().last().unwrap(),
+    );
+    assert_eq!(per_tick.len() as i64, last - first + 1, "{per_tick:?}");
+}

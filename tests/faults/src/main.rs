@@ -148,7 +148,7 @@ mod charge;
 mod netns;
 mod nodes;
 mod run;
-#[cfg(all(feature = "postgres-queue", feature = "redis"))]
+#[cfg(all(feature = "postgres-queue", feature = "redis", feature = "nats"))]
 mod schedules;
 mod worker;
 
@@ -174,14 +174,14 @@ enum Cmd {
     /// Three schedulers on one claim store, killed and restarted at random
     /// while a schedule fires every second: every tick must run once
     /// (features `postgres-queue` and `redis`).
-    #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+    #[cfg(all(feature = "postgres-queue", feature = "redis", feature = "nats"))]
     Schedules(schedules::SchedulesArgs),
     /// Dispatches business ids at a pace, repeating each until accepted
     /// (started by the partition faults, in a namespace; feature `postgres`).
     #[cfg(feature = "postgres")]
     Dispatcher(run::DispatcherArgs),
     /// One scheduler process (started by `schedules`).
-    #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+    #[cfg(all(feature = "postgres-queue", feature = "redis", feature = "nats"))]
     ScheduleWorker(schedules::ScheduleWorkerArgs),
 }
 
@@ -227,14 +227,14 @@ fn main() {
             "dispatcher failed",
             run::dispatcher(args),
         ),
-        #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+        #[cfg(all(feature = "postgres-queue", feature = "redis", feature = "nats"))]
         Cmd::ScheduleWorker(args) => child(
             &runtime,
             "warn",
             "schedule worker failed",
             schedules::worker(args),
         ),
-        #[cfg(all(feature = "postgres-queue", feature = "redis"))]
+        #[cfg(all(feature = "postgres-queue", feature = "redis", feature = "nats"))]
         Cmd::Schedules(args) => match runtime.block_on(schedules::run(args)) {
             Ok(true) => 0,
             Ok(false) => 1,

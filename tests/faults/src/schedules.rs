@@ -9,12 +9,15 @@
 //!   scheduler's task (no cleanup, as a process kill).
 //! - **postgres** / **redis**: three worker processes (this executable with
 //!   `schedule-worker`), each a [`Scheduler`] on [`PgClaims`] (a table of
-//!   the run's own) or `RedisClaims` (a key prefix of the run's own),
-//!   sending to a Postgres queue ([`PgDriver`], a schema of the run's own);
-//!   a kill is SIGKILL. On Postgres the claims table is in the queue's
-//!   database, and each tick's job and its record commit in one
-//!   transaction (`PgTicks`); on Redis the job is sent, then the claim
-//!   completed.
+//!   the run's own) or `RedisClaims` (a key prefix of the run's own); a
+//!   kill is SIGKILL. On Postgres the jobs go to a Postgres queue
+//!   ([`PgDriver`], a schema of the run's own) in the claims' database,
+//!   and each tick's job and its record commit in one transaction
+//!   (`PgTicks`). On Redis the jobs go to NATS (a stream of the run's
+//!   own): the job is sent, then the claim completed, and a tick sent
+//!   again by the scheduler that took it over from one killed between the
+//!   two carries the same message id, which the stream's duplicate window
+//!   drops.
 //!
 //! The orchestrator consumes each store's queue itself (never killed) and
 //! records every execution's tick (`jobrail-tick`) and message id. Kills
@@ -45,7 +48,7 @@ pub(crate) enum Store {
     Memory,
     /// `jobrail_postgres::PgClaims`, three processes.
     Postgres,
-    /// `jobrail_redis::RedisClaims`, three processes.
+    /// `jobrail_redis::RedisClaims`, three processes, the jobs on NATS.
     Redis,
 }
 
@@ -117,6 +120,19 @@ fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// The NATS driver of a run's Redis store: a stream prefix of its own.
+async fn nats_driver(run: &str) -> Result<jobrail_native::nats::NatsDriver, Error> {
+    let mut config = jobrail_native::nats::NatsConfig::new(nats_url());
+    config.stream_prefix = format!("FSCHED{}", run.to_uppercase());
+    config.subject_prefix = format!("fsched{run}");
+    config.connection_name = "jobrail-faults-schedules".into();
+    Ok(jobrail_native::nats::NatsDriver::connect(config).await?)
+}
+
 fn schema(run: &str) -> String {
     format!("faults_sched_{run}")
 }
@@ -151,19 +167,23 @@ async fn pg_claims(run: &str) -> Result<jobrail_postgres::PgClaims, Error> {
 
 /// One scheduler process: fires the store's schedule until killed.
 pub(crate) async fn worker(args: ScheduleWorkerArgs) -> Result<(), Error> {
-    let driver = jobrail_postgres::PgDriver::connect(pg_config(&args.run)?).await?;
     let claims = claims(&args.run, args.store).await?;
-    let mut builder = Scheduler::builder(Producer::new(Arc::new(driver.clone())), claims)
-        .schedule(schedule(&args.run, args.store))
-        .poll(Duration::from_millis(250));
-    if args.store == Store::Postgres {
+    let builder = if args.store == Store::Postgres {
+        let driver = jobrail_postgres::PgDriver::connect(pg_config(&args.run)?).await?;
         // The claims and the queue share the database: each tick's job and
         // its record commit in one transaction.
-        builder = builder.sink(Arc::new(jobrail_postgres::PgTicks::new(
-            driver,
-            pg_claims(&args.run).await?,
-        )));
-    }
+        Scheduler::builder(Producer::new(Arc::new(driver.clone())), claims).sink(Arc::new(
+            jobrail_postgres::PgTicks::new(driver, pg_claims(&args.run).await?),
+        ))
+    } else {
+        Scheduler::builder(
+            Producer::new(Arc::new(nats_driver(&args.run).await?)),
+            claims,
+        )
+    };
+    let builder = builder
+        .schedule(schedule(&args.run, args.store))
+        .poll(Duration::from_millis(250));
     let scheduler = builder.build()?;
     let cancel = jobrail::CancelToken::new();
     scheduler.run(cancel).await;
@@ -334,9 +354,15 @@ impl Firers {
 
 async fn one(run: &str, store: Store, window: Duration) -> Result<Found, Error> {
     let job = job(run, store);
+    let mut nats = None;
     let driver: Arc<dyn Driver> = match store {
         Store::Memory => Arc::new(MemoryDriver::default()),
-        _ => Arc::new(jobrail_postgres::PgDriver::connect(pg_config(run)?).await?),
+        Store::Postgres => Arc::new(jobrail_postgres::PgDriver::connect(pg_config(run)?).await?),
+        Store::Redis => {
+            let driver = nats_driver(run).await?;
+            nats = Some(driver.clone());
+            Arc::new(driver)
+        }
     };
     let runs: Runs = Arc::default();
     let mut registry = Registry::new();
@@ -413,6 +439,10 @@ async fn one(run: &str, store: Store, window: Duration) -> Result<Found, Error> 
     firers.stop().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     consumer.shutdown().await?;
+    if let Some(nats) = &nats {
+        // The run's stream, declared by the consumer and the schedulers.
+        nats.delete_streams(&nats.declared_streams()).await?;
+    }
     driver.stop().await?;
 
     let runs = runs.lock().unwrap().clone();

@@ -629,11 +629,37 @@ pub struct TickDispatch {
     pub metadata: BTreeMap<String, String>,
 }
 
+/// The namespace of the message ids of scheduled ticks (UUID v5 of the
+/// tick's claim key in it).
+const TICK_ID_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0xc110_6c50_64f7_4a69_b129_0a84_c328_91c2);
+
 impl TickDispatch {
-    /// The envelope to send: the job, the payload and the metadata, under a
-    /// new message id.
+    /// The message id of this tick's job. A scheduled tick's is derived
+    /// from its schedule and its time (a UUID v5 of its claim key,
+    /// `schedule:<name>:<tick>`), the same in every scheduler: a tick sent
+    /// again, by a scheduler that took it over after another died between
+    /// its send and its record, carries the first send's id, and a queue
+    /// that drops duplicates by id (NATS JetStream's duplicate window), or
+    /// a handler that claims its effect by message id, keeps one. A manual
+    /// tick ([`Tick::manual`]) gets a new random id each time.
+    pub fn message_id(&self) -> String {
+        if self.tick.manual {
+            crate::model::envelope::new_message_id()
+        } else {
+            uuid::Uuid::new_v5(
+                &TICK_ID_NAMESPACE,
+                tick_key(&self.schedule, &self.tick).as_bytes(),
+            )
+            .to_string()
+        }
+    }
+
+    /// The envelope to send: the job, the payload and the metadata, under
+    /// [`TickDispatch::message_id`].
     pub fn envelope(&self) -> Envelope {
         let mut envelope = Envelope::new(self.job.clone(), self.payload.clone());
+        envelope.id = self.message_id();
         envelope.metadata = self.metadata.clone();
         envelope
     }

@@ -169,6 +169,48 @@ fn tick_labels_and_keys() {
     }
 }
 
+/// A scheduled tick's job has one message id wherever it is dispatched
+/// from (every scheduler derives it from the schedule and the tick, so a
+/// tick sent again carries the first send's id); ticks and schedules each
+/// have their own; a manual tick gets a new one each time.
+#[test]
+fn a_scheduled_tick_has_one_message_id_in_every_scheduler() {
+    let tick = Tick::parse("2026-03-29T01:00:00Z").unwrap();
+    // Two schedulers: two declarations of the same schedule.
+    let a = raw("0 0 * * * *", "UTC");
+    let b = raw("0 0 * * * *", "Europe/Paris");
+    let id = a.dispatch(&tick).unwrap().envelope().id;
+    assert_eq!(id, b.dispatch(&tick).unwrap().envelope().id);
+    assert_eq!(id, a.dispatch(&tick).unwrap().message_id());
+    // RFC 4122 version 5 of the tick's claim key in jobrail's namespace
+    // (c1106c50-64f7-4a69-b129-0a84c32891c2), computed apart from this
+    // code: a rolling deploy's old and new schedulers must agree.
+    assert_eq!(id, "2a192f4b-e98b-515f-af90-a0fdaae0d67e");
+    let mut ids = std::collections::BTreeSet::new();
+    for name in ["s", "t", "s2"] {
+        let s = Schedule::raw(name, "job", "default", "* * * * * *")
+            .build()
+            .unwrap();
+        for second in 0..200 {
+            let tick = Tick::from_unix_seconds(1_774_746_000 + second);
+            let d = s.dispatch(&tick).unwrap();
+            assert!(
+                ids.insert(d.envelope().id),
+                "{name} {} repeats an id",
+                tick.rfc3339()
+            );
+        }
+    }
+    let manual = Tick::manual(t("2026-03-29T01:00:00Z"));
+    let d = a.dispatch(&manual).unwrap();
+    assert_ne!(
+        d.envelope().id,
+        d.envelope().id,
+        "a manual tick's id is new each time"
+    );
+    assert_ne!(d.envelope().id, id);
+}
+
 #[test]
 fn declarations_are_checked() {
     #[derive(serde::Serialize, serde::Deserialize)]
@@ -1028,6 +1070,8 @@ mod firing_properties {
             let first_seen: std::cell::Cell<Option<SystemTime>> = std::cell::Cell::new(None);
             let sent: RefCell<BTreeMap<String, u32>> = RefCell::default();
             let mut uncertain: Vec<String> = Vec::new();
+            // The message ids each tick was sent under (tried, certain or not).
+            let ids: RefCell<BTreeMap<String, std::collections::BTreeSet<String>>> = RefCell::default();
             let run = |since: SystemTime, firing: &mut ScheduleFiring, fail: Option<bool>, uncertain: &mut Vec<String>| {
                 let now = world.now();
                 let report = block_on(firing.fire_due(
@@ -1035,6 +1079,7 @@ mod firing_properties {
                     now,
                     |d: TickDispatch| {
                         let sent = &sent;
+                        ids.borrow_mut().entry(d.tick.rfc3339()).or_default().insert(d.envelope().id);
                         async move {
                             match fail {
                                 Some(unsent) => Err(SendError { unsent }),
@@ -1118,6 +1163,14 @@ mod firing_properties {
                 if times > 1 {
                     prop_assert!(uncertain.contains(&label), "{} sent {} times", label, times);
                 }
+            }
+            // A tick tried again goes under its first try's id (so a queue
+            // that drops duplicates by id keeps one); no two ticks share one.
+            let ids = ids.into_inner();
+            let mut all = std::collections::BTreeSet::new();
+            for (label, of_tick) in &ids {
+                prop_assert_eq!(of_tick.len(), 1, "{} sent under {:?}", label, of_tick);
+                prop_assert!(all.insert(of_tick.iter().next().unwrap().clone()), "{} shares its id", label);
             }
         }
     }

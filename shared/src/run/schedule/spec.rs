@@ -658,8 +658,11 @@ impl TickDispatch {
     /// The envelope to send: the job, the payload and the metadata, under
     /// [`TickDispatch::message_id`].
     pub fn envelope(&self) -> Envelope {
+        // A manual tick keeps the new envelope's random id.
         let mut envelope = Envelope::new(self.job.clone(), self.payload.clone());
-        envelope.id = self.message_id();
+        if !self.tick.manual {
+            envelope.id = self.message_id();
+        }
         envelope.metadata = self.metadata.clone();
         envelope
     }

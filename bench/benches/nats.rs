@@ -26,8 +26,9 @@
 //! `PubAck`, to one work stream (purged between rounds):
 //!
 //! - facade `Dispatch::send_batch` against async-nats publishing the
-//!   same kind of envelope bytes (encoded before the clock starts, with
-//!   their `Nats-Msg-Id`) one after another, then awaiting every `PubAck`;
+//!   same kind of envelope bytes (each encoded from its typed payload
+//!   inside the clock, as the facade encodes its own, with its
+//!   `Nats-Msg-Id`) one after another, then awaiting every `PubAck`;
 //! - facade `Producer::dispatch` from 32 tasks against async-nats from 32
 //!   tasks, each publishing and awaiting its `PubAck`.
 //!
@@ -42,7 +43,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use jobrail::{Envelope, Job, JobContext, JobError, Registry};
-use jobrail_bench::work::{job, payloads, TypedEnvelope, Work};
+use jobrail_bench::work::{encode_by_hand, job, payloads, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, Comparison,
 };
@@ -281,13 +282,13 @@ fn raw_consume(
     took
 }
 
-/// async-nats: every message published, then every `PubAck` awaited.
-async fn raw_publish_all(js: jetstream::Context, subject: String, messages: Vec<Outgoing>) {
-    let mut acks = Vec::with_capacity(messages.len());
-    for message in messages {
-        let publish = PublishMessage::build()
-            .payload(message.body.into())
-            .message_id(&message.id);
+/// async-nats: every message encoded and published, then every `PubAck`
+/// awaited.
+async fn raw_publish_all(js: jetstream::Context, subject: String, payloads: Arc<Vec<Work>>) {
+    let mut acks = Vec::with_capacity(payloads.len());
+    for work in payloads.iter() {
+        let (id, body) = encode_by_hand(work);
+        let publish = PublishMessage::build().payload(body.into()).message_id(&id);
         acks.push(js.send_publish(subject.clone(), publish).await.unwrap());
     }
     for ack in acks {
@@ -297,16 +298,14 @@ async fn raw_publish_all(js: jetstream::Context, subject: String, messages: Vec<
 
 /// async-nats from `TASKS` tasks: each publishes its share one at a time,
 /// awaiting each `PubAck`.
-async fn raw_publish_from_tasks(js: jetstream::Context, subject: String, messages: Vec<Outgoing>) {
-    let messages = Arc::new(messages);
+async fn raw_publish_from_tasks(js: jetstream::Context, subject: String, payloads: Arc<Vec<Work>>) {
     let mut tasks = vec![];
     for t in 0..TASKS {
-        let (js, subject, messages) = (js.clone(), subject.clone(), messages.clone());
+        let (js, subject, payloads) = (js.clone(), subject.clone(), payloads.clone());
         tasks.push(tokio::spawn(async move {
-            for message in messages.iter().skip(t).step_by(TASKS) {
-                let publish = PublishMessage::build()
-                    .payload(message.body.clone().into())
-                    .message_id(&message.id);
+            for work in payloads.iter().skip(t).step_by(TASKS) {
+                let (id, body) = encode_by_hand(work);
+                let publish = PublishMessage::build().payload(body.into()).message_id(&id);
                 js.send_publish(subject.clone(), publish)
                     .await
                     .unwrap()
@@ -451,9 +450,8 @@ fn main() {
             .target(1.1)
             .run(
                 |_| {
-                    let messages = outgoing(n);
                     let (js2, subject) = (js.clone(), subject.clone());
-                    let took = time_on_worker(&rt, raw_publish_all(js2, subject, messages));
+                    let took = time_on_worker(&rt, raw_publish_all(js2, subject, payloads.clone()));
                     purge(&rt, &js, &stream);
                     took
                 },
@@ -481,9 +479,9 @@ fn main() {
         )
         .run(
             |_| {
-                let messages = outgoing(n);
                 let (js2, subject) = (js.clone(), subject.clone());
-                let took = time_on_worker(&rt, raw_publish_from_tasks(js2, subject, messages));
+                let payloads = payloads.clone();
+                let took = time_on_worker(&rt, raw_publish_from_tasks(js2, subject, payloads));
                 purge(&rt, &js, &stream);
                 took
             },

@@ -17,8 +17,15 @@ use std::sync::Arc;
 
 use jobrail::{CancelToken, Envelope, Incoming, Job, JobContext, Registry, Runtime};
 use jobrail_bench::work::{handler, TypedEnvelope, Work};
-use jobrail_bench::{reset_results, runtime, selected, size, time_on_worker, Comparison};
+use jobrail_bench::{
+    count_allocations, on_worker, reset_results, runtime, selected, size, time_on_worker,
+    Allocations, Comparison, Counting,
+};
 use jobrail_native::TokioRuntime;
+
+/// Counts allocations in an untimed pass of each side.
+#[global_allocator]
+static ALLOC: Counting = Counting;
 
 const BENCH: &str = "pure";
 /// The target per job, on the reference machine.
@@ -60,32 +67,17 @@ fn main() {
     .target(1.5)
     .run(
         |_| {
-            let bodies = bodies.clone();
             let ctx = JobContext::detached(jobrail_runtime.clone());
-            time_on_worker(&rt, async move {
-                for body in bodies.iter() {
-                    let envelope: TypedEnvelope = serde_json::from_slice(body).unwrap();
-                    std::hint::black_box((&envelope.id, &envelope.job, &envelope.metadata));
-                    handler(ctx.clone(), envelope.payload).await.unwrap();
-                }
-            })
+            time_on_worker(&rt, baseline(bodies.clone(), ctx))
         },
         |_| {
-            let (bodies, registry) = (bodies.clone(), registry.clone());
-            let (runtime, cancel) = (jobrail_runtime.clone(), cancel.clone());
-            time_on_worker(&rt, async move {
-                for body in bodies.iter() {
-                    let delivery = Incoming {
-                        queue: "default",
-                        body,
-                        attempt: 1,
-                        shutdown_returns: None,
-                        deadline: None,
-                    };
-                    let processed = registry.process(delivery, &runtime, &cancel).await;
-                    registry.settled(&processed, Ok(()));
-                }
-            })
+            let facade = facade(
+                bodies.clone(),
+                registry.clone(),
+                jobrail_runtime.clone(),
+                cancel.clone(),
+            );
+            time_on_worker(&rt, facade)
         },
     );
     comparison.report();
@@ -95,6 +87,14 @@ fn main() {
         "every delivery succeeded"
     );
 
+    // Allocations per delivery, counted outside the clock (the context
+    // the baseline reuses is made before the count).
+    let ctx = JobContext::detached(jobrail_runtime.clone());
+    let (base, ()) = count_allocations(|| on_worker(&rt, baseline(bodies.clone(), ctx)));
+    let pass = facade(bodies.clone(), registry, jobrail_runtime, cancel);
+    let (ours, ()) = count_allocations(|| on_worker(&rt, pass));
+    Allocations::new(&work, n, base, ours).report(BENCH);
+
     let facade = jobrail_bench::Spread::of(&comparison.facade_secs);
     let each_ns = facade.median * 1e9 / n as f64;
     println!(
@@ -103,4 +103,33 @@ fn main() {
         facade.max * 1e9 / n as f64,
         if each_ns < TARGET_NS { "met" } else { "NOT met" }
     );
+}
+
+/// The baseline's round: one typed parse of each body, then the handler.
+async fn baseline(bodies: Arc<Vec<Vec<u8>>>, ctx: JobContext) {
+    for body in bodies.iter() {
+        let envelope: TypedEnvelope = serde_json::from_slice(body).unwrap();
+        std::hint::black_box((&envelope.id, &envelope.job, &envelope.metadata));
+        handler(ctx.clone(), envelope.payload).await.unwrap();
+    }
+}
+
+/// The facade's round: `process` and `settled` for each body.
+async fn facade(
+    bodies: Arc<Vec<Vec<u8>>>,
+    registry: Arc<Registry>,
+    runtime: Arc<dyn Runtime>,
+    cancel: CancelToken,
+) {
+    for body in bodies.iter() {
+        let delivery = Incoming {
+            queue: "default",
+            body,
+            attempt: 1,
+            shutdown_returns: None,
+            deadline: None,
+        };
+        let processed = registry.process(delivery, &runtime, &cancel).await;
+        registry.settled(&processed, Ok(()));
+    }
 }

@@ -25,9 +25,10 @@
 //! Dispatch, 5,000 persistent messages per round (500 quick), each
 //! confirmed by the broker, to one quorum queue (purged between sides):
 //!
-//! - facade `Dispatch::send_batch` against lapin publishing the same
-//!   envelope bytes (encoded before the clock starts) one after another and
-//!   then awaiting every confirm;
+//! - facade `Dispatch::send_batch` against lapin publishing the same kind
+//!   of envelope (each encoded from its typed payload inside the clock, as
+//!   the facade encodes its own, with its message id and persistent, as the
+//!   facade publishes) one after another and then awaiting every confirm;
 //! - facade `Producer::dispatch` from 32 tasks against lapin from 32 tasks,
 //!   each publishing and awaiting its confirm on one shared channel.
 //!
@@ -40,8 +41,8 @@ use std::time::Duration;
 use apalis::prelude::{TaskSink, WorkerBuilder, WorkerContext};
 use apalis_amqp::AmqpBackend;
 use futures_util::StreamExt;
-use jobrail::{Envelope, Job, Registry};
-use jobrail_bench::work::{handler, job, payloads, TypedEnvelope, Work};
+use jobrail::{Job, Registry};
+use jobrail_bench::work::{encode_by_hand, handler, job, payloads, TypedEnvelope, Work};
 use jobrail_bench::{
     on_worker, reset_results, runtime, selected, size, time_on_worker, Comparison,
 };
@@ -274,26 +275,22 @@ fn purge(rt: &tokio::runtime::Runtime, channel: &Channel, queue: &str) {
     });
 }
 
-/// The bodies the facade would publish for `n` jobs.
-fn bodies(n: u64) -> Vec<Vec<u8>> {
-    payloads(n)
-        .into_iter()
-        .map(|work| Envelope::new("work", serde_json::to_value(work).unwrap()).encode())
-        .collect()
-}
-
-/// lapin: every body published (persistent), then every confirm awaited.
-async fn lapin_publish_all(channel: Channel, queue: String, bodies: Arc<Vec<Vec<u8>>>) {
-    let mut confirms = Vec::with_capacity(bodies.len());
-    for body in bodies.iter() {
+/// lapin: every message encoded and published (persistent, with its
+/// message id, as the facade publishes), then every confirm awaited.
+async fn lapin_publish_all(channel: Channel, queue: String, payloads: Arc<Vec<Work>>) {
+    let mut confirms = Vec::with_capacity(payloads.len());
+    for work in payloads.iter() {
+        let (id, body) = encode_by_hand(work);
         confirms.push(
             channel
                 .basic_publish(
                     "",
                     &queue,
                     BasicPublishOptions::default(),
-                    body,
-                    BasicProperties::default().with_delivery_mode(2),
+                    &body,
+                    BasicProperties::default()
+                        .with_message_id(id.into())
+                        .with_delivery_mode(2),
                 )
                 .await
                 .unwrap(),
@@ -306,19 +303,22 @@ async fn lapin_publish_all(channel: Channel, queue: String, bodies: Arc<Vec<Vec<
 
 /// lapin from `TASKS` tasks: each publishes its share one at a time,
 /// awaiting each confirm.
-async fn lapin_publish_from_tasks(channel: Channel, queue: String, bodies: Arc<Vec<Vec<u8>>>) {
+async fn lapin_publish_from_tasks(channel: Channel, queue: String, payloads: Arc<Vec<Work>>) {
     let mut tasks = vec![];
     for t in 0..TASKS as usize {
-        let (channel, queue, bodies) = (channel.clone(), queue.clone(), bodies.clone());
+        let (channel, queue, payloads) = (channel.clone(), queue.clone(), payloads.clone());
         tasks.push(tokio::spawn(async move {
-            for body in bodies.iter().skip(t).step_by(TASKS as usize) {
+            for work in payloads.iter().skip(t).step_by(TASKS as usize) {
+                let (id, body) = encode_by_hand(work);
                 let confirm = channel
                     .basic_publish(
                         "",
                         &queue,
                         BasicPublishOptions::default(),
-                        body,
-                        BasicProperties::default().with_delivery_mode(2),
+                        &body,
+                        BasicProperties::default()
+                            .with_message_id(id.into())
+                            .with_delivery_mode(2),
                     )
                     .await
                     .unwrap();
@@ -406,7 +406,6 @@ fn main() {
 
     let n = size(5_000);
     let payloads = Arc::new(payloads(n));
-    let encoded = Arc::new(bodies(n));
     let job = job(&dispatch_queue);
     let producer = Producer::new(Arc::new(driver.clone()));
     // Declared by the driver (quorum, durable) before either side publishes.
@@ -424,9 +423,9 @@ fn main() {
             .target(1.1)
             .run(
                 |_| {
-                    let (channel, queue, bodies) =
-                        (publisher.clone(), dispatch_queue.clone(), encoded.clone());
-                    let took = time_on_worker(&rt, lapin_publish_all(channel, queue, bodies));
+                    let (channel, queue, payloads) =
+                        (publisher.clone(), dispatch_queue.clone(), payloads.clone());
+                    let took = time_on_worker(&rt, lapin_publish_all(channel, queue, payloads));
                     purge(&rt, &publisher, &dispatch_queue);
                     took
                 },
@@ -454,9 +453,9 @@ fn main() {
         )
         .run(
             |_| {
-                let (channel, queue, bodies) =
-                    (publisher.clone(), dispatch_queue.clone(), encoded.clone());
-                let took = time_on_worker(&rt, lapin_publish_from_tasks(channel, queue, bodies));
+                let (channel, queue, payloads) =
+                    (publisher.clone(), dispatch_queue.clone(), payloads.clone());
+                let took = time_on_worker(&rt, lapin_publish_from_tasks(channel, queue, payloads));
                 purge(&rt, &publisher, &dispatch_queue);
                 took
             },

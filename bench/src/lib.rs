@@ -238,6 +238,106 @@ pub fn per_message(secs: f64, count: u64) -> String {
     format!("{total} ({each}/msg)")
 }
 
+/// A global allocator that counts allocations while counting is on
+/// ([`count_allocations`]), for a bench that reports allocations per
+/// message. Off, it costs one relaxed load per allocation. A bench opts in
+/// with `#[global_allocator] static ALLOC: Counting = Counting;`.
+pub struct Counting;
+
+static COUNTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn counted() {
+    use std::sync::atomic::Ordering::Relaxed;
+    if COUNTING.load(Relaxed) {
+        ALLOCATIONS.fetch_add(1, Relaxed);
+    }
+}
+
+// SAFETY: every call is passed on to the system allocator unchanged.
+#[allow(unsafe_code)]
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        counted();
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        counted();
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        counted();
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+/// The allocations (reallocations included) made on every thread while
+/// `work` runs, with its result. Counts only under the [`Counting`]
+/// allocator; run it outside any timed section.
+pub fn count_allocations<T>(work: impl FnOnce() -> T) -> (u64, T) {
+    use std::sync::atomic::Ordering::SeqCst;
+    ALLOCATIONS.store(0, SeqCst);
+    COUNTING.store(true, SeqCst);
+    let out = work();
+    COUNTING.store(false, SeqCst);
+    (ALLOCATIONS.load(SeqCst), out)
+}
+
+/// The line kind of allocations per message ([`Allocations`]).
+pub const ALLOCATIONS_KIND: &str = "allocations";
+
+/// Allocations per message of both sides of a comparison, counted in an
+/// untimed pass ([`count_allocations`]).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct Allocations {
+    /// [`ALLOCATIONS_KIND`].
+    pub kind: String,
+    /// The comparison's work.
+    pub work: String,
+    /// The messages of the counted pass.
+    pub count: u64,
+    /// Allocations per message, baseline.
+    pub baseline: f64,
+    /// Allocations per message, facade.
+    pub facade: f64,
+}
+
+impl Allocations {
+    /// Allocations of `count` messages on each side.
+    pub fn new(work: &str, count: u64, baseline: u64, facade: u64) -> Allocations {
+        let each = |n: u64| n as f64 / count.max(1) as f64;
+        Allocations {
+            kind: ALLOCATIONS_KIND.into(),
+            work: work.into(),
+            count,
+            baseline: each(baseline),
+            facade: each(facade),
+        }
+    }
+
+    /// The Markdown table's header.
+    pub fn header() -> &'static str {
+        "| work | messages counted | baseline allocations/msg | facade allocations/msg |\n|---|---|---|---|"
+    }
+
+    /// Its Markdown row.
+    pub fn row(&self) -> String {
+        format!(
+            "| {} | {} | {:.2} | {:.2} |",
+            self.work, self.count, self.baseline, self.facade
+        )
+    }
+
+    /// Prints the row and appends the JSON line to `<bench>.jsonl`.
+    pub fn report(&self, bench: &str) {
+        println!("{}\n{}", Self::header(), self.row());
+        append_result(bench, self);
+    }
+}
+
 /// Where results and generated tables go: `<target dir>/bench-results`.
 pub fn results_dir() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")

@@ -57,3 +57,31 @@ pub fn payloads(n: u64) -> Vec<Work> {
         })
         .collect()
 }
+
+/// The envelope as a hand-written producer writes it: a fresh UUID v4 as
+/// its id, the typed payload serialized in place, the time. What the
+/// dispatch baselines encode inside their clock, as the facade encodes
+/// its own. Returns the id and the body.
+pub fn encode_by_hand(work: &Work) -> (String, Vec<u8>) {
+    #[derive(Serialize)]
+    struct Written<'a> {
+        v: u32,
+        id: &'a str,
+        job: &'a str,
+        payload: &'a Work,
+        dispatched_at_ms: u64,
+    }
+    let id = uuid::Uuid::new_v4().to_string();
+    let dispatched_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let body = serde_json::to_vec(&Written {
+        v: 1,
+        id: &id,
+        job: "work",
+        payload: work,
+        dispatched_at_ms,
+    })
+    .expect("the envelope serializes");
+    (id, body)
+}

@@ -662,7 +662,7 @@ async fn handle(shared: &Shared, queue: &str, delivery: Box<dyn Delivery>) {
             .await;
         let processed = &delivered.processed;
         let span = tracing::Span::current();
-        span.record("job", processed.event.job.as_str());
+        span.record("job", &*processed.event.job);
         span.record("message_id", processed.event.message_id.as_str());
         match &delivered.outcome {
             Ok(()) => log_outcome(processed),

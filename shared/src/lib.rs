@@ -171,8 +171,8 @@ pub use model::backend::{ErrorKind, SettlementError};
 pub use model::breaker::{BreakerConfig, BreakerError, BreakerState, CircuitBreaker};
 pub use model::cancel::{CancelToken, Cancellation};
 pub use model::envelope::{
-    delay_leg, delay_remaining, due_ms, encode_envelope, new_message_id, unix_now_ms, with_due,
-    Envelope, EnvelopeError,
+    delay_leg, delay_remaining, due_ms, encode_envelope, encode_envelope_with_id, new_message_id,
+    unix_now_ms, with_due, Envelope, EnvelopeError,
 };
 pub use model::error::BreakerOpen;
 pub use model::error::{

@@ -418,7 +418,7 @@ fn poison_and_unknown_name_events_name_the_job_and_message() {
     for (body, job, kind) in cases {
         let p = deliver(&registry, &runtime, &body, 1, Some(0));
         assert_eq!(failure_kind(&p), Some(kind));
-        assert_eq!(p.event.job, job, "{kind:?}");
+        assert_eq!(&*p.event.job, job, "{kind:?}");
         assert!(!p.event.message_id.is_empty(), "{kind:?}");
         let Settlement::Fail(record) = &p.settlement else {
             unreachable!()

@@ -125,8 +125,8 @@ fn success_decodes_once_and_a_tier_one_retry_decodes_again() {
     assert_eq!(processed.settlement, Settlement::Ack);
     assert_eq!(DECODES.load(Ordering::SeqCst), 1, "one typed decode");
     assert_eq!(processed.event.message_id, env.id);
-    assert_eq!(processed.event.job, "single");
-    assert_eq!(processed.event.queue, "default");
+    assert_eq!(&*processed.event.job, "single");
+    assert_eq!(&*processed.event.queue, "default");
     assert_eq!(
         registry.stats().job("single").first_attempt,
         0,

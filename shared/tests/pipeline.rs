@@ -299,5 +299,5 @@ fn counters_for_unregistered_names_stay_one_entry() {
     assert_eq!(stats["work"].first_attempt, 1);
     // The events keep the name the message carried.
     let emitted = sink.emitted.lock().unwrap();
-    assert!(emitted.iter().any(|e| e.job == "stranger-0"));
+    assert!(emitted.iter().any(|e| &*e.job == "stranger-0"));
 }

@@ -409,7 +409,7 @@ fn deferred_deliveries_retry_at_once_without_running() {
         }
     );
     assert_eq!(p.executions(), 0);
-    assert_eq!(p.event.job, "work");
+    assert_eq!(&*p.event.job, "work");
     assert!(matches!(
         p.event.kind,
         jobrail::EventKind::Retried { shutdown: true, .. }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use jobrail_bench::history::{self, Chunk, Settings, CHUNK_KIND, SETTINGS_KIND};
-use jobrail_bench::{results_dir, Comparison, Spread};
+use jobrail_bench::{results_dir, Allocations, Comparison, Spread, ALLOCATIONS_KIND};
 use serde_json::Value;
 
 /// The benches in the order `BENCHMARKS.md` shows them.
@@ -201,6 +201,8 @@ fn main() {
                 }
             }
         }
+        let (allocations, other): (Vec<&Value>, Vec<&Value>) =
+            other.into_iter().partition(|v| kind(v) == ALLOCATIONS_KIND);
         if !other.is_empty() {
             out.push_str("| work | baseline | baseline median | facade median | ratio median (range) | target |\n");
             out.push_str("|---|---|---|---|---|---|\n");
@@ -210,6 +212,17 @@ fn main() {
                         let _ = writeln!(out, "{}", c.row());
                     }
                     None => eprintln!("tables: {name}: a line that is not a comparison"),
+                }
+            }
+        }
+        if !allocations.is_empty() {
+            let _ = writeln!(out, "\n{}", Allocations::header());
+            for v in allocations {
+                match serde_json::from_value::<Allocations>((*v).clone()) {
+                    Ok(a) => {
+                        let _ = writeln!(out, "{}", a.row());
+                    }
+                    Err(e) => eprintln!("tables: {name}: an allocations line it cannot read: {e}"),
                 }
             }
         }

@@ -7,26 +7,28 @@
 //! A dispatch reads the shared connection and the set of declared queues
 //! under read locks and clones only an `Arc`: concurrent dispatches never
 //! wait for one another in the driver. A batch publishes every message
-//! before awaiting any `PubAck` (at most [`BATCH_IN_FLIGHT`] unanswered at
-//! a time), so it costs about one round trip, not one per message; each
-//! message still gets its own result.
+//! before awaiting any `PubAck`, then awaits them in order, as a
+//! hand-written batch does, so it costs about one round trip, not one per
+//! message; each message still gets its own result.
 //!
 //! async-nats allows 5,000 unanswered publishes per context, one permit
 //! each, and a `PubAck` future gives its permit back only once polled to
-//! completion (or dropped). A batch therefore polls its pending `PubAck`s
-//! whenever a publish has waited [`PERMIT_PATIENCE`] (a publish that goes
-//! out at once leaves them alone, which keeps the batch's pace): any number of
-//! concurrent batches and single dispatches make progress, none waits on
-//! another's un-polled acks. A publish that waits longer than the
-//! operation timeout for a permit is refused as not sent.
+//! completion (or dropped). A batch therefore awaits its pending `PubAck`s,
+//! oldest first, whenever a publish has waited [`PERMIT_PATIENCE`] for the
+//! client (a publish that goes out at once leaves them alone and starts no
+//! timer, which keeps the batch's pace): any number of concurrent batches
+//! and single dispatches make progress, none waits on another's un-polled
+//! acks, and a batch larger than the permits frees its own. A publish that
+//! waits longer than the operation timeout for a permit is refused as not
+//! sent.
 
-use std::future::IntoFuture;
+use std::collections::VecDeque;
+use std::future::{Future, IntoFuture};
 
 use async_nats::jetstream::context::{PublishAckFuture, PublishError};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
-use futures_util::stream::FuturesUnordered;
-use futures_util::{FutureExt, StreamExt};
+use futures_util::FutureExt;
 use jobrail::FailureRecord;
 
 use super::connection::Link;
@@ -39,11 +41,6 @@ use crate::driver::{Driver, DriverError, ErrorKind, Outgoing};
 /// batch's pending `PubAck`s while it waits on (freeing the permits of the
 /// acks that arrived).
 const PERMIT_PATIENCE: std::time::Duration = std::time::Duration::from_millis(2);
-
-/// The most `PubAck`s a batch waits for at once: below async-nats' own
-/// limit of unanswered publishes per context (5,000, shared by every
-/// dispatch), which would otherwise make the batch wait for itself.
-pub(super) const BATCH_IN_FLIGHT: usize = 1024;
 
 /// Where a delivered message is stored: the ids of what the driver publishes
 /// on its behalf are derived from it, so a repeated publish is a duplicate.
@@ -131,55 +128,58 @@ impl NatsDriver {
         };
         // The limit is the server's: known once connected.
         let capabilities = self.capabilities();
-        // Each `PubAck` future holds one of the context's permits until it
-        // completes: they are polled (and their permits freed as the acks
-        // arrive) while this batch waits to publish, so concurrent batches
-        // never wait for each other's un-polled acks.
-        let mut waiting = FuturesUnordered::new();
+        // The batch's `PubAck`s, oldest first, as a hand-written batch
+        // keeps them: not polled while the batch publishes (a poll of an
+        // unanswered ack starts its timer and registers its waker, to be
+        // woken and polled again when it comes), then awaited in order,
+        // when most have come. Only while a publish waits for one of the
+        // client's permits are they awaited meanwhile, oldest first (see
+        // `publish_waiting`).
+        let mut pending: VecDeque<(usize, PublishAckFuture)> = VecDeque::with_capacity(count);
+        let mut oldest: Option<(usize, AckWait)> = None;
         for (index, message) in sendable {
             if let Err(e) = capabilities.refuse_oversize(NAME, message.body.len()) {
                 results[index] = Some(Err(e));
                 continue;
             }
-            let (target, publish) = match self.prepare(queue, declared.mechanism, message).await {
-                Ok(prepared) => prepared,
-                Err(e) => {
-                    results[index] = Some(Err(e));
-                    continue;
-                }
-            };
-            while waiting.len() >= BATCH_IN_FLIGHT {
-                if let Some((at, acked)) = waiting.next().await {
-                    results[at] = Some(confirmed(&subject, acked));
-                }
-            }
-            let send = self.send_publish(&link, &target, publish);
-            tokio::pin!(send);
-            // Most publishes go out at once, or after a short wait for the
-            // connection's buffer: the acks are left alone then (polling
-            // them while publishing costs the batch its pace). Only a
-            // publish still waiting after PERMIT_PATIENCE (the permits may
-            // be held by this batch's un-polled acks and another batch's)
-            // polls them while it waits.
-            let sent = match tokio::time::timeout(PERMIT_PATIENCE, &mut send).await {
-                Ok(sent) => sent,
-                Err(_) => loop {
-                    tokio::select! {
-                        biased;
-                        sent = &mut send => break sent,
-                        Some((at, acked)) = waiting.next(), if !waiting.is_empty() => {
-                            results[at] = Some(confirmed(&subject, acked));
-                        }
+            let (target, publish) = if message.delay.is_some_and(|d| !d.is_zero()) {
+                match self.prepare(queue, declared.mechanism, message).await {
+                    Ok(prepared) => prepared,
+                    Err(e) => {
+                        results[index] = Some(Err(e));
+                        continue;
                     }
-                },
+                }
+            } else {
+                let publish = PublishMessage::build()
+                    .payload(message.body.into())
+                    .message_id(&message.id);
+                (subject.clone(), publish)
+            };
+            let send = link.js.send_publish(target.clone(), publish);
+            tokio::pin!(send);
+            // Most publishes go out at once: no timer is started for them.
+            let sent = match send.as_mut().now_or_never() {
+                Some(sent) => sent.map_err(|e| errors::publish_not_sent(&target, e)),
+                None => {
+                    let waited = self.publish_waiting(send, &target, &mut pending, &mut oldest);
+                    let (sent, answered) = waited.await;
+                    for (at, acked) in answered {
+                        results[at] = Some(confirmed(&subject, acked));
+                    }
+                    sent
+                }
             };
             match sent {
-                Ok(ack) => waiting.push(ack.into_future().map(move |acked| (index, acked))),
+                Ok(ack) => pending.push_back((index, ack)),
                 Err(e) => results[index] = Some(Err(e)),
             }
         }
-        while let Some((at, acked)) = waiting.next().await {
-            results[at] = Some(confirmed(&subject, acked));
+        if let Some((at, wait)) = oldest {
+            results[at] = Some(confirmed(&subject, wait.await));
+        }
+        for (at, ack) in pending {
+            results[at] = Some(confirmed(&subject, ack.await));
         }
         let results: Vec<Result<(), DriverError>> = results
             .into_iter()
@@ -193,6 +193,53 @@ impl NatsDriver {
             self.forget(queue);
         }
         results
+    }
+
+    /// A batch's publish (`send`, to `subject`) that did not go out at
+    /// once: async-nats is waiting for one of the context's permits, or for
+    /// room in the connection's buffer. After [`PERMIT_PATIENCE`] the
+    /// batch's own `PubAck`s are awaited meanwhile, oldest first (`oldest`,
+    /// then those `pending`), each permit freed as its ack comes: the
+    /// permits may be held by this batch's un-polled acks and by other
+    /// batches', and every batch that waits frees its own, so concurrent
+    /// batches never wait for each other. Refused as not sent after the
+    /// operation timeout. The publish's outcome, with the acks answered
+    /// meanwhile (their indices in the batch).
+    #[allow(clippy::type_complexity)]
+    async fn publish_waiting(
+        &self,
+        mut send: std::pin::Pin<&mut impl Future<Output = Result<PublishAckFuture, PublishError>>>,
+        subject: &str,
+        pending: &mut VecDeque<(usize, PublishAckFuture)>,
+        oldest: &mut Option<(usize, AckWait)>,
+    ) -> (
+        Result<PublishAckFuture, DriverError>,
+        Vec<(usize, Result<PublishAck, PublishError>)>,
+    ) {
+        let limit = self.inner.config.operation_timeout;
+        let give_up = tokio::time::sleep(limit);
+        tokio::pin!(give_up);
+        let mut answered = Vec::new();
+        let mut patient = true;
+        let sent = loop {
+            if !patient && oldest.is_none() {
+                *oldest = pending.pop_front().map(|(at, ack)| (at, ack.into_future()));
+            }
+            tokio::select! {
+                biased;
+                sent = &mut send => break sent.map_err(|e| errors::publish_not_sent(subject, e)),
+                _ = &mut give_up => break Err(error(
+                    ErrorKind::NotAccepted,
+                    format!(
+                        "publish to `{subject}` not sent: the client's unanswered publishes \
+                         (5,000) stayed at their limit for {limit:?}"
+                    ),
+                )),
+                _ = tokio::time::sleep(PERMIT_PATIENCE), if patient => patient = false,
+                acked = oldest_answer(oldest), if !patient && oldest.is_some() => answered.push(acked),
+            }
+        };
+        (sent, answered)
     }
 
     /// What to publish for `message` on `queue`: to the work subject with
@@ -324,6 +371,20 @@ impl NatsDriver {
         ack.await
             .map_err(|e| errors::publish_unconfirmed(subject, e))
     }
+}
+
+/// A batch's `PubAck` being awaited.
+type AckWait = std::pin::Pin<Box<dyn Future<Output = Result<PublishAck, PublishError>> + Send>>;
+
+/// The answer to the batch's oldest `PubAck` being awaited (`oldest`,
+/// which must hold one), taken out of it.
+async fn oldest_answer(
+    oldest: &mut Option<(usize, AckWait)>,
+) -> (usize, Result<PublishAck, PublishError>) {
+    let (at, wait) = oldest.as_mut().expect("an ack is being awaited");
+    let (at, acked) = (*at, wait.await);
+    *oldest = None;
+    (at, acked)
 }
 
 /// The outcome of one publish of a batch, once its `PubAck` came or not.

@@ -350,7 +350,9 @@ impl<P> JobBuilder<P> {
     }
 
     /// A check run before any attempt; an error is a permanent failure that
-    /// costs no execution.
+    /// costs no execution. Keep it free of effects: a payload it refuses
+    /// (or a check that panics) is checked once more, by the two-pass
+    /// read that reports the failure.
     pub fn validate(
         mut self,
         check: impl Fn(&P) -> Result<(), BoxError> + Send + Sync + 'static,

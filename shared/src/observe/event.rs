@@ -1,5 +1,6 @@
 //! Outcome events ([`Event`], [`EventSink`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -19,12 +20,13 @@ use crate::observe::stats::Resolution;
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Event {
     /// Job name (the unknown name for unknown-name events; empty when the
-    /// envelope did not decode).
-    pub job: String,
+    /// envelope did not decode). Shared with the registered job, as is
+    /// the queue's name: an event copies neither.
+    pub job: Arc<str>,
     /// Message id (empty when the envelope did not decode).
     pub message_id: String,
     /// The queue.
-    pub queue: String,
+    pub queue: Arc<str>,
     /// The delivery attempt reported by the driver.
     pub attempt: u32,
     /// Handler executions in this delivery.

@@ -528,6 +528,16 @@ async fn eight_concurrent_batches_all_finish() {
     concurrent_dispatches("nats-batches-8", 8, 1000, 0, 0).await;
 }
 
+/// One batch of more messages than the client's 5,000 unanswered
+/// publishes (a batch keeps all its `PubAck`s open): when the client makes
+/// it wait for a permit, it awaits its own oldest acks, so it finishes; and
+/// so do two such batches at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_larger_than_the_clients_permits_finish() {
+    concurrent_dispatches("nats-batch-12k", 1, 12_000, 0, 0).await;
+    concurrent_dispatches("nats-batches-2x7k", 2, 7_000, 0, 0).await;
+}
+
 /// Batches and 32 tasks of single dispatches at once all finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_and_single_dispatches_all_finish() {

@@ -3,6 +3,7 @@
 //! ([`Registry::crashed`]), or whose processing panicked outside the handler
 //! (`Registry::recover`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::model::envelope::Envelope;
@@ -59,6 +60,7 @@ impl Registry {
             error: result.as_ref().err().map(JobError::chain_text),
             shutdown: false,
             message_id: None,
+            names: None,
         };
         self.finish(delivery, &envelope, decision, summary)
     }
@@ -79,7 +81,7 @@ impl Registry {
                 shutdown: false,
             },
         );
-        event.job = known.job.unwrap_or_default();
+        event.job = Arc::from(known.job.unwrap_or_default());
         event.message_id = known.message_id.unwrap_or_default();
         Processed {
             event,

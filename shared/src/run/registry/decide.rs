@@ -20,7 +20,7 @@ use crate::rules::settle::{
 use crate::run::context::ContextParts;
 use crate::run::executor::run_tiers;
 
-use super::erased::ErasedJob;
+use super::erased::{AnyPayload, ErasedJob};
 use super::message::{Known, Message};
 use super::{Incoming, Processed, Registry};
 
@@ -33,6 +33,8 @@ pub(super) struct RunSummary {
     pub(super) shutdown: bool,
     /// An owned copy of the message id, for the event to take.
     pub(super) message_id: Option<String>,
+    /// The job's and queue's names, shared, for the event.
+    pub(super) names: Option<(Arc<str>, Arc<str>)>,
 }
 
 impl Registry {
@@ -43,32 +45,20 @@ impl Registry {
         runtime: &Arc<dyn Runtime>,
         cancel: &CancelToken,
     ) -> Processed {
-        let (mut envelope, job) = match self.route(delivery) {
-            Ok(routed) => routed,
-            Err(unrunnable) => return *unrunnable,
+        // Envelopes as this crate writes them are read in one pass, their
+        // payload decoded into the job's type as it is read; anything that
+        // read cannot decide alone takes the two passes (a decoder or hook
+        // that panics there panics again in the second, which handles it).
+        let read = match guard(|| self.read_in_one_pass(delivery.body)) {
+            Ok(Some(read)) => read,
+            _ => match self.read_in_two_passes(delivery) {
+                Ok(read) => read,
+                Err(unrunnable) => return *unrunnable,
+            },
         };
+        let (mut envelope, job, prepared) = read;
         let spec = job.spec();
-        let payload = envelope.payload.get();
-        let prepared = match guard(|| job.prepare(payload)) {
-            Ok(Ok(prepared)) => prepared,
-            Ok(Err(failure)) => {
-                let envelope = envelope.to_envelope();
-                let known = Known::from_envelope(&envelope);
-                return self.fail_early(delivery, known, Some(&envelope), failure);
-            }
-            // A validation hook that panics is an ordinary error: retried by
-            // the job's policy, with no execution.
-            Err(panicked) => {
-                let result = Err(JobError::from(panicked));
-                let decision = settle(&spec.retry, delivery.attempt, &result, false);
-                let summary = RunSummary {
-                    error: result.as_ref().err().map(JobError::chain_text),
-                    ..RunSummary::default()
-                };
-                return self.finish(delivery, &envelope, decision, summary);
-            }
-        };
-
+        let payload = envelope.payload;
         if exceeds_crash_bound(
             spec.retry.max_deliveries,
             delivery.attempt,
@@ -128,14 +118,14 @@ impl Registry {
         // The event takes the context's copy of the id, and the envelope
         // its metadata back, when no handler kept a context (the usual
         // case); else they are copied.
-        let message_id = match Arc::try_unwrap(parts) {
+        let (message_id, names) = match Arc::try_unwrap(parts) {
             Ok(parts) => {
                 envelope.metadata = parts.metadata;
-                Some(parts.message_id)
+                (Some(parts.message_id), (parts.job, parts.queue))
             }
             Err(parts) => {
                 envelope.metadata.clone_from(&parts.metadata);
-                None
+                (None, (parts.job.clone(), parts.queue.clone()))
             }
         };
         let settlement = settle(
@@ -156,8 +146,63 @@ impl Registry {
             error: run.result.as_ref().err().map(JobError::chain_text),
             shutdown: is_shutdown(&run.result, cancel.is_cancelled()),
             message_id,
+            names: Some(names),
         };
         self.finish(delivery, &envelope, settlement, summary)
+    }
+
+    /// [`EnvelopeView::decode_typed`] with this registry's jobs: the
+    /// envelope, its job and its payload decoded and validated, or `None`
+    /// where the two passes must decide.
+    #[allow(clippy::type_complexity)]
+    fn read_in_one_pass<'b>(
+        &self,
+        body: &'b [u8],
+    ) -> Option<(EnvelopeView<'b>, &dyn ErasedJob, AnyPayload)> {
+        EnvelopeView::decode_typed(
+            body,
+            |name| self.jobs.get(name).map(|job| job.as_ref()),
+            |job: &&dyn ErasedJob, rest| job.prepare_at(rest),
+        )
+    }
+
+    /// The envelope read with its payload left raw, the job found, then
+    /// the payload decoded and validated: what the one-pass read does, in
+    /// two passes, deciding every body it could not. A body no handler can
+    /// run, a payload that does not decode or validate, and a validation
+    /// hook that panics are decided here.
+    #[allow(clippy::type_complexity)]
+    fn read_in_two_passes<'b>(
+        &self,
+        delivery: Incoming<'b>,
+    ) -> Result<(EnvelopeView<'b>, &dyn ErasedJob, AnyPayload), Box<Processed>> {
+        let (envelope, job) = self.route(delivery)?;
+        match guard(|| job.prepare(envelope.payload)) {
+            Ok(Ok(prepared)) => Ok((envelope, job, prepared)),
+            Ok(Err(failure)) => {
+                let envelope = envelope.to_envelope();
+                let known = Known::from_envelope(&envelope);
+                Err(Box::new(self.fail_early(
+                    delivery,
+                    known,
+                    Some(&envelope),
+                    failure,
+                )))
+            }
+            // A validation hook that panics is an ordinary error: retried by
+            // the job's policy, with no execution.
+            Err(panicked) => {
+                let result = Err(JobError::from(panicked));
+                let decision = settle(&job.spec().retry, delivery.attempt, &result, false);
+                let summary = RunSummary {
+                    error: result.as_ref().err().map(JobError::chain_text),
+                    ..RunSummary::default()
+                };
+                Err(Box::new(
+                    self.finish(delivery, &envelope, decision, summary),
+                ))
+            }
+        }
     }
 
     /// The one decision for a body no handler can run, shared by
@@ -230,7 +275,7 @@ impl Registry {
                 failure: failure.clone(),
             },
         );
-        event.job = known.job.unwrap_or_default();
+        event.job = Arc::from(known.job.unwrap_or_default());
         event.message_id = known.message_id.unwrap_or_default();
         Processed {
             event,
@@ -251,6 +296,7 @@ impl Registry {
             error,
             shutdown,
             message_id,
+            names,
         } = run;
         // Made only for the outcomes that carry it.
         let error =
@@ -286,10 +332,17 @@ impl Registry {
                 )
             }
         };
-        let mut event = self.event(delivery, None::<&Envelope>, executions, kind);
-        event.job = envelope.job().to_string();
-        event.message_id = message_id.unwrap_or_else(|| envelope.id().to_string());
-        event.payload = self.include_payload.then(|| envelope.payload_value());
+        let (job, queue) =
+            names.unwrap_or_else(|| (Arc::from(envelope.job()), Arc::from(delivery.queue)));
+        let event = Event {
+            job,
+            message_id: message_id.unwrap_or_else(|| envelope.id().to_string()),
+            queue,
+            attempt: delivery.attempt,
+            executions,
+            kind,
+            payload: self.include_payload.then(|| envelope.payload_value()),
+        };
         Processed { event, settlement }
     }
 
@@ -301,9 +354,9 @@ impl Registry {
         kind: EventKind,
     ) -> Event {
         Event {
-            job: envelope.map(|e| e.job().to_string()).unwrap_or_default(),
+            job: envelope.map_or_else(|| Arc::from(""), |e| Arc::from(e.job())),
             message_id: envelope.map(|e| e.id().to_string()).unwrap_or_default(),
-            queue: delivery.queue.to_string(),
+            queue: Arc::from(delivery.queue),
             attempt: delivery.attempt,
             executions,
             kind,

@@ -63,6 +63,13 @@ pub(crate) trait ErasedJob: MaybeSend + MaybeSync {
     /// Decodes the raw JSON payload (once) and validates it, without
     /// running anything.
     fn prepare(&self, payload: &str) -> Result<AnyPayload, Failure>;
+    /// Decodes the payload at the start of `rest` (the rest of an
+    /// envelope's body) and validates it, as [`ErasedJob::prepare`] does
+    /// its text, with the bytes the payload took: the one-pass read
+    /// ([`EnvelopeView::decode_typed`](crate::model::envelope::EnvelopeView::decode_typed)).
+    /// `None` if it does not decode or validate: the two-pass read then
+    /// decides, with its errors.
+    fn prepare_at(&self, rest: &[u8]) -> Option<(AnyPayload, usize)>;
     /// Starts one execution: with the payload `prepare` decoded (the first
     /// execution), or decoding `payload` again (a tier-one retry).
     fn run(
@@ -125,6 +132,17 @@ where
         Ok(Box::new(FirstRun::<P, Fut>::Payload {
             payload: Some(typed),
         }))
+    }
+
+    fn prepare_at(&self, rest: &[u8]) -> Option<(AnyPayload, usize)> {
+        let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<P>();
+        let typed = values.next()?.ok()?;
+        let used = values.byte_offset();
+        self.job.validate_payload(&typed).ok()?;
+        let first = FirstRun::<P, Fut>::Payload {
+            payload: Some(typed),
+        };
+        Some((Box::new(first), used))
     }
 
     fn run(

@@ -55,7 +55,7 @@ impl Registry {
         let event = &processed.event;
         let counters = match meter {
             Meter::Registered(job) => job.counters(),
-            Meter::Shared(_) => match self.jobs.get(&event.job) {
+            Meter::Shared(_) => match self.jobs.get(&*event.job) {
                 Some(job) => job.counters(),
                 None => &self.unregistered,
             },

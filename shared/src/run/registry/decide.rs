@@ -22,6 +22,7 @@ use crate::run::executor::run_tiers;
 
 use super::erased::{AnyPayload, ErasedJob};
 use super::message::{Known, Message};
+use super::report::Meter;
 use super::{Incoming, Processed, Registry};
 
 /// What running the handler produced, for the event.
@@ -103,7 +104,13 @@ impl Registry {
             metadata: std::mem::take(&mut envelope.metadata),
             state: self.state.clone(),
         });
-        let meter = self.meter(&envelope.job, delivery.queue);
+        // The job's own metric keys when it comes from its own queue (no
+        // lookup: the job is in hand).
+        let meter = if job.meter().is_for(delivery.queue) {
+            Meter::Registered(job)
+        } else {
+            self.meter(&envelope.job, delivery.queue)
+        };
         let mut prepared = Some(prepared);
         let run = run_tiers(
             spec,

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 pub mod history;
+pub mod latency;
 pub mod plot;
 pub mod work;
 

@@ -8,11 +8,12 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use jobrail_bench::history::{self, Chunk, Settings, CHUNK_KIND, SETTINGS_KIND};
+use jobrail_bench::latency::{Latency, LATENCY_KIND};
 use jobrail_bench::{results_dir, Allocations, Comparison, Spread, ALLOCATIONS_KIND};
 use serde_json::Value;
 
 /// The benches in the order `BENCHMARKS.md` shows them.
-const ORDER: [&str; 8] = [
+const ORDER: [&str; 9] = [
     "pure",
     "memory",
     "rabbitmq",
@@ -21,6 +22,7 @@ const ORDER: [&str; 8] = [
     "postgres",
     "postgres_history",
     "scale",
+    "latency",
 ];
 
 fn strings(v: &Value, key: &str) -> String {
@@ -184,6 +186,19 @@ fn main() {
             values.into_iter().partition(|v| kind(v) == "scale-point");
         if !history.is_empty() {
             history_tables(&mut out, &name, &history);
+        }
+        let (latency, other): (Vec<&Value>, Vec<&Value>) =
+            other.into_iter().partition(|v| kind(v) == LATENCY_KIND);
+        if !latency.is_empty() {
+            let _ = writeln!(out, "{}", Latency::header());
+            for v in latency {
+                match serde_json::from_value::<Latency>((*v).clone()) {
+                    Ok(l) => {
+                        let _ = writeln!(out, "{}", l.rows());
+                    }
+                    Err(e) => eprintln!("tables: {name}: a latency line it cannot read: {e}"),
+                }
+            }
         }
         let (timing, other): (Vec<&Value>, Vec<&Value>) =
             other.into_iter().partition(|v| kind(v) == "timing");

@@ -60,8 +60,9 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use jobrail::{Event, EventKind, EventSink, Job, JobContext, JobError, Registry};
 use jobrail_bench::latency::{
-    encode_by_hand, paced, Latency, Recorder, SideRun, Stamped, StampedEnvelope, LATENCY_KIND,
+    paced, Latency, Recorder, SideRun, Stamped, StampedEnvelope, LATENCY_KIND,
 };
+use jobrail_bench::work::encode_by_hand;
 use jobrail_bench::{append_result, on_worker, quick, reset_results, runtime, selected, unique};
 use jobrail_native::{Consumer, Driver, Producer};
 use tokio::sync::Semaphore;
@@ -163,7 +164,6 @@ async fn facade_run(
 /// Runs `rounds()` interleaved rounds of both sides at `rate` and reports
 /// them (stdout and `latency.jsonl`).
 fn compare(
-    rt: &tokio::runtime::Runtime,
     backend: &str,
     baseline: &str,
     rate: u64,
@@ -173,7 +173,6 @@ fn compare(
     if !selected(&format!("{backend} {rate}/s")) {
         return None;
     }
-    let _ = rt;
     let mut result = Latency {
         kind: LATENCY_KIND.into(),
         backend: backend.into(),
@@ -256,7 +255,6 @@ mod memory {
         let duration = seconds();
         for &rate in rates {
             out.extend(compare(
-                rt,
                 "memory",
                 "tokio mpsc + spawned tasks (64 at once) + ack task",
                 rate,
@@ -391,7 +389,6 @@ mod rabbitmq {
         };
         for &rate in rates {
             out.extend(compare(
-                rt,
                 "RabbitMQ",
                 "lapin: confirmed persistent publishes; prefetch 64, a task per delivery, each ack awaited",
                 rate,
@@ -552,7 +549,6 @@ mod nats {
         };
         for &rate in rates {
             out.extend(compare(
-                rt,
                 "NATS",
                 "async-nats: publishes with ids, each PubAck awaited; pull loop, 64 in flight, double acks",
                 rate,
@@ -739,7 +735,6 @@ mod sqs {
         }
         for (rate, sides) in made {
             out.extend(compare(
-                rt,
                 "SQS (emulator)",
                 "aws-sdk-sqs: SendMessage per job, awaited; 3 loops of ReceiveMessage (10, long polling) + DeleteMessageBatch",
                 rate,
@@ -932,7 +927,6 @@ mod postgres {
         let duration = seconds();
         for &rate in rates {
             out.extend(compare(
-                rt,
                 "Postgres",
                 "tokio-postgres: an INSERT per job; SKIP LOCKED claims polled every 1 ms when idle, a task per row, DELETE on ack",
                 rate,

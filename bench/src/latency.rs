@@ -61,33 +61,6 @@ pub fn stamped(id: u64) -> Stamped {
     }
 }
 
-/// The envelope as a hand-written producer writes it (a fresh UUID v4 id,
-/// the typed payload serialized in place, the time), as the facade
-/// encodes its own. Returns the id and the body.
-pub fn encode_by_hand(work: &Stamped) -> (String, Vec<u8>) {
-    #[derive(Serialize)]
-    struct Written<'a> {
-        v: u32,
-        id: &'a str,
-        job: &'a str,
-        payload: &'a Stamped,
-        dispatched_at_ms: u64,
-    }
-    let id = uuid::Uuid::new_v4().to_string();
-    let dispatched_at_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let body = serde_json::to_vec(&Written {
-        v: 1,
-        id: &id,
-        job: "work",
-        payload: work,
-        dispatched_at_ms,
-    })
-    .expect("the envelope serializes");
-    (id, body)
-}
-
 /// Both latencies of every job of one run, in nanoseconds.
 #[derive(Debug, Default)]
 pub struct Recorder {

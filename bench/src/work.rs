@@ -62,13 +62,13 @@ pub fn payloads(n: u64) -> Vec<Work> {
 /// its id, the typed payload serialized in place, the time. What the
 /// dispatch baselines encode inside their clock, as the facade encodes
 /// its own. Returns the id and the body.
-pub fn encode_by_hand(work: &Work) -> (String, Vec<u8>) {
+pub fn encode_by_hand<P: Serialize>(work: &P) -> (String, Vec<u8>) {
     #[derive(Serialize)]
-    struct Written<'a> {
+    struct Written<'a, P> {
         v: u32,
         id: &'a str,
         job: &'a str,
-        payload: &'a Work,
+        payload: &'a P,
         dispatched_at_ms: u64,
     }
     let id = uuid::Uuid::new_v4().to_string();
